@@ -1,0 +1,38 @@
+# pdserve: `make demo` runs the PD stack, `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint fmt bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdserve demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check pdserve tests benchmarks
+	$(BIN)/ruff format --check pdserve tests benchmarks
+	$(BIN)/mypy
+
+fmt: $(STAMP)
+	$(BIN)/ruff format pdserve tests benchmarks
+	$(BIN)/ruff check --fix pdserve tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/compare.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,51 @@
+"""The `pdserve` command. Each subcommand lives with the package it drives and
+registers itself through an `add_cli(subparsers)` function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# module path -> provides add_cli(subparsers); order is the order in --help
+_COMMANDS = [
+    "pdserve.model.make",
+    "pdserve.server.launch",
+    "pdserve.bench.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode-disaggregated LLM server.",
+    )
+    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _COMMANDS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("pdserve"):
+                continue  # a subcommand not built yet
+            raise
+        module.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

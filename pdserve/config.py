@@ -1,0 +1,51 @@
+"""Engine configuration: frozen dataclasses, composed. The CLI takes its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and request rows.
+
+    Slots are numbered `page * page_size + offset`. Page 0 is reserved as the
+    padding page (its slots absorb writes of padded positions), so a pool of
+    `num_pages` has `num_pages - 1` usable pages.
+    """
+
+    page_size: int = 16
+    max_total_tokens: int = 65536  # KV capacity in tokens (rounded up to pages)
+    max_context: int = 4096  # longest prompt + output of one request
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.max_total_tokens // self.page_size) + 1  # +1: padding page 0
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048  # tokens per prefill chunk
+    max_queued_requests: int = 4096  # beyond this new requests are refused
+    disable_overlap: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda
+    kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def max_rows(self) -> int:
+        return self.scheduler.max_running_requests + 1  # +1: padding row 0

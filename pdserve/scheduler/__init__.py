@@ -1,0 +1,1 @@
+"""Request state, pools, FutureMap, prefill and decode schedulers, the overlap loop."""

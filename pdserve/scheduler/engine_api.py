@@ -1,0 +1,36 @@
+"""The interface both engines (prefill and decode) offer to their process loop.
+
+The engine process (pdserve.server) owns one engine and calls, from one thread:
+    add_request / abort  as frontend messages arrive,
+    step()               in a loop; it returns the TokenEvents ready now,
+    has_work()           to decide whether to block waiting for messages.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pdserve.scheduler.request import EngineRequest, TokenEvent
+
+
+class Engine(Protocol):
+    role: str  # "prefill" | "decode"
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request. Invalid or unservable requests are not raised: they end
+        with an error TokenEvent returned by a later step()."""
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        """End `rid` (if known) with finish_reason "abort"; frees its row and pages."""
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler iteration. Returns quickly when idle."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def stats(self) -> dict[str, float]:
+        """free_rows, total_rows, free_kv_pages, total_kv_pages, running, queued, ..."""
+        ...
+
+    def close(self) -> None: ...

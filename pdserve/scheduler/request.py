@@ -1,0 +1,111 @@
+"""Request state inside the engines and the events they emit.
+
+A request lives in exactly one queue at a time and ends in exactly one terminal
+state (`finish_reason` set, or `error` set), after which its row and pages are
+released.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdserve.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """What a frontend hands an engine (prefill or decode)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    room: int = 0  # 63-bit bootstrap_room chosen by the router; 0: not disaggregated
+    bootstrap_host: str | None = None  # prefill's bootstrap address (decode side needs it)
+    bootstrap_port: int | None = None
+
+
+class TokenEvent(msgspec.Struct, kw_only=True):
+    """Engine -> frontend: new tokens of one request, possibly its terminal state.
+
+    Exactly one event per request has `finished=True`; it carries either a
+    `finish_reason` ("stop" | "length" | "abort") or an `error` message.
+    """
+
+    rid: str
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    # stage timestamps (time.time()) for the TTFT breakdown, sent with the final event
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class State(enum.Enum):
+    PREALLOC = "prealloc"  # waiting for a row + KV pages
+    TRANSFER = "transfer"  # row and pages reserved, waiting for the prefill's KV
+    PREBUILT = "prebuilt"  # KV arrived with the first token
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Req:
+    """One request on the decode side (the prefill side uses it too, minus decode fields)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    room: int = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    state: State = State.PREALLOC
+    # filled at admission (prealloc -> transfer) by the scheduler
+    row: int = 0
+    pages: list[int] = field(default_factory=list)
+    # filled by the KV source when the transfer completes
+    first_token: int = -1
+    first_logprob: float = 0.0
+    # filled by process_result, one token per finished step
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # host-side count of decode steps launched; lets the scheduler place KV without tokens
+    launched_steps: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    stages: dict[str, float] = field(default_factory=lambda: {"arrive": time.time()})
+
+    @classmethod
+    def from_engine_request(cls, r: EngineRequest) -> Req:
+        return cls(
+            rid=r.rid,
+            prompt_ids=list(r.input_ids),
+            params=r.params,
+            room=r.room,
+            bootstrap_host=r.bootstrap_host,
+            bootstrap_port=r.bootstrap_port,
+        )
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV slots reserved at admission: the prompt, every output token, and the
+        one redundant step that runs after the request finished (overlap)."""
+        return self.prompt_len + self.params.max_tokens
+
+    @property
+    def kv_len(self) -> int:
+        """KV entries present once all launched steps have run."""
+        return self.prompt_len + self.launched_steps
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
