@@ -49,3 +49,19 @@ class EngineConfig:
     @property
     def max_rows(self) -> int:
         return self.scheduler.max_running_requests + 1  # +1: padding row 0
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The prefill<->decode KV channel (DESIGN §5)."""
+
+    host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
+    bootstrap_port: int = 8998  # prefill side
+    advertise_host: str = "127.0.0.1"  # address the peer should connect to
+    ready_timeout_s: float = 30.0  # prefill: wait this long for the decode's Ready
+    kv_timeout_s: float = 60.0  # decode: wait this long for a request's KV
+    heartbeat_s: float = 1.0  # prefill -> decode heartbeat period
+    heartbeat_timeout_s: float = 5.0  # decode fails a prefill's rooms after this silence
+    curve_secret_key_file: str | None = None
+    curve_public_key_file: str | None = None
+    curve_server_public_key_file: str | None = None

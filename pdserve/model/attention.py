@@ -1,0 +1,130 @@
+"""Attention backends over the paged KV pool, behind one small interface.
+
+Each backend writes the step's K/V into the pool (at `batch.out_cache_loc`) and
+attends every query token to its request's KV, read through
+`req_to_token[row, :seq_len]`. Queries of an extend request at position p see
+positions <= p (causal); a decode token sees the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.scheduler.pools import KVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Called once per forward before any layer; may precompute gather indices."""
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KH, D] of this step -> [T, H * D]."""
+        ...
+
+
+class TorchAttention:
+    """The CPU backend: decode tokens batched with padding, extend requests one by one."""
+
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, scale: float) -> None:
+        self.pool = pool
+        self.req_to_token = req_to_token
+        self.scale = scale
+        self._plan: _Plan | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._plan = _Plan.build(batch, self.req_to_token)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert self._plan is not None, "prepare() must run before forward()"
+        self.pool.write(layer, batch.out_cache_loc, k, v)
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        out = torch.empty_like(q)
+        plan = self._plan
+        if plan.decode_tok.numel():
+            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan)
+        for tok, slots in plan.extends:
+            out[tok] = self._extend(q[tok], kc[slots], vc[slots])
+        return out.reshape(q.shape[0], -1)
+
+    def _decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan
+    ) -> torch.Tensor:
+        b, h, d = q.shape
+        kh = kc.shape[1]
+        keys = kc[p.decode_slots].permute(0, 2, 3, 1)  # [B, KH, D, L]
+        vals = vc[p.decode_slots].transpose(1, 2)  # [B, KH, L, D]
+        qg = q.view(b, kh, h // kh, d)  # query heads grouped by their KV head
+        scores = torch.matmul(qg, keys) * self.scale  # [B, KH, G, L]
+        scores.masked_fill_(p.decode_pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, vals).reshape(b, h, d)
+
+    def _extend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        n, total = q.shape[0], keys.shape[0]
+        # query i sits at position total - n + i and sees keys 0 .. total - n + i
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            vals.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+class _Plan:
+    """Per-forward gather indices, shared by all layers."""
+
+    decode_tok: torch.Tensor  # [Bd] token indices of decode requests
+    decode_slots: torch.Tensor  # [Bd, Lmax] KV slots (padding -> slot 0)
+    decode_pad: torch.Tensor  # [Bd, Lmax] True where padded
+    extends: list[tuple[slice, torch.Tensor]]  # (token range, KV slots) per extend request
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, req_to_token: torch.Tensor) -> _Plan:
+        plan = cls()
+        rows = batch.rows.tolist()
+        starts = [0]
+        for n in batch.extend_lens:
+            starts.append(starts[-1] + n)
+        dec = [i for i, n in enumerate(batch.extend_lens) if n == 1]
+        plan.extends = [
+            (slice(starts[i], starts[i + 1]), req_to_token[rows[i], : batch.seq_lens[i]].long())
+            for i, n in enumerate(batch.extend_lens)
+            if n != 1
+        ]
+        device = req_to_token.device
+        plan.decode_tok = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
+        lens = torch.tensor([batch.seq_lens[i] for i in dec], dtype=torch.int64, device=device)
+        lmax = int(lens.max()) if dec else 0
+        ar = torch.arange(lmax, device=device)
+        plan.decode_pad = ar[None, :] >= lens[:, None]
+        dec_rows = torch.tensor([rows[i] for i in dec], dtype=torch.int64, device=device)
+        slots = req_to_token[dec_rows, :lmax].long()
+        plan.decode_slots = slots.masked_fill(plan.decode_pad, 0)
+        return plan
+
+
+BackendFactory = Callable[[KVPool, torch.Tensor, float], AttentionBackend]
+ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention}
+
+
+def make_attention(name: str, pool: KVPool, req_to_token: torch.Tensor, scale: float):
+    """`auto` picks triton on CUDA when registered, torch otherwise."""
+    if name == "auto":
+        on_cuda = pool.k.is_cuda
+        name = "triton" if on_cuda and "triton" in ATTENTION_BACKENDS else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name](pool, req_to_token, scale)

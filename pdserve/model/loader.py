@@ -1,0 +1,30 @@
+"""Read safetensors weights (one file or an indexed set of shards) from a HF folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield key, f.get_tensor(key)
+
+
+def load_state(model_dir: str | Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype=dtype, device=device) for k, v in iter_weights(model_dir)}

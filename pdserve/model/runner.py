@@ -1,0 +1,64 @@
+"""ModelRunner: one model, its request rows and paged KV pool, attention and sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.model.attention import make_attention
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.hf_config import ModelArch, load_arch
+from pdserve.model.llama import MODEL_REGISTRY
+from pdserve.model.loader import load_state
+from pdserve.scheduler.pools import KVLayout, KVPool, ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+        self.cfg = cfg
+        self.arch: ModelArch = load_arch(cfg.model_path)
+        if self.arch.architecture not in MODEL_REGISTRY:
+            raise ValueError(
+                f"architecture {self.arch.architecture} is not supported; "
+                f"supported: {sorted(MODEL_REGISTRY)}"
+            )
+        self.dtype = DTYPES[cfg.dtype]
+        self.device = cfg.device
+        self.max_context = min(cfg.cache.max_context, self.arch.max_position_embeddings)
+        state = load_state(cfg.model_path, self.dtype, self.device)
+        self.model = MODEL_REGISTRY[self.arch.architecture](self.arch, state, self.max_context)
+        self.layout = KVLayout(
+            num_layers=self.arch.num_layers,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=cfg.dtype,
+            page_size=cfg.cache.page_size,
+        )
+        self.req_pool = ReqToTokenPool(cfg.max_rows, self.max_context, self.device)
+        self.kv_pool = KVPool(self.layout, cfg.cache.num_pages, self.device)
+        self.attn = make_attention(
+            cfg.attention_backend,
+            self.kv_pool,
+            self.req_pool.req_to_token,
+            self.arch.head_dim**-0.5,
+        )
+        log.info(
+            "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
+            cfg.model_path,
+            self.arch.architecture,
+            self.arch.num_layers,
+            self.req_pool.total_rows,
+            self.kv_pool.allocator.total_pages,
+            cfg.cache.page_size,
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.forward(batch, self.attn)

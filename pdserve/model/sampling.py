@@ -1,0 +1,59 @@
+"""Token selection for a batch of requests with their own sampling parameters.
+
+Random sampling is a pure function of (seed, output index, logits): the noise
+for output token j of a request comes from a generator seeded with
+(seed, j). So a seeded request gives the same tokens whatever it is batched
+with, with overlap on or off, and across the prefill/decode split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, index) pairs
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], out_index: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+
+    `seeds[i]` is request i's seed (the engine fills one in when the user gave
+    none); `out_index[i]` the index of the token being sampled in its output.
+    Logprobs are of the model's distribution (before temperature and filters).
+    """
+    tokens = logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_one(logits[i], p, seeds[i], out_index[i])
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
+
+
+def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> int:
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 63))
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race trick)
+    return int((probs / noise).argmax())
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0 and top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        keep &= probs >= kth
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p  # mass of strictly more likely tokens
+        in_nucleus = torch.zeros_like(keep)
+        in_nucleus[order] = before < top_p
+        keep &= in_nucleus
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    return torch.where(keep, probs, torch.zeros_like(probs))

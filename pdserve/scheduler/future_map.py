@@ -1,0 +1,60 @@
+"""FutureMap: the last sampled token of every request row, kept on the device.
+
+    output_tokens[rows]  int64
+    row 0 ............ padding: padded batch entries resolve from / publish into it
+    rows 1..R-1 ...... output_tokens[row] = last token of the request in `row`
+
+A decode step resolves its input ids from here and publishes its sampled tokens
+back, both on the forward stream, so tokens never round-trip through the host
+between steps and the scheduler can build step N+1 before step N's tokens arrive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.future_map import BACKENDS, gather_tokens, scatter_tokens
+
+
+class FutureMap:
+    """Per-row device state: output_tokens[row] is the last sampled token of the request in `row`."""
+
+    def __init__(self, rows: int, device: str = "cpu", backend: str = "torch") -> None:
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1 (row 0 is padding), got {rows}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+        self.device = torch.device(device)
+        self.backend = backend
+        self.output_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+    @property
+    def rows(self) -> int:
+        return self.output_tokens.shape[0]
+
+    def resolve(self, rows: torch.Tensor) -> torch.Tensor:
+        """Input ids of a decode step: a new [B] int64 tensor, output_tokens[rows].
+
+        Call on the forward stream, after the publish of the previous step was
+        issued there (stream order makes the read see it). `rows`: [B] int32/int64
+        on this map's device, each in [0, self.rows).
+        """
+        return gather_tokens(self.output_tokens, rows, backend=self.backend)
+
+    def publish(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """output_tokens[rows] = tokens: the sampled tokens of a step. Call on the forward
+        stream. `tokens`: [B] int64 on this map's device; rows as in resolve."""
+        scatter_tokens(self.output_tokens, rows, tokens, backend=self.backend)
+
+    def stash(self, row: int, token: int) -> None:
+        """output_tokens[row] = token: the first token of a prebuilt request.
+
+        Call on the schedule stream, and only after the forward stream holds no
+        in-flight step that may still publish into `row` (the caller fences with
+        schedule_stream.wait_stream(forward_stream), DESIGN §3 row-reuse race).
+        """
+        if not 0 < row < self.rows:
+            raise ValueError(f"row must lie in [1, {self.rows}) (row 0 is padding), got {row}")
+        rows = torch.tensor([row], dtype=torch.int64, device=self.device)
+        tokens = torch.tensor([token], dtype=torch.int64, device=self.device)
+        scatter_tokens(self.output_tokens, rows, tokens, backend=self.backend)

@@ -1,0 +1,93 @@
+"""Incremental detokenization and stop-string matching for streamed output.
+
+    token ids ──IncrementalDetokenizer──▶ complete characters ──StopMatcher──▶ text to emit
+
+IncrementalDetokenizer: a byte-level BPE token can end in the middle of a UTF-8
+character; decoding then yields U+FFFD. We decode a small window twice,
+
+    ids:  [ ... prefix_offset ........ read_offset ........ len(ids) ]
+                └── already emitted ──┘└── not yet emitted ─┘
+
+and emit only the new suffix, and only when it does not end in U+FFFD (the
+character is incomplete: hold its bytes back until the next token). `flush()`
+emits whatever is left at the end of the request.
+
+StopMatcher: text is held back while its tail could be the start of a stop
+string, so a stop string split across chunks is still found; on a match the
+output is cut right before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the re-decoded window
+        self._read_offset = 0  # ids before this are emitted
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (possibly "")."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for its remaining bytes
+        # the window slides: what was unread becomes the context of the next decode
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """Everything not emitted yet (an incomplete trailing character decodes to U+FFFD)."""
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self._held = ""  # text not emitted yet because it may begin a stop string
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        """Return the text that is safe to emit. After a match, `matched` is set and
+        nothing more is emitted."""
+        if self.matched is not None:
+            return ""
+        buf = self._held + text
+        hit = self._first_match(buf)
+        if hit is not None:
+            pos, self.matched = hit
+            self._held = ""
+            return buf[:pos]
+        keep = self._longest_stop_prefix_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a request that did not match."""
+        out, self._held = self._held, ""
+        return "" if self.matched is not None else out
+
+    def _first_match(self, buf: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _longest_stop_prefix_suffix(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best

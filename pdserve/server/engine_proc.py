@@ -1,0 +1,195 @@
+"""The engine process: one engine (prefill or decode) driven by its frontend over ZeroMQ.
+
+Started by the frontend as
+    python -m pdserve.server.engine_proc --ipc-dir DIR --parent-pid PID --config-json JSON
+where JSON is `{"role": ..., "engine": EngineConfig, "transfer": TransferConfig}`
+(plain JSON, never pickle). The loop:
+
+    drain frontend messages (non-blocking; blocking poll with a short timeout when idle)
+      -> engine.add_request / engine.abort / stats
+    events = engine.step()  -> one Events message
+    heartbeat every HEARTBEAT_S
+
+Invariants: the process exits when its parent (the frontend) is gone, so no
+engine outlives its frontend; a failure to build or step the engine is reported
+as one EngineError message before exiting with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig, TransferConfig
+from pdserve.scheduler.engine_api import Engine
+from pdserve.server import protocol as P
+
+log = logging.getLogger("pdserve.engine_proc")
+
+IDLE_POLL_MS = 20  # poll timeout while the engine has nothing to do
+HEARTBEAT_S = 0.5
+PARENT_CHECK_S = 0.5
+FAKE_ENGINE_ENV = "PDSERVE_FAKE_ENGINE"  # "1" -> tests/fake_engine.py, or a path to a .py file
+
+
+class EngineSpec(msgspec.Struct, kw_only=True):
+    """What the frontend tells its engine process (sent as JSON on the command line)."""
+
+    role: str
+    engine: EngineConfig
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+
+
+def _load_fake_module(value: str) -> ModuleType:
+    """The test-only fake engine, loaded by file path so it never sits on the import path."""
+    repo = Path(__file__).resolve().parents[2]
+    path = repo / "tests" / "fake_engine.py" if value == "1" else Path(value)
+    spec = importlib.util.spec_from_file_location("pdserve_fake_engine", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{FAKE_ENGINE_ENV}: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    fake = os.environ.get(FAKE_ENGINE_ENV)
+    module: Any = _load_fake_module(fake) if fake else None
+    if module is None:
+        module = importlib.import_module("pdserve.scheduler.build")
+    return module.build_engine(spec.role, spec.engine, spec.transfer)
+
+
+class EngineLoop:
+    """Owns the sockets and the engine; `run` returns when told to stop."""
+
+    def __init__(self, engine: Engine, ctx: zmq.Context, ipc_dir: str) -> None:
+        to_engine, from_engine = P.ipc_paths(ipc_dir)
+        self.engine = engine
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.connect(to_engine)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)  # never drop or block on events
+        self.push.connect(from_engine)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.stopping = False
+        self._last_beat = 0.0
+
+    def send(self, msg: P._Msg) -> None:
+        self.push.send(P.encode(msg))
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.engine.has_work()
+            got = self._drain(0 if busy else IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if busy or got:
+                events = self.engine.step()
+                if events:
+                    self.send(P.Events(events=events))
+            self._heartbeat()
+
+    def _drain(self, timeout_ms: int) -> int:
+        """Handle every message waiting now (after at most `timeout_ms` of waiting)."""
+        n = 0
+        if not self.poller.poll(timeout_ms):
+            return 0
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+            self._handle(P.to_engine_decoder.decode(raw))
+
+    def _handle(self, msg: P.ToEngine) -> None:
+        if isinstance(msg, P.GenerateReq):
+            self.engine.add_request(msg.req)
+        elif isinstance(msg, P.Abort):
+            self.engine.abort(msg.rid, msg.reason)
+        elif isinstance(msg, P.StatsReq):
+            self.send(P.Stats(nonce=msg.nonce, stats=dict(self.engine.stats())))
+        elif isinstance(msg, P.Shutdown):
+            self.stopping = True
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self._last_beat = now
+            self.send(P.Heartbeat(time=time.time()))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit at once when the frontend is gone (we get re-parented): no orphan engines."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(PARENT_CHECK_S)
+
+
+def _report_error(ctx: zmq.Context, ipc_dir: str, message: str) -> None:
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(P.ipc_paths(ipc_dir)[1])
+    push.send(P.encode(P.EngineError(message=message)))
+    push.close()
+
+
+def serve(spec: EngineSpec, ipc_dir: str) -> int:
+    ctx = zmq.Context()
+    try:
+        engine = build_engine(spec)
+    except Exception as e:
+        log.exception("engine build failed")
+        _report_error(ctx, ipc_dir, f"engine build failed: {type(e).__name__}: {e}")
+        return 1
+    loop = EngineLoop(engine, ctx, ipc_dir)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
+    loop.send(P.EngineReady(role=spec.role, pid=os.getpid()))
+    try:
+        loop.run()
+    except Exception as e:
+        log.error("engine loop failed:\n%s", traceback.format_exc())
+        loop.send(P.EngineError(message=f"engine failed: {type(e).__name__}: {e}"))
+        return 1
+    finally:
+        engine.close()
+        loop.push.setsockopt(zmq.LINGER, 1000)
+        ctx.destroy(linger=1000)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve.server.engine_proc")
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    spec = msgspec.json.decode(args.config_json, type=EngineSpec)
+    return serve(spec, args.ipc_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The router's view of its workers: addresses, in-flight counts, selection policy."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+POLICIES = ("round_robin", "least_load")
+
+
+@dataclass
+class Worker:
+    url: str  # "http://host:port", no trailing slash
+    role: str  # "prefill" | "decode"
+    bootstrap_port: int | None = None  # prefill only; None: the prefill's own default
+    in_flight: int = 0  # requests through this router not yet finished on this worker
+    healthy: bool = True  # last /health result seen by the router
+
+    @property
+    def host(self) -> str:
+        """The host the decode should dial for the KV bootstrap (the prefill URL's host)."""
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+
+@dataclass
+class Selector:
+    """Picks one worker of a role. Invariant: `workers` is non-empty.
+
+    round_robin cycles through the workers; least_load takes the fewest
+    `in_flight`, ties broken by a rotating start so equal loads spread out.
+    Unhealthy workers are skipped while any healthy one is left.
+    """
+
+    workers: list[Worker]
+    policy: str = "round_robin"
+    _turn: Iterator[int] = field(default_factory=itertools.count)
+
+    def pick(self) -> Worker:
+        n = len(self.workers)
+        start = next(self._turn) % n
+        ordered = [self.workers[(start + i) % n] for i in range(n)]
+        candidates = [w for w in ordered if w.healthy] or ordered
+        if self.policy == "least_load":
+            return min(candidates, key=lambda w: w.in_flight)  # min keeps the first of ties
+        return candidates[0]
+
+
+@dataclass
+class WorkerPool:
+    prefill: Selector
+    decode: Selector
+
+    @classmethod
+    def build(
+        cls, prefills: list[tuple[str, int | None]], decodes: list[str], policy: str
+    ) -> WorkerPool:
+        if not prefills or not decodes:
+            raise ValueError("the router needs at least one --prefill and one --decode")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+        p = [Worker(_norm(u), "prefill", b) for u, b in prefills]
+        d = [Worker(_norm(u), "decode") for u in decodes]
+        return cls(Selector(p, policy), Selector(d, policy))
+
+    @property
+    def all(self) -> list[Worker]:
+        return self.prefill.workers + self.decode.workers
+
+    def pick_pair(self) -> tuple[Worker, Worker]:
+        return self.prefill.pick(), self.decode.pick()
+
+    @contextmanager
+    def lease(self, *workers: Worker) -> Iterator[None]:
+        """Counts one in-flight request on each worker for the duration of the block."""
+        for w in workers:
+            w.in_flight += 1
+        try:
+            yield
+        finally:
+            for w in workers:
+                w.in_flight -= 1
+
+
+def _norm(url: str) -> str:
+    url = url.rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+def parse_prefill_args(groups: list[list[str]]) -> list[tuple[str, int | None]]:
+    """`--prefill URL [BOOTSTRAP_PORT]` groups (argparse nargs="+", action="append").
+
+    The port may be a number, `none`, or absent (None), as in sglang-router.
+    """
+    out: list[tuple[str, int | None]] = []
+    for group in groups:
+        if not 1 <= len(group) <= 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {group}")
+        port: int | None = None
+        if len(group) == 2 and group[1].lower() != "none":
+            try:
+                port = int(group[1])
+            except ValueError:
+                raise ValueError(f"bad bootstrap port {group[1]!r} for {group[0]}") from None
+        out.append((group[0], port))
+    return out

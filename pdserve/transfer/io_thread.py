@@ -1,0 +1,111 @@
+"""A background I/O thread shared by the sender and the receiver.
+
+The engine thread hands work over with `submit(fn)` (thread-safe, never blocks);
+the I/O thread owns every ZeroMQ socket, runs the submitted work in FIFO order,
+dispatches readable sockets, and fires `on_tick` at least every `tick_s`.
+Events for the engine go through `emit` and come out of `drain` (thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+
+class IOThread:
+    def __init__(self, name: str, tick_s: float) -> None:
+        self.tick_ms = max(1, int(tick_s * 1000))
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()  # wakes the poller when work is submitted
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._readers: dict[zmq.Socket, Callable[[], None]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._rfd, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._killed = False
+        self.on_tick: Callable[[], None] = lambda: None
+        self.on_exit: Callable[[bool], None] = lambda killed: None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_reader(self, sock: zmq.Socket, fn: Callable[[], None]) -> None:
+        """I/O thread only: call `fn` while `sock` has messages."""
+        self._readers[sock] = fn
+        self._poller.register(sock, zmq.POLLIN)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._work.put(fn)
+        if self._wfd < 0:
+            return  # stopped
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full: the thread is awake anyway
+
+    def emit(self, event: object) -> None:
+        self._events.put(event)
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the thread. `kill`: exit at once without any goodbye (fault injection)."""
+        self._killed = kill
+        self._stop.set()
+        self.submit(lambda: None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                os.close(self._rfd)
+                os.close(self._wfd)
+                self._rfd = self._wfd = -1
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                ready = dict(self._poller.poll(self.tick_ms))
+                self._run_work()
+                for sock, fn in list(self._readers.items()):
+                    if ready.get(sock) and not self._stop.is_set():
+                        self._drain_socket(sock, fn)
+                if not self._stop.is_set():
+                    self.on_tick()
+        except Exception:
+            log.exception("transfer I/O thread crashed")
+        finally:
+            self.on_exit(self._killed)
+
+    def _run_work(self) -> None:
+        try:
+            os.read(self._rfd, 65536)
+        except BlockingIOError:
+            pass
+        while not self._stop.is_set():
+            try:
+                fn = self._work.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    @staticmethod
+    def _drain_socket(sock: zmq.Socket, fn: Callable[[], None]) -> None:
+        budget = 256  # bound one socket's turn so timers and work still run
+        while budget and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            fn()
+            budget -= 1

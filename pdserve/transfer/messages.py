@@ -1,0 +1,127 @@
+"""Wire messages of the prefill <-> decode KV transfer (msgspec msgpack, never pickle).
+
+Channels (DESIGN §5):
+    control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort
+             prefill ROUTER ──▶ decode DEALER:                    Abort, Heartbeat
+    data     prefill PUSH   ──▶ decode PULL (data_endpoint):      KVChunk + raw frames, KVDone
+
+A multipart message is [header] or [KVChunk header, payload frame(s)].
+KVChunk payload: kind "kv" -> two frames (K then V), "k"/"v" -> one frame. Each frame
+is the C-contiguous bytes of a [layer_end-layer_start, tok_end-tok_start, kv_heads,
+head_dim] tensor of `dtype`; `nbytes` is the length of each frame and `checksum` the
+zlib.crc32 chained over the frames in order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
+
+
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+
+
+class Ready(_Msg, tag="ready"):
+    """Decode -> prefill: slots for `room` are reserved; push KV to `data_endpoint`."""
+
+    room: int
+    rid: str = ""
+    session: int  # random per expect(); echoed in every chunk so stale messages are refused
+    data_endpoint: str
+    layout: str  # KVLayout.fingerprint()
+    num_tokens: int
+    decode_id: str
+
+
+class KVChunk(_Msg, tag="chunk"):
+    room: int
+    session: int
+    index: int
+    layer_start: int
+    layer_end: int
+    tok_start: int
+    tok_end: int
+    kind: str  # "kv" | "k" | "v"
+    dtype: str
+    nbytes: int  # per payload frame
+    checksum: int
+
+
+class KVDone(_Msg, tag="done"):
+    room: int
+    session: int
+    first_token: int
+    first_logprob: float
+    prompt_len: int
+    num_chunks: int
+    digest: int  # chunk_digest() over (index, checksum) of every chunk sent
+
+
+class Ack(_Msg, tag="ack"):
+    room: int
+    session: int
+
+
+class Abort(_Msg, tag="abort"):
+    room: int
+    session: int = 0  # 0: any session of the room
+    reason: str
+
+
+class Heartbeat(_Msg, tag="hb"):
+    sender: str
+    seq: int
+
+
+Message = Ready | KVChunk | KVDone | Ack | Abort | Heartbeat
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def frames_checksum(frames: Sequence[memoryview | bytes]) -> int:
+    crc = 0
+    for f in frames:
+        crc = zlib.crc32(f, crc)
+    return crc
+
+
+def chunk_digest(pairs: Sequence[tuple[int, int]]) -> int:
+    """Order-independent digest of a transfer: crc32 over its (index, checksum) pairs, sorted."""
+    crc = 0
+    for index, checksum in sorted(pairs):
+        crc = zlib.crc32(index.to_bytes(8, "little") + checksum.to_bytes(4, "little"), crc)
+    return crc
+
+
+class Decoder:
+    """Decodes headers; never raises. Drops (and counts) oversized, malformed,
+    unknown-tag and wrong-version messages."""
+
+    def __init__(self, max_bytes: int = MAX_HEADER_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._dec = msgspec.msgpack.Decoder(Message)
+        self.dropped: dict[str, int] = {"oversized": 0, "malformed": 0, "version": 0}
+
+    def decode(self, data: bytes | memoryview) -> Message | None:
+        if len(data) > self.max_bytes:
+            self.dropped["oversized"] += 1
+            return None
+        try:
+            msg = self._dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.dropped["malformed"] += 1  # includes unknown tags
+            return None
+        if msg.v != PROTOCOL_VERSION:
+            self.dropped["version"] += 1
+            return None
+        return msg

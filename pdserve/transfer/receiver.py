@@ -1,0 +1,233 @@
+"""Decode side of the KV transfer: a `KVSource` that receives KV over ZeroMQ.
+
+Per request:  expect ─▶ Ready ─▶ KVChunk* (validated, then written) ─▶ KVDone ─▶ ok + Ack
+              anything wrong, a timeout, a silent prefill or an Abort ─▶ failed (+ Abort)
+
+Invariants:
+- The I/O thread writes into a request's slots only while holding that transfer's
+  lock with `open` set; every terminal path (ok, failure, cancel) clears `open`
+  under the same lock. So once cancel() returns or poll() reports the request,
+  nothing writes into its slots again and the decode may free its pages.
+- A chunk is validated completely (room, session, ranges, byte counts, checksum,
+  no overlap with what arrived before) before a single byte is written.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+
+import torch
+import zmq
+
+from pdserve.scheduler.kv_io import SourceEvent
+from pdserve.scheduler.pools import KVLayout, KVPool
+from pdserve.scheduler.request import Req
+from pdserve.transfer.io_thread import IOThread
+from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
+from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
+
+
+class KVReceiver:
+    """`KVSource` over ZeroMQ. expect/cancel/poll are called from one engine thread."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        host: str = "127.0.0.1",
+        data_port: int = 0,
+        advertise_host: str | None = None,
+        kv_timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = 5.0,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self.layout = layout
+        self.kv_timeout_s = kv_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.decode_id = f"decode-{random.getrandbits(48):012x}"
+        self._curve = curve
+        self._decoder = Decoder()
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
+        self._xfers: dict[int, Transfer] = {}
+        self._ctrl: dict[str, MsgSocket] = {}  # prefill bootstrap endpoint -> DEALER
+        self._last_seen: dict[str, float] = {}  # prefill endpoint -> last message time
+        self._io = IOThread("kv-receiver", tick_s=0.05)
+        self._io.on_tick = self._tick
+        self._io.on_exit = self._on_exit
+        pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
+        self.data_port = bind(pull, host, data_port)
+        self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"
+        self._data = MsgSocket(pull, self._decoder)
+        self._io.add_reader(pull, self._on_data)
+        self._io.start()
+
+    # ---- KVSource (engine thread) -----------------------------------------------------
+    def expect(self, req: Req, pool: KVPool, slots: torch.Tensor) -> None:
+        """Precondition: `slots` (len == req.prompt_len) are reserved for `req` in `pool`."""
+        reason = self._refuse_reason(req, pool, slots)
+        if reason:
+            self._io.emit(SourceEvent(req.rid, False, reason=reason))
+            return
+        endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
+        x = Transfer(
+            req, pool, slots.to(pool.k.device, torch.int64), random.getrandbits(62) + 1, endpoint
+        )
+        x.deadline = time.monotonic() + self.kv_timeout_s
+        with self._lock:
+            self._xfers[req.room] = x
+        ready = Ready(
+            room=req.room,
+            rid=req.rid,
+            session=x.session,
+            data_endpoint=self.data_endpoint,
+            layout=self.layout.fingerprint(),
+            num_tokens=req.prompt_len,
+            decode_id=self.decode_id,
+        )
+        self._io.submit(lambda: self._control(endpoint).send(ready))
+
+    def cancel(self, req: Req, reason: str) -> None:
+        """After this returns nothing writes into req's slots; poll() reports nothing for it."""
+        with self._lock:
+            x = self._xfers.get(req.room)
+            if x is None or x.req is not req:
+                return
+            del self._xfers[req.room]
+        with x.lock:
+            x.open = False
+        abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
+        self._io.submit(lambda: self._control(x.endpoint).send(abort))
+
+    def poll(self) -> list[SourceEvent]:
+        return self._io.drain()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            active = len(self._xfers)
+        return {"active_rooms": active, **self._decoder.dropped, **self.counters}
+
+    def active_rooms(self) -> set[int]:
+        with self._lock:
+            return set(self._xfers)
+
+    def close(self) -> None:
+        self._io.stop()
+
+    def _refuse_reason(self, req: Req, pool: KVPool, slots: torch.Tensor) -> str:
+        if pool.layout.fingerprint() != self.layout.fingerprint():
+            return f"pool layout {pool.layout.fingerprint()} != receiver layout {self.layout.fingerprint()}"
+        if len(slots) != req.prompt_len or req.prompt_len == 0:
+            return f"reserved {len(slots)} slots for a prompt of {req.prompt_len} tokens"
+        if not req.bootstrap_host or not req.bootstrap_port:
+            return "request has no bootstrap address"
+        with self._lock:
+            if req.room in self._xfers:
+                return f"duplicate active room {req.room}"
+        return ""
+
+    # ---- I/O thread -------------------------------------------------------------------
+    def _control(self, endpoint: str) -> MsgSocket:
+        sock = self._ctrl.get(endpoint)
+        if sock is None:
+            curve = None if self._curve is None else self._curve.for_server(self._curve.public)
+            raw = make_socket(zmq.DEALER, curve)
+            raw.connect(endpoint)
+            sock = self._ctrl[endpoint] = MsgSocket(raw, self._decoder)
+            self._io.add_reader(raw, lambda: self._on_control(endpoint, sock))
+        return sock
+
+    def _lookup(self, room: int, session: int) -> Transfer | None:
+        with self._lock:
+            x = self._xfers.get(room)
+        if x is None:
+            self.counters["unknown_room"] += 1
+        elif x.session != session:
+            self.counters["stale_session"] += 1
+            return None
+        return x
+
+    def _on_data(self) -> None:
+        _, msg, frames = self._data.recv()
+        if isinstance(msg, KVChunk):
+            self._on_chunk(msg, frames)
+        elif isinstance(msg, KVDone):
+            self._on_done(msg)
+        elif msg is not None:
+            self.counters["unexpected_message"] += 1
+
+    def _on_chunk(self, hdr: KVChunk, frames: list[zmq.Frame]) -> None:
+        x = self._lookup(hdr.room, hdr.session)
+        if x is None:
+            return
+        self._last_seen[x.endpoint] = time.monotonic()
+        bufs = [f.buffer for f in frames]
+        reason = check_chunk(self.layout, x, hdr, bufs)
+        if reason:
+            self.counters["refused_chunk"] += 1
+            self._fail(x, f"chunk {hdr.index} refused: {reason}")
+            return
+        with x.lock:
+            if x.open:  # NOTE: cancel() may have closed it since the lookup
+                write_chunk(x, hdr, bufs)
+
+    def _on_done(self, done: KVDone) -> None:
+        x = self._lookup(done.room, done.session)
+        if x is None:
+            return
+        reason = check_done(x, done)
+        if reason:
+            self._fail(x, f"KVDone refused: {reason}")
+            return
+        if self._close(x):
+            self._io.emit(SourceEvent(x.req.rid, True, done.first_token, done.first_logprob))
+            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
+
+    def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
+        _, msg, _ = sock.recv()
+        if msg is None:
+            return
+        self._last_seen[endpoint] = time.monotonic()
+        if isinstance(msg, Abort):
+            with self._lock:
+                x = self._xfers.get(msg.room)
+            if x is not None and x.endpoint == endpoint and msg.session in (0, x.session):
+                self._fail(x, f"prefill aborted: {msg.reason}", notify=False)
+        elif not isinstance(msg, Heartbeat):
+            self.counters["unexpected_message"] += 1
+
+    def _close(self, x: Transfer) -> bool:
+        """Make `x` terminal; False if something else (cancel, another failure) did first."""
+        with self._lock:
+            if self._xfers.get(x.req.room) is x:
+                del self._xfers[x.req.room]
+        with x.lock:
+            was_open, x.open = x.open, False
+        return was_open
+
+    def _fail(self, x: Transfer, reason: str, notify: bool = True) -> None:
+        if not self._close(x):
+            return
+        self._io.emit(SourceEvent(x.req.rid, False, reason=reason))
+        if notify:
+            self._control(x.endpoint).send(Abort(room=x.req.room, session=x.session, reason=reason))
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            xfers = list(self._xfers.values())
+        for x in xfers:
+            silent = now - max(x.started, self._last_seen.get(x.endpoint, 0.0))
+            if now > x.deadline:
+                self._fail(x, f"KV transfer timed out after {self.kv_timeout_s}s")
+            elif silent > self.heartbeat_timeout_s:
+                self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
+
+    def _on_exit(self, killed: bool) -> None:
+        self._data.close()
+        for sock in self._ctrl.values():
+            sock.close()

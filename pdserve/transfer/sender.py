@@ -1,0 +1,322 @@
+"""Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
+
+Per room:   (on_admit, Ready) in either order ─▶ push chunks ─▶ KVDone ─▶ Ack ─▶ released ok
+            any timeout / Abort / layout mismatch ─▶ released with ok=False
+
+Invariants:
+- Only the I/O thread touches the sockets and the pool memory; it emits a room's
+  SinkEvent only after its last read of that room's slots, so once poll() reports
+  a room the prefill may free its pages at once.
+- Pool memory is never handed to ZeroMQ: each chunk is gathered into a staging
+  tensor which pyzmq keeps alive until libzmq has sent it (copy=False frames).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pdserve.scheduler.kv_io import SinkEvent
+from pdserve.scheduler.pools import KVLayout, KVPool
+from pdserve.scheduler.request import Req
+from pdserve.transfer.io_thread import IOThread
+from pdserve.transfer.messages import (
+    Abort,
+    Ack,
+    Decoder,
+    Heartbeat,
+    KVChunk,
+    KVDone,
+    Ready,
+    chunk_digest,
+    frames_checksum,
+)
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
+
+MAX_FRAME_BYTES = 32 << 20  # per payload frame; larger on_chunk ranges are split
+
+
+@dataclass
+class _Room:
+    room: int
+    req: Req | None = None  # set by on_admit
+    ready: Ready | None = None  # set when the decode's Ready arrives
+    peer: bytes = b""  # decode's identity on the bootstrap ROUTER
+    pending: list[tuple[KVPool, torch.Tensor, int, int]] = field(default_factory=list)
+    done: tuple[int, float] | None = None  # (first_token, first_logprob) from on_done
+    sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
+    done_sent: bool = False
+    deadline: float = 0.0
+
+
+class KVSender:
+    """`KVSink` over ZeroMQ. Methods other than the constructor are called from one
+    engine thread; all socket work happens on a background I/O thread."""
+
+    def __init__(
+        self,
+        bootstrap_host: str,
+        bootstrap_port: int,
+        layout: KVLayout,
+        *,
+        ready_timeout_s: float = 30.0,
+        ack_timeout_s: float = 30.0,
+        heartbeat_s: float = 1.0,
+        curve: CurveKeys | None = None,
+        fault_hook: SendHook | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> None:
+        self.layout = layout
+        self.fingerprint = layout.fingerprint()
+        self.ready_timeout_s = ready_timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._curve = curve
+        self._hook = fault_hook
+        self._max_tokens = max(
+            1, max_frame_bytes // (layout.token_bytes_per_layer * layout.num_layers)
+        )
+        self._decoder = Decoder()
+        self._rooms: dict[int, _Room] = {}
+        self._refused: dict[int, tuple[str, float]] = {}  # room -> (reason, expiry)
+        self._data: dict[str, MsgSocket] = {}  # decode data endpoint -> PUSH
+        self._seq = itertools.count()
+        self._next_hb = 0.0
+        self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
+        self._io.on_tick = self._tick
+        self._io.on_exit = self._on_exit
+        router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
+        self.bootstrap_port = bind(router, bootstrap_host, bootstrap_port)
+        self._ctrl = MsgSocket(router, self._decoder, fault_hook)
+        self._io.add_reader(router, self._on_control)
+        self._io.start()
+
+    # ---- KVSink (engine thread) -------------------------------------------------
+    def on_admit(self, req: Req) -> None:
+        self._io.submit(lambda: self._admit(req))
+
+    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+        if pool.k.is_cuda:  # NOTE: the I/O thread must not read KV the forward stream still writes
+            event = torch.cuda.Event()
+            event.record()
+            self._io.submit(
+                lambda: (event.synchronize(), self._chunk(req, pool, slots, start, end))
+            )
+        else:
+            self._io.submit(lambda: self._chunk(req, pool, slots, start, end))
+
+    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        self._io.submit(lambda: self._done(req, first_token, first_logprob))
+
+    def on_abort(self, req: Req, reason: str) -> None:
+        self._io.submit(lambda: self._abort_local(req, reason))
+
+    def poll(self) -> list[SinkEvent]:
+        return self._io.drain()
+
+    def stats(self) -> dict[str, int]:
+        return {"active_rooms": len(self._rooms), **self._decoder.dropped}
+
+    def active_rooms(self) -> set[int]:
+        return set(self._rooms)
+
+    def close(self) -> None:
+        self._io.stop()
+
+    def kill(self) -> None:
+        """Die without goodbye (fault injection): no Abort, no events, sockets dropped."""
+        self._io.stop(kill=True)
+
+    # ---- engine commands (I/O thread) ---------------------------------------------
+    def _admit(self, req: Req) -> None:
+        st = self._rooms.get(req.room)
+        if st is not None and st.req is not None:
+            self._io.emit(SinkEvent(req.rid, False, f"duplicate active room {req.room}"))
+            return
+        refused = self._refused.pop(req.room, None)
+        if refused is not None:
+            self._io.emit(SinkEvent(req.rid, False, refused[0]))
+            return
+        st = st or self._rooms.setdefault(req.room, _Room(req.room))
+        st.req = req
+        st.deadline = time.monotonic() + self.ready_timeout_s
+        if st.ready is not None:
+            self._check_ready(st)
+
+    def _chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+        st = self._rooms.get(req.room)
+        if st is None or st.req is not req:
+            return  # failed or foreign: the event was already emitted
+        st.pending.append((pool, slots, start, end))
+        self._flush(st)
+
+    def _done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        st = self._rooms.get(req.room)
+        if st is None or st.req is not req:
+            return
+        st.done = (first_token, first_logprob)
+        self._flush(st)
+
+    def _abort_local(self, req: Req, reason: str) -> None:
+        st = self._rooms.get(req.room)
+        if st is not None and st.req is req:
+            self._fail(st, f"prefill aborted: {reason}")
+
+    # ---- pushing KV -----------------------------------------------------------------
+    def _flush(self, st: _Room) -> None:
+        """Push whatever is computed, once the decode's Ready is known and accepted."""
+        if st.ready is None or st.req is None:
+            return
+        sock = self._data_socket(st.ready.data_endpoint)
+        while st.pending:
+            pool, slots, start, end = st.pending.pop(0)
+            for s in range(start, end, self._max_tokens):
+                self._send_chunk(sock, st, pool, slots[s : min(end, s + self._max_tokens)], s)
+        if st.done is not None and not st.done_sent:
+            self._send_done(sock, st)
+
+    def _send_chunk(
+        self, sock: MsgSocket, st: _Room, pool: KVPool, idx: torch.Tensor, tok: int
+    ) -> None:
+        assert st.ready is not None
+        idx = idx.to(pool.k.device)
+        k = pool.k.index_select(1, idx).cpu().numpy()  # staging copies [L, n, H, D]
+        v = pool.v.index_select(1, idx).cpu().numpy()
+        hdr = KVChunk(
+            room=st.room,
+            session=st.ready.session,
+            index=len(st.sent),
+            layer_start=0,
+            layer_end=self.layout.num_layers,
+            tok_start=tok,
+            tok_end=tok + len(idx),
+            kind="kv",
+            dtype=self.layout.dtype,
+            nbytes=k.nbytes,
+            checksum=frames_checksum([k, v]),
+        )
+        st.sent.append((hdr.index, hdr.checksum))
+        sock.send(hdr, [k, v])
+
+    def _send_done(self, sock: MsgSocket, st: _Room) -> None:
+        assert st.ready is not None and st.req is not None and st.done is not None
+        done = KVDone(
+            room=st.room,
+            session=st.ready.session,
+            first_token=st.done[0],
+            first_logprob=st.done[1],
+            prompt_len=st.req.prompt_len,
+            num_chunks=len(st.sent),
+            digest=chunk_digest(st.sent),
+        )
+        sock.send(done)
+        st.done_sent = True
+        st.deadline = time.monotonic() + self.ack_timeout_s
+
+    def _data_socket(self, endpoint: str) -> MsgSocket:
+        sock = self._data.get(endpoint)
+        if sock is None:
+            raw = make_socket(zmq.PUSH, self._curve_client())
+            raw.connect(endpoint)
+            sock = self._data[endpoint] = MsgSocket(raw, self._decoder, self._hook)
+        return sock
+
+    def _curve_client(self) -> CurveKeys | None:
+        # NOTE: with CURVE the decode's data socket is a CURVE server using the same
+        # keypair as this bootstrap server (one cluster keypair; see curve.py).
+        return None if self._curve is None else self._curve.for_server(self._curve.public)
+
+    # ---- control channel (I/O thread) -----------------------------------------------
+    def _on_control(self) -> None:
+        peer, msg, _ = self._ctrl.recv()
+        if peer is None or msg is None:
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(peer, msg)
+        elif isinstance(msg, Ack | Abort):
+            self._on_ack_or_abort(msg)
+
+    def _on_ready(self, peer: bytes, ready: Ready) -> None:
+        st = self._rooms.get(ready.room)
+        if st is not None and st.ready is not None:
+            if st.ready.session != ready.session:  # a second decode claims an active room
+                self._ctrl.send(
+                    Abort(room=ready.room, session=ready.session, reason="duplicate active room"),
+                    to=peer,
+                )
+            return
+        st = st or self._rooms.setdefault(ready.room, _Room(ready.room))
+        st.ready, st.peer = ready, peer
+        if st.req is None:
+            st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_admit
+        self._check_ready(st)
+
+    def _check_ready(self, st: _Room) -> None:
+        assert st.ready is not None
+        reason = self._ready_mismatch(st)
+        if reason:
+            self._fail(st, reason)
+            return
+        if st.req is not None:
+            st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
+        self._flush(st)
+
+    def _ready_mismatch(self, st: _Room) -> str:
+        assert st.ready is not None
+        if st.ready.layout != self.fingerprint:
+            return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {self.fingerprint!r}"
+        if st.req is not None and st.ready.num_tokens != st.req.prompt_len:
+            return f"prompt length mismatch: decode reserved {st.ready.num_tokens}, prefill has {st.req.prompt_len}"
+        return ""
+
+    def _on_ack_or_abort(self, msg: Ack | Abort) -> None:
+        st = self._rooms.get(msg.room)
+        if st is None or st.ready is None or msg.session not in (0, st.ready.session):
+            return  # stale
+        if isinstance(msg, Abort):
+            self._fail(st, f"decode aborted: {msg.reason}", notify=False)
+        elif st.done_sent:
+            del self._rooms[st.room]
+            if st.req is not None:
+                self._io.emit(SinkEvent(st.req.rid, True))
+
+    def _fail(self, st: _Room, reason: str, notify: bool = True) -> None:
+        self._rooms.pop(st.room, None)
+        if notify and st.ready is not None:
+            self._ctrl.send(
+                Abort(room=st.room, session=st.ready.session, reason=reason), to=st.peer
+            )
+        if st.req is not None:
+            self._io.emit(SinkEvent(st.req.rid, False, reason))
+        else:  # Ready refused before admission: on_admit must fail too
+            self._refused[st.room] = (reason, time.monotonic() + self.ready_timeout_s)
+
+    # ---- timers (I/O thread) --------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for st in [s for s in self._rooms.values() if s.deadline <= now]:
+            self._fail(st, self._timeout_reason(st))
+        for room in [r for r, (_, exp) in self._refused.items() if exp <= now]:
+            del self._refused[room]
+        if now >= self._next_hb:
+            self._next_hb = now + self.heartbeat_s
+            hb = Heartbeat(sender=f"prefill:{self.bootstrap_port}", seq=next(self._seq))
+            for peer in {s.peer for s in self._rooms.values() if s.peer}:
+                self._ctrl.send(hb, to=peer)
+
+    def _timeout_reason(self, st: _Room) -> str:
+        if st.req is None:
+            return f"prefill never admitted room {st.room} within {self.ready_timeout_s}s"
+        if st.ready is None:
+            return f"no Ready from the decode within {self.ready_timeout_s}s"
+        return f"no Ack from the decode within {self.ack_timeout_s}s"
+
+    def _on_exit(self, killed: bool) -> None:
+        self._ctrl.close()
+        for sock in self._data.values():
+            sock.close()
+        self._data.clear()

@@ -1,0 +1,93 @@
+"""Receiver-side state of one transfer and the checks run before any byte is written.
+
+Coverage map of one transfer (1 = received), per kind:
+    cov[kind, layer, token]    kind 0 = K, 1 = V;  layer in [0, L);  token in [0, prompt_len)
+KVDone is accepted only when every cell is exactly 1 (each written exactly once:
+a chunk overlapping cells already received is refused before writing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdserve.scheduler.pools import KVLayout, KVPool
+from pdserve.scheduler.request import Req
+from pdserve.transfer.messages import KVChunk, KVDone, chunk_digest, frames_checksum
+
+_KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
+
+
+@dataclass(eq=False)
+class Transfer:
+    req: Req
+    pool: KVPool
+    slots: torch.Tensor  # int64 on the pool's device, len == prompt_len
+    session: int
+    endpoint: str  # the prefill's bootstrap endpoint
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    open: bool = True  # guarded by lock: False once terminal; no write after that
+    started: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
+    cov: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cov = np.zeros((2, self.pool.layout.num_layers, self.req.prompt_len), dtype=np.uint8)
+
+
+def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
+    """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`."""
+    n_layers, n_tok = layout.num_layers, x.req.prompt_len
+    if not (0 <= h.layer_start < h.layer_end <= n_layers):
+        return f"layer range [{h.layer_start}, {h.layer_end}) outside [0, {n_layers})"
+    if not (0 <= h.tok_start < h.tok_end <= n_tok):
+        return f"token range [{h.tok_start}, {h.tok_end}) outside [0, {n_tok})"
+    if h.kind not in _KINDS or len(bufs) != len(_KINDS[h.kind]):
+        return f"kind {h.kind!r} with {len(bufs)} payload frames"
+    if h.dtype != layout.dtype:
+        return f"dtype {h.dtype} != {layout.dtype}"
+    want = (h.layer_end - h.layer_start) * (h.tok_end - h.tok_start) * layout.token_bytes_per_layer
+    if h.nbytes != want or any(b.nbytes != want for b in bufs):
+        return f"byte count {[b.nbytes for b in bufs]} (header {h.nbytes}) != {want}"
+    if frames_checksum(bufs) != h.checksum:
+        return "checksum mismatch"
+    for kind in _KINDS[h.kind]:
+        if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
+            return "overlaps KV already received (duplicate chunk)"
+    return ""
+
+
+def write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
+    """Precondition: check_chunk passed and the caller holds x.lock with x.open set."""
+    lay = x.pool.layout
+    shape = (h.layer_end - h.layer_start, h.tok_end - h.tok_start, lay.num_kv_heads, lay.head_dim)
+    idx = x.slots[h.tok_start : h.tok_end]
+    dtype = getattr(torch, lay.dtype)
+    for kind, buf in zip(_KINDS[h.kind], bufs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
+            src = torch.frombuffer(buf, dtype=dtype).view(shape)
+        dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
+        dst.index_copy_(1, idx, src.to(dst.device, non_blocking=False))
+        x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+    x.chunks.append((h.index, h.checksum))
+
+
+def check_done(x: Transfer, d: KVDone) -> str:
+    """Why KVDone must be refused ("" if the transfer is complete and intact)."""
+    if d.prompt_len != x.req.prompt_len:
+        return f"prompt_len {d.prompt_len} != reserved {x.req.prompt_len}"
+    missing = int((x.cov == 0).sum())
+    if missing:
+        return f"{missing} (kind, layer, token) cells of KV never arrived"
+    if d.num_chunks != len(x.chunks):
+        return f"{d.num_chunks} chunks sent, {len(x.chunks)} received"
+    if d.digest != chunk_digest(x.chunks):
+        return "transfer digest mismatch"
+    return ""

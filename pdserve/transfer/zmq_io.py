@@ -1,0 +1,106 @@
+"""The one typed ZeroMQ wrapper of the transfer: msgspec headers plus raw frames.
+
+One context per process. Sockets are used only by the thread that created them.
+`send` goes through an optional hook (the fault injector) that may drop, delay,
+duplicate, reorder, truncate or corrupt whole multipart messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve.transfer.messages import Decoder, Message, encode
+
+Frame = bytes | memoryview
+# hook(kind tag, frames) -> the multipart messages to really send (0, 1 or more)
+SendHook = Callable[[str, list[Frame]], list[list[Frame]]]
+
+_SOCK_BUF = 8 << 20  # kernel socket buffers: large frames stream without stalls
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE keys. A server needs public+secret; a client also the server's public key."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        pub, sec = zmq.curve_keypair()
+        return cls(pub, sec)
+
+    def for_server(self, server_public: bytes) -> CurveKeys:
+        return CurveKeys(self.public, self.secret, server_public)
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def make_socket(
+    kind: int, curve: CurveKeys | None = None, curve_server: bool = False
+) -> zmq.Socket:
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDBUF, _SOCK_BUF)
+    sock.setsockopt(zmq.RCVBUF, _SOCK_BUF)
+    sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the engine's own admission, not by drops
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+        if curve_server:
+            sock.curve_server = True
+        else:
+            assert curve.server_public is not None, "a CURVE client needs the server's public key"
+            sock.curve_serverkey = curve.server_public
+    return sock
+
+
+def bind(sock: zmq.Socket, host: str, port: int) -> int:
+    """Bind to tcp://host:port (port 0: ephemeral); returns the bound port."""
+    if port == 0:
+        return sock.bind_to_random_port(f"tcp://{host}")
+    sock.bind(f"tcp://{host}:{port}")
+    return port
+
+
+class MsgSocket:
+    """A socket that speaks `Message` headers followed by raw frames."""
+
+    def __init__(self, sock: zmq.Socket, decoder: Decoder, hook: SendHook | None = None) -> None:
+        self.sock = sock
+        self.decoder = decoder
+        self.hook = hook
+        self.routed = sock.type == zmq.ROUTER
+
+    def send(self, msg: Message, frames: Sequence[Frame] = (), to: bytes | None = None) -> None:
+        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy:
+        pyzmq keeps the buffer objects alive until libzmq has written them."""
+        parts: list[Frame] = [encode(msg), *frames]
+        batches = self.hook(type(msg).__name__, parts) if self.hook else [parts]
+        for batch in batches:
+            prefix: list[Frame] = [to] if (self.routed and to is not None) else []
+            self.sock.send_multipart(prefix + batch, copy=False)
+
+    def recv(self) -> tuple[bytes | None, Message | None, list[zmq.Frame]]:
+        """Receive one multipart message (call after poll said readable).
+
+        Returns (peer identity or None, decoded header or None if dropped, payload frames).
+        """
+        parts = self.sock.recv_multipart(copy=False)
+        peer = None
+        if self.routed:
+            peer, parts = parts[0].bytes, parts[1:]
+        if not parts:
+            self.decoder.dropped["malformed"] += 1
+            return peer, None, []
+        return peer, self.decoder.decode(parts[0].buffer), parts[1:]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

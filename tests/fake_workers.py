@@ -1,0 +1,189 @@
+"""Recording fake prefill/decode workers for router tests.
+
+A `FakeWorker` is a small FastAPI app served by uvicorn in a thread on a free
+loopback port. It records every request it receives (method, path, headers,
+JSON body) and answers the worker API the router and sglang-router call.
+Behaviour knobs (set before or between requests):
+
+- `fail_status`: answer generation requests with this status and an
+  OpenAI-style error body;
+- `hold_s`: keep a generation request open this long before answering (polls
+  for client disconnect meanwhile and records it in `disconnected`);
+- `stream_chunks` / `chunk_delay_s`: shape of an SSE answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class FakeWorker:
+    role: str  # "prefill" | "decode"
+    name: str = ""
+    fail_status: int | None = None
+    hold_s: float = 0.0
+    stream_chunks: int = 3
+    chunk_delay_s: float = 0.0
+    healthy: bool = True
+    info_status: int = 200  # status of /server_info and /model_info
+    model_info: dict[str, Any] = field(
+        default_factory=lambda: {"model_path": "fake", "is_generation": True}
+    )
+    received: list[Received] = field(default_factory=list)
+    disconnected: list[str] = field(default_factory=list)  # paths whose client went away
+    aborted: list[Any] = field(default_factory=list)  # /abort_request bodies
+    port: int = 0
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def gen_requests(self) -> list[Received]:
+        return [r for r in self.received if r.path in GEN_PATHS]
+
+    def start(self) -> FakeWorker:
+        self.port = free_port()
+        config = uvicorn.Config(
+            build_app(self), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake worker did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        assert self._server is not None and self._thread is not None
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    async def wait_or_disconnect(self, request: Request, path: str) -> bool:
+        """Sleep `hold_s`; True if the client disconnected meanwhile (recorded)."""
+        deadline = time.monotonic() + self.hold_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                self.disconnected.append(path)
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+
+def _answer(worker: FakeWorker, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A deterministic non-streaming answer naming the worker and the room."""
+    text = f"{worker.name or worker.role}:{body.get('bootstrap_room')}"
+    if path == "/generate":
+        return {"text": text, "output_ids": [1, 2], "meta_info": {"id": "x"}}
+    if path == "/v1/chat/completions":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        return {"object": "chat.completion", "choices": [choice | {"finish_reason": "length"}]}
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+
+
+def _sse(worker: FakeWorker, path: str, body: dict[str, Any]):
+    async def gen():
+        try:
+            for i in range(worker.stream_chunks):
+                payload = {"i": i, "worker": worker.name, "room": body.get("bootstrap_room")}
+                yield f"data: {json.dumps(payload)}\n\n".encode()
+                await asyncio.sleep(worker.chunk_delay_s)
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            worker.disconnected.append(path)
+            raise
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def build_app(worker: FakeWorker) -> FastAPI:
+    app = FastAPI()
+
+    async def generation(request: Request):
+        body = await request.json()
+        path = request.url.path
+        worker.received.append(Received("POST", path, dict(request.headers), body))
+        if await worker.wait_or_disconnect(request, path):
+            return JSONResponse({}, status_code=499)
+        if worker.fail_status is not None:
+            err = {"message": f"{worker.name} failed", "type": "fake_error"}
+            return JSONResponse({"error": err}, status_code=worker.fail_status)
+        if body.get("stream"):
+            return _sse(worker, path, body)
+        return JSONResponse(_answer(worker, path, body))
+
+    for p in GEN_PATHS:
+        app.add_api_route(p, generation, methods=["POST"])
+
+    async def record_get(request: Request) -> None:
+        worker.received.append(Received("GET", request.url.path, dict(request.headers), None))
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health(request: Request):
+        await record_get(request)
+        return PlainTextResponse("", status_code=200 if worker.healthy else 503)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request):
+        await record_get(request)
+        info = {"role": worker.role, "name": worker.name, "disaggregation_mode": worker.role}
+        return JSONResponse(info, status_code=worker.info_status)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(request: Request):
+        await record_get(request)
+        return JSONResponse(worker.model_info, status_code=worker.info_status)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        await record_get(request)
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/abort_request")
+    async def abort(request: Request):
+        body = await request.json()
+        worker.received.append(Received("POST", "/abort_request", dict(request.headers), body))
+        worker.aborted.append(body)
+        return {}
+
+    @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def unknown(request: Request):
+        body = (await request.body()).decode(errors="replace")
+        worker.received.append(Received(request.method, request.url.path, {}, body))
+        return JSONResponse({"error": {"message": "not found"}}, status_code=404)
+
+    return app
