@@ -27,7 +27,7 @@ class FakeStreamServer:
         ttft: float = 0.05,
         itl: float = 0.02,
         faults: list[str] | None = None,
-        server_counts: bool = True,  # send usage / meta_info token counts
+        server_counts: bool = True,  # send token counts (usage, meta_info) and ttft_breakdown
         drop_after: int = 3,
     ):
         self.ttft, self.itl, self.drop_after = ttft, itl, drop_after
@@ -130,7 +130,7 @@ class FakeStreamServer:
             meta: dict[str, Any] = {"finish_reason": {"type": "length"} if last else None}
             if self.server_counts:
                 meta.update(prompt_tokens=_prompt_len(req), completion_tokens=i + 1)
-            if last:
+            if last and self.server_counts:
                 meta["ttft_breakdown"] = BREAKDOWN
             text = "".join(f" t{j}" for j in range(i + 1))  # cumulative
             return {"text": text, "output_ids": [100 + i], "meta_info": meta}
@@ -174,6 +174,7 @@ async def _send_json(writer: asyncio.StreamWriter, status: int, obj: dict) -> No
     reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}[status]
     writer.write(
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
     )
     await writer.drain()

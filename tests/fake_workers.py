@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -33,6 +34,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Served:
+    """An ASGI app served by uvicorn in a daemon thread on 127.0.0.1."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 @dataclass
@@ -60,8 +85,7 @@ class FakeWorker:
     disconnected: list[str] = field(default_factory=list)  # paths whose client went away
     aborted: list[Any] = field(default_factory=list)  # /abort_request bodies
     port: int = 0
-    _server: uvicorn.Server | None = None
-    _thread: threading.Thread | None = None
+    _served: Served | None = None
 
     @property
     def url(self) -> str:
@@ -70,25 +94,14 @@ class FakeWorker:
     def gen_requests(self) -> list[Received]:
         return [r for r in self.received if r.path in GEN_PATHS]
 
-    def start(self) -> FakeWorker:
-        self.port = free_port()
-        config = uvicorn.Config(
-            build_app(self), host="127.0.0.1", port=self.port, log_level="warning"
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("fake worker did not start")
-            time.sleep(0.01)
+    def start(self, port: int | None = None) -> FakeWorker:
+        self._served = Served(build_app(self), port)
+        self.port = self._served.port
         return self
 
     def stop(self) -> None:
-        assert self._server is not None and self._thread is not None
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        assert self._served is not None
+        self._served.stop()
 
     async def wait_or_disconnect(self, request: Request, path: str) -> bool:
         """Sleep `hold_s`; True if the client disconnected meanwhile (recorded)."""
@@ -187,3 +200,34 @@ def build_app(worker: FakeWorker) -> FastAPI:
         return JSONResponse({"error": {"message": "not found"}}, status_code=404)
 
     return app
+
+
+def main() -> None:
+    """`python tests/fake_workers.py ROLE --port N [--bootstrap-port M] [--pid-file F]`:
+    a blocking fake server for process tests. With --pid-file it also starts a
+    grandchild (`sleep`, like an engine process) and writes its pid there."""
+    import argparse
+    import subprocess
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--pid-file", default=None)
+    ap.add_argument("--die-after", type=float, default=None, help="exit 3 after this many s")
+    args, _ = ap.parse_known_args()
+    if args.pid_file:
+        grandchild = subprocess.Popen(["sleep", "300"])
+        with open(args.pid_file, "a") as f:
+            f.write(f"{grandchild.pid}\n")
+    worker = FakeWorker(args.role, args.role)
+    config = uvicorn.Config(
+        build_app(worker), host="127.0.0.1", port=args.port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    if args.die_after is not None:
+        threading.Timer(args.die_after, lambda: os._exit(3)).start()
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

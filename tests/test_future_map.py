@@ -31,7 +31,9 @@ def _rows(num_rows: int, batch: int, seed: int, dtype: torch.dtype) -> torch.Ten
 
 def _unique_rows(num_rows: int, batch: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     """Distinct rows [B], B <= R, including row 0 and (when B > 1) the last row."""
-    middle = torch.randperm(max(num_rows - 2, 0), generator=_generator(seed))[: max(batch - 2, 0)] + 1
+    middle = (
+        torch.randperm(max(num_rows - 2, 0), generator=_generator(seed))[: max(batch - 2, 0)] + 1
+    )
     ends = [torch.tensor([0]), middle, torch.tensor([num_rows - 1])]
     rows = torch.cat(ends if batch > 1 else ends[:1])
     return rows.to(dtype).to(DEVICE)
@@ -111,7 +113,10 @@ def _bad_calls() -> list[tuple[str, object]]:
         ("1-D", lambda b: scatter_tokens(i64, rows.view(1, 2), vals.view(1, 2), backend=b)),
         ("length", lambda b: gather_tokens(i64, rows, out=i64[:3].clone(), backend=b)),
         ("length", lambda b: scatter_tokens(i64, rows, vals[:1], backend=b)),
-        ("contiguous", lambda b: gather_tokens(torch.zeros(16, dtype=torch.int64)[::2], rows.cpu(), backend=b)),
+        (
+            "contiguous",
+            lambda b: gather_tokens(torch.zeros(16, dtype=torch.int64)[::2], rows.cpu(), backend=b),
+        ),
         ("is on", lambda b: gather_tokens(i64, rows.to("meta"), backend=b)),
         ("backend", lambda b: gather_tokens(i64, rows, backend="cuda-graph")),
     ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -31,14 +32,28 @@ def _held(stream: WorkerStream) -> threading.Event:
     return gate
 
 
+def _after(delay: float, fn: Callable[[], object]) -> Callable[[], None]:
+    """Work that sleeps `delay` seconds, then calls `fn`."""
+
+    def work() -> None:
+        time.sleep(delay)
+        fn()
+
+    return work
+
+
 def _boom() -> None:
     raise KeyError("boom")
 
 
 def test_worker_runs_in_fifo_order_on_its_own_thread(worker: WorkerStream) -> None:
     seen: list[tuple[int, str]] = []
+
+    def note(i: int) -> None:
+        seen.append((i, threading.current_thread().name))
+
     for i in range(50):
-        worker.run(lambda i=i: seen.append((i, threading.current_thread().name)))
+        worker.run(partial(note, i))
     worker.synchronize()
     assert [i for i, _ in seen] == list(range(50))
     assert {name for _, name in seen} == {"stream-forward"}
@@ -79,7 +94,7 @@ def test_event_covers_only_work_issued_before_record(worker: WorkerStream) -> No
 def test_host_wait_stream_blocks_until_earlier_worker_work_is_done(worker: WorkerStream) -> None:
     host = HostStream("schedule")
     log: list[str] = []
-    worker.run(lambda: (time.sleep(0.2), log.append("forward")))
+    worker.run(_after(0.2, lambda: log.append("forward")))
     host.wait_stream(worker)
     host.run(lambda: log.append("schedule"))
     assert log == ["forward", "schedule"]
@@ -98,7 +113,7 @@ def test_worker_wait_stream_orders_after_other_worker(worker: WorkerStream) -> N
     other = WorkerStream("copy")
     try:
         stamps: dict[str, float] = {}
-        other.run(lambda: (time.sleep(0.2), stamps.__setitem__("other", time.monotonic())))
+        other.run(_after(0.2, lambda: stamps.__setitem__("other", time.monotonic())))
         worker.wait_stream(other)
         worker.run(lambda: stamps.__setitem__("mine", time.monotonic()))
         worker.synchronize()
@@ -163,7 +178,7 @@ def test_host_error_raises_at_once_and_breaks_the_stream() -> None:
 def test_close_finishes_pending_work_and_joins() -> None:
     stream = WorkerStream("forward")
     done: list[int] = []
-    stream.run(lambda: (time.sleep(0.1), done.append(1)))
+    stream.run(_after(0.1, lambda: done.append(1)))
     stream.close()
     assert done == [1]
     assert not stream._thread.is_alive()

@@ -142,6 +142,6 @@ def _check_bounds(rows: torch.Tensor, num_rows: int) -> None:
     """CPU only: reading the values of a CUDA tensor would synchronize the host."""
     if rows.device.type != "cpu" or rows.shape[0] == 0:
         return
-    lo, hi = int(rows.min()), int(rows.max())
+    lo, hi = (int(x) for x in torch.aminmax(rows))
     if lo < 0 or hi >= num_rows:
         raise ValueError(f"rows must lie in [0, {num_rows}), got values in [{lo}, {hi}]")

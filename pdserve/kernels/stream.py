@@ -194,7 +194,7 @@ class WorkerStream:
     def _execute(self, fn: Callable[[], object]) -> None:
         try:
             fn()
-        except Exception as exc:
+        except BaseException as exc:  # even SystemExit: a dead worker would hang its waiters
             log.exception("work on stream %r raised; the stream is broken", self.name)
             with self._cond:
                 self._error = exc

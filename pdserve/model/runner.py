@@ -10,7 +10,7 @@ from pdserve.config import EngineConfig
 from pdserve.model.attention import make_attention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import MODEL_REGISTRY
+from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
 from pdserve.scheduler.pools import KVLayout, KVPool, ReqToTokenPool
 
@@ -20,7 +20,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
+        """`model`: share already loaded weights (read-only) instead of loading them."""
         if cfg.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
         self.cfg = cfg
@@ -33,8 +34,10 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
         self.max_context = min(cfg.cache.max_context, self.arch.max_position_embeddings)
-        state = load_state(cfg.model_path, self.dtype, self.device)
-        self.model = MODEL_REGISTRY[self.arch.architecture](self.arch, state, self.max_context)
+        if model is None:
+            state = load_state(cfg.model_path, self.dtype, self.device)
+            model = MODEL_REGISTRY[self.arch.architecture](self.arch, state, self.max_context)
+        self.model = model
         self.layout = KVLayout(
             num_layers=self.arch.num_layers,
             num_kv_heads=self.arch.num_kv_heads,

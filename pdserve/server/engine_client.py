@@ -66,6 +66,9 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._queues)
 
+    def in_flight_rids(self) -> list[str]:
+        return list(self._queues)
+
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Spawn the engine and wait for EngineReady. Raises RuntimeError if it never comes."""

@@ -12,15 +12,16 @@ the answer; a client that goes away cancels both legs and sends
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import secrets
-import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.server.router_body import error_body, with_bootstrap
 from pdserve.server.router_workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -39,58 +40,6 @@ class LegError(Exception):
 
 class ClientGone(Exception):
     pass
-
-
-def error_body(message: str, type_: str = "router_error", code: int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
-
-
-def num_sequences(path: str, body: dict[str, Any]) -> int | None:
-    """Sequences one request makes (batch × n), or None for a single one (scalar room)."""
-    n = body.get("n", 1) if path.startswith("/v1/") else _sampling_n(body)
-    batch = _batch_size(body) if path == "/generate" else None
-    count = (batch or 1) * (n if isinstance(n, int) and n > 1 else 1)
-    return count if batch is not None or count > 1 else None
-
-
-def _sampling_n(body: dict[str, Any]) -> Any:
-    params = body.get("sampling_params")
-    return params.get("n", 1) if isinstance(params, dict) else 1
-
-
-def _batch_size(body: dict[str, Any]) -> int | None:
-    text, ids = body.get("text"), body.get("input_ids")
-    if isinstance(text, list):
-        return len(text)
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        return len(ids)
-    return None
-
-
-def with_bootstrap(path: str, body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
-    """A copy of `body` with the bootstrap fields and a `rid` (kept if the client set one).
-
-    `bootstrap_room` is a fresh random 63-bit int, or a list of distinct ones when
-    the request makes several sequences (batch and/or n > 1), one per sequence.
-    """
-    out = dict(body)
-    count = num_sequences(path, body)
-    if count is None:
-        out["bootstrap_room"] = secrets.randbits(63)
-    else:
-        out["bootstrap_room"] = _distinct_rooms(count)
-    out["bootstrap_host"] = prefill.host
-    out["bootstrap_port"] = prefill.bootstrap_port
-    if "rid" not in out and count is None:
-        out["rid"] = f"pdr-{uuid.uuid4().hex}"
-    return out
-
-
-def _distinct_rooms(count: int) -> list[int]:
-    rooms: set[int] = set()
-    while len(rooms) < count:
-        rooms.add(secrets.randbits(63))
-    return list(rooms)
 
 
 async def _error_from(resp: httpx.Response, leg: str, url: str) -> LegError:
@@ -139,7 +88,7 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-async def race(main: asyncio.Future, prefill: asyncio.Task, gone: asyncio.Task) -> Any:
+async def race(main: asyncio.Future, prefill: asyncio.Future, gone: asyncio.Future) -> Any:
     """Result of `main`, unless the prefill fails (LegError) or the client goes first."""
     watch = {main, gone} | ({prefill} if not prefill.done() else set())
     if prefill.done():
@@ -175,8 +124,11 @@ class PDProxy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def forward(self, path: str, body: dict, headers: dict, request: Request) -> Response:
-        """Precondition: `body` is the client's parsed JSON object."""
+    async def forward(
+        self, path: str, body: dict, headers: dict, request: Request | None
+    ) -> Response:
+        """Precondition: `body` is the client's parsed JSON object. With `request`
+        None (the router's own probes) nobody watches for a client disconnect."""
         prefill, decode = self.pool.pick_pair()
         body = with_bootstrap(path, body, prefill)
         self.stats["requests_total"] += 1
@@ -185,7 +137,11 @@ class PDProxy:
         legs = _Legs(self, prefill, decode, body, lease)
         p_task = asyncio.ensure_future(post_prefill(self.client, prefill.url + path, body, headers))
         d_task = asyncio.ensure_future(open_decode(self.client, decode.url + path, body, headers))
-        gone = asyncio.ensure_future(wait_disconnect(request))
+        gone: asyncio.Future = (
+            asyncio.ensure_future(wait_disconnect(request))
+            if request is not None
+            else asyncio.get_running_loop().create_future()  # never done
+        )
         legs.tasks = [p_task, d_task, gone]
         try:
             resp: httpx.Response = await race(d_task, p_task, gone)
@@ -196,7 +152,7 @@ class PDProxy:
                     legs.relay(p_task), resp.status_code, _forward_headers(resp)
                 )
             data = await race(asyncio.ensure_future(resp.aread()), p_task, gone)
-            await race(p_task, p_task, gone)
+            await _settle_prefill(p_task, gone)
             legs.finish(ok=True)
             return Response(data, resp.status_code, _forward_headers(resp))
         except LegError as e:
@@ -204,6 +160,118 @@ class PDProxy:
             self.stats["failed_total"] += 1
             log.warning("request failed: %s", e)
             return JSONResponse(e.body, e.status)
-        except (ClientGone, asyncio.CancelledError):
+        except ClientGone:
+            legs.finish(ok=False, abort=True)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
             legs.finish(ok=False, abort=True)
             raise
+
+
+async def _settle_prefill(prefill: asyncio.Future, gone: asyncio.Future) -> None:
+    """After the decode answered: surface a prefill failure, waiting at most the grace time."""
+    await asyncio.wait(
+        {prefill, gone}, timeout=PREFILL_GRACE_S, return_when=asyncio.FIRST_COMPLETED
+    )
+    if prefill.done():
+        prefill.result()
+
+
+def _sse_error(e: LegError) -> bytes:
+    return b"data: " + json.dumps(e.body).encode() + b"\n\n"
+
+
+async def _chunks(resp: httpx.Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
+    """The decode's raw body chunks; raises the prefill's LegError as soon as it fails."""
+    it = resp.aiter_raw().__aiter__()
+    while True:
+        nxt = asyncio.ensure_future(it.__anext__())
+        try:
+            await asyncio.wait(
+                {nxt} | ({prefill} if not prefill.done() else set()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        except asyncio.CancelledError:
+            nxt.cancel()
+            raise
+        if prefill.done() and prefill.exception() is not None:
+            nxt.cancel()
+            prefill.result()
+        if nxt.done():
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+        else:
+            await nxt  # only reached once the prefill succeeded; keep waiting on the chunk
+            yield nxt.result()
+
+
+def _drain(task: asyncio.Future) -> None:
+    """Cancel `task`, or mark its exception as seen so asyncio does not log it."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
+class _Legs:
+    """The live state of one forwarded request; `finish` releases everything once."""
+
+    def __init__(self, proxy: PDProxy, prefill: Worker, decode: Worker, body: dict, lease: Any):
+        self.proxy, self.prefill, self.decode, self.body, self.lease = (
+            proxy,
+            prefill,
+            decode,
+            body,
+            lease,
+        )
+        self.tasks: list[asyncio.Future] = []
+        self.decode_resp: httpx.Response | None = None
+        self._finished = False
+
+    def finish(self, ok: bool, abort: bool = False) -> None:
+        if not self._finished:
+            self._finished = True
+            self.proxy._spawn(self._cleanup(ok, abort))
+
+    async def relay(self, prefill: asyncio.Task) -> AsyncIterator[bytes]:
+        """Stream the decode's body unchanged; a prefill failure ends it with an error event."""
+        assert self.decode_resp is not None
+        ok = False
+        try:
+            async for chunk in _chunks(self.decode_resp, prefill):
+                yield chunk
+            ok = True
+        except LegError as e:
+            self.proxy.stats["failed_total"] += 1
+            log.warning("stream failed: %s", e)
+            yield _sse_error(e)
+        finally:
+            self.finish(ok=ok, abort=not ok)
+
+    async def _cleanup(self, ok: bool, abort: bool) -> None:
+        prefill_task = self.tasks[0]
+        if ok and not prefill_task.done():
+            await asyncio.wait({prefill_task}, timeout=PREFILL_GRACE_S)
+        for task in self.tasks:
+            _drain(task)
+        decode_task = self.tasks[1]
+        if decode_task.done() and not decode_task.cancelled() and not decode_task.exception():
+            await decode_task.result().aclose()
+        if abort:
+            self.proxy.stats["aborted_total"] += 1
+            await self._abort()
+        self.lease.__exit__(None, None, None)
+
+    async def _abort(self) -> None:
+        rid = self.body.get("rid")
+        if rid is None:
+            return  # legs were cancelled; the workers see the disconnect
+        for w in (self.prefill, self.decode):
+            try:
+                await self.proxy.client.post(
+                    w.url + "/abort_request", json={"rid": rid}, timeout=2.0
+                )
+            except httpx.HTTPError as e:
+                log.info("abort_request to %s failed: %r", w.url, e)

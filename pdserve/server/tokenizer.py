@@ -58,6 +58,7 @@ class Tokenizer:
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
         gcfg = _read_json(d / "generation_config.json")
+        self.model_config = mcfg  # config.json as read (architectures, model_type, ...)
         self.bos_token = _token_content(tcfg.get("bos_token")) or ""
         self.eos_token = _token_content(tcfg.get("eos_token")) or ""
         self.vocab_size: int = int(mcfg.get("vocab_size") or self.hf.get_vocab_size())

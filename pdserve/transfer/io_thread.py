@@ -71,7 +71,7 @@ class IOThread:
         self.submit(lambda: None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
-            if not self._thread.is_alive():
+            if not self._thread.is_alive() and self._rfd >= 0:
                 os.close(self._rfd)
                 os.close(self._wfd)
                 self._rfd = self._wfd = -1
@@ -106,6 +106,6 @@ class IOThread:
     @staticmethod
     def _drain_socket(sock: zmq.Socket, fn: Callable[[], None]) -> None:
         budget = 256  # bound one socket's turn so timers and work still run
-        while budget and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while budget and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             fn()
             budget -= 1

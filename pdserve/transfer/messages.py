@@ -14,8 +14,10 @@ zlib.crc32 chained over the frames in order.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -27,7 +29,7 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
-class Ready(_Msg, tag="ready"):
+class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     """Decode -> prefill: slots for `room` are reserved; push KV to `data_endpoint`."""
 
     room: int
@@ -39,7 +41,7 @@ class Ready(_Msg, tag="ready"):
     decode_id: str
 
 
-class KVChunk(_Msg, tag="chunk"):
+class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     room: int
     session: int
     index: int
@@ -53,28 +55,28 @@ class KVChunk(_Msg, tag="chunk"):
     checksum: int
 
 
-class KVDone(_Msg, tag="done"):
+class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
     room: int
     session: int
     first_token: int
     first_logprob: float
     prompt_len: int
     num_chunks: int
-    digest: int  # chunk_digest() over (index, checksum) of every chunk sent
+    digest: int  # done_digest(): every chunk's (index, checksum) and the fields above
 
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, tag="ack", kw_only=True, frozen=True):
     room: int
     session: int
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", kw_only=True, frozen=True):
     room: int
     session: int = 0  # 0: any session of the room
     reason: str
 
 
-class Heartbeat(_Msg, tag="hb"):
+class Heartbeat(_Msg, tag="hb", kw_only=True, frozen=True):
     sender: str
     seq: int
 
@@ -88,19 +90,24 @@ def encode(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
 
 
-def frames_checksum(frames: Sequence[memoryview | bytes]) -> int:
+def frames_checksum(frames: Sequence[Any]) -> int:
+    """crc32 chained over buffers (bytes, memoryviews, contiguous arrays)."""
     crc = 0
     for f in frames:
         crc = zlib.crc32(f, crc)
     return crc
 
 
-def chunk_digest(pairs: Sequence[tuple[int, int]]) -> int:
-    """Order-independent digest of a transfer: crc32 over its (index, checksum) pairs, sorted."""
+def done_digest(
+    pairs: Sequence[tuple[int, int]], first_token: int, first_logprob: float, prompt_len: int
+) -> int:
+    """Digest of a whole transfer: crc32 over its (chunk index, checksum) pairs in index
+    order (so independent of arrival order), then the KVDone fields it vouches for."""
     crc = 0
     for index, checksum in sorted(pairs):
-        crc = zlib.crc32(index.to_bytes(8, "little") + checksum.to_bytes(4, "little"), crc)
-    return crc
+        crc = zlib.crc32(struct.pack("<qI", index, checksum), crc)
+    tail = struct.pack("<qdqq", first_token, first_logprob, prompt_len, len(pairs))
+    return zlib.crc32(tail, crc)
 
 
 class Decoder:

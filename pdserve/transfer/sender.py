@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -32,7 +33,7 @@ from pdserve.transfer.messages import (
     KVChunk,
     KVDone,
     Ready,
-    chunk_digest,
+    done_digest,
     frames_checksum,
 )
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
@@ -100,14 +101,11 @@ class KVSender:
         self._io.submit(lambda: self._admit(req))
 
     def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+        event = None
         if pool.k.is_cuda:  # NOTE: the I/O thread must not read KV the forward stream still writes
             event = torch.cuda.Event()
             event.record()
-            self._io.submit(
-                lambda: (event.synchronize(), self._chunk(req, pool, slots, start, end))
-            )
-        else:
-            self._io.submit(lambda: self._chunk(req, pool, slots, start, end))
+        self._io.submit(lambda: self._chunk(req, pool, slots, start, end, event))
 
     def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
         self._io.submit(lambda: self._done(req, first_token, first_logprob))
@@ -147,7 +145,11 @@ class KVSender:
         if st.ready is not None:
             self._check_ready(st)
 
-    def _chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+    def _chunk(
+        self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int, event: Any
+    ) -> None:
+        if event is not None:
+            event.synchronize()
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return  # failed or foreign: the event was already emitted
@@ -211,7 +213,7 @@ class KVSender:
             first_logprob=st.done[1],
             prompt_len=st.req.prompt_len,
             num_chunks=len(st.sent),
-            digest=chunk_digest(st.sent),
+            digest=done_digest(st.sent, *st.done, st.req.prompt_len),
         )
         sock.send(done)
         st.done_sent = True

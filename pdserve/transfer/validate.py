@@ -18,7 +18,7 @@ import torch
 
 from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
-from pdserve.transfer.messages import KVChunk, KVDone, chunk_digest, frames_checksum
+from pdserve.transfer.messages import KVChunk, KVDone, done_digest, frames_checksum
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 
@@ -88,6 +88,6 @@ def check_done(x: Transfer, d: KVDone) -> str:
         return f"{missing} (kind, layer, token) cells of KV never arrived"
     if d.num_chunks != len(x.chunks):
         return f"{d.num_chunks} chunks sent, {len(x.chunks)} received"
-    if d.digest != chunk_digest(x.chunks):
+    if d.digest != done_digest(x.chunks, d.first_token, d.first_logprob, d.prompt_len):
         return "transfer digest mismatch"
     return ""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from pdserve.transfer.messages import Decoder, Message, encode
 
-Frame = bytes | memoryview
+Frame = Any  # bytes, memoryview or contiguous numpy array: anything with a buffer
 # hook(kind tag, frames) -> the multipart messages to really send (0, 1 or more)
 SendHook = Callable[[str, list[Frame]], list[list[Frame]]]
 

@@ -1,0 +1,302 @@
+"""Decode engine: queues, admission, and the overlap loop (DESIGN §3).
+
+Queues, in order:
+
+    prealloc --(row + pages reserved, source.expect)--> transfer
+    transfer --(KV + first token arrived)-------------> prebuilt
+    prebuilt --(process_prebuilt, behind the fence)---> running --> done
+
+Admission policy: a request reserves pages for prompt + max_tokens (+1 slot for
+the redundant overlap step, see Req.reserved_tokens) up front, so a running
+request can always finish and nothing is ever retracted. A request that could
+never fit (longer than the context, more pages than the pool has) is refused at
+once; otherwise it waits in prealloc, FIFO, for rows and pages to come back.
+Beyond `max_queued_requests` waiting requests, new ones are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+
+from pdserve.config import EngineConfig
+from pdserve.kernels.stream import Event, make_streams
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
+from pdserve.scheduler.future_map import FutureMap
+from pdserve.scheduler.kv_io import KVSource
+from pdserve.scheduler.pools import slots_of
+from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
+from pdserve.scheduler.stop import check_stop
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    role = "decode"
+
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, source: KVSource) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.source = source
+        self.overlap = not cfg.scheduler.disable_overlap
+        self.future = FutureMap(cfg.max_rows, runner.device, cfg.kernel_backend)
+        self.schedule_stream, self.forward_stream = make_streams(runner.device)
+        self.prealloc: deque[Req] = deque()
+        self.transfer: dict[str, Req] = {}
+        self.prebuilt: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}  # every live request by rid
+        self.seeds: dict[str, int] = {}
+        self.in_flight: StepResult | None = None
+        self.deferred_pages: list[tuple[Event, list[int]]] = []
+        self.events: list[TokenEvent] = []
+        self.forward_hook: ForwardHook | None = None  # tests only
+        self.busy_s = 0.0
+        self.started = time.perf_counter()
+        self.steps = 0
+
+    # ---- requests in --------------------------------------------------------------
+    def add_request(self, er: EngineRequest) -> None:
+        req = Req.from_engine_request(er)
+        problem = self._refusal(req)
+        if problem:
+            self._emit_error(req, problem)
+            return
+        self.reqs[req.rid] = req
+        self.seeds[req.rid] = er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        self.prealloc.append(req)
+
+    def _refusal(self, req: Req) -> str | None:
+        if req.rid in self.reqs:
+            return f"duplicate request id {req.rid!r}"
+        try:
+            req.params.validate(self.runner.arch.vocab_size)
+        except ValueError as e:
+            return str(e)
+        if not req.prompt_ids:
+            return "the prompt is empty"
+        if req.reserved_tokens > self.runner.max_context:
+            return (
+                f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
+                f"exceeds the context length {self.runner.max_context}"
+            )
+        alloc = self.runner.kv_pool.allocator
+        if alloc.pages_for(req.reserved_tokens) > alloc.total_pages:
+            return "request needs more KV pages than the pool has"
+        if len(self.prealloc) >= self.cfg.scheduler.max_queued_requests:
+            return "server overloaded: decode queue is full"
+        return None
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        req.finish_reason = "abort"
+        self._end(req, detail=reason)
+
+    # ---- the loop -----------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """receive -> schedule -> launch -> process previous -> return."""
+        self._release_deferred_pages()
+        self._admit()
+        self._receive()
+        batch = self._schedule()
+        launched = self._launch(batch) if batch else None
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:
+            self._process(previous)
+        if not self.overlap and self.in_flight is not None:
+            done, self.in_flight = self.in_flight, None
+            self._process(done)
+        events, self.events = self.events, []
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self.reqs) or self.in_flight is not None or bool(self.deferred_pages)
+
+    # ---- 1. receive: prealloc -> transfer, transfer -> prebuilt -------------------
+    def _admit(self) -> None:
+        pool, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
+        while self.prealloc and pool.free_rows:
+            req = self.prealloc[0]
+            pages = alloc.alloc(alloc.pages_for(req.reserved_tokens))
+            if pages is None:
+                return  # FIFO: wait for pages to come back
+            self.prealloc.popleft()
+            req.row, req.pages, req.state = pool.alloc() or 0, pages, State.TRANSFER
+            req.stages["reserved"] = time.time()
+            self.transfer[req.rid] = req
+            slots = slots_of(pages, req.prompt_len, alloc.page_size).to(self.runner.device)
+            self.source.expect(req, self.runner.kv_pool, slots)
+
+    def _receive(self) -> None:
+        for ev in self.source.poll():
+            req = self.transfer.pop(ev.rid, None)
+            if req is None:
+                continue  # cancelled meanwhile
+            if not ev.ok:
+                req.error = f"KV transfer failed: {ev.reason}"
+                self.transfer[req.rid] = req
+                self._end(req)
+                continue
+            req.first_token, req.first_logprob = ev.first_token, ev.first_logprob
+            req.state = State.PREBUILT
+            req.stages["kv_done"] = time.time()
+            self.prebuilt.append(req)
+
+    # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
+    def _schedule(self) -> list[Req]:
+        self.running = [r for r in self.running if not r.finished]
+        room = self.cfg.scheduler.max_running_requests - len(self.running)
+        new = self.get_new_prebuilt_batch(room)
+        self.running.extend(r for r in new if not r.finished)
+        return list(self.running)
+
+    def get_new_prebuilt_batch(self, room: int) -> list[Req]:
+        take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
+        if not take:
+            return []
+        if self.overlap:
+            # NOTE: row-reuse race (DESIGN §3). A request that finished at step N still
+            # runs a redundant step N+1 on the forward stream, which reads
+            # req_to_token[row] and publishes its token into output_tokens[row]. Its row
+            # was freed as soon as we saw it finish, so a request taken here may own that
+            # row now. Wait for the forward stream before process_prebuilt writes the row,
+            # or the new request decodes from the finished request's token.
+            self.schedule_stream.wait_stream(self.forward_stream)
+        self.process_prebuilt(take)
+        return take
+
+    def process_prebuilt(self, reqs: list[Req]) -> None:
+        """Write each request's req_to_token row, stash its first token, emit it."""
+        table = self.runner.req_pool.req_to_token
+        ps = self.runner.layout.page_size
+        for req in reqs:
+            slots = slots_of(req.pages, req.reserved_tokens, ps)
+            table[req.row, : len(slots)] = slots.to(device=table.device, dtype=table.dtype)
+            self.future.stash(req.row, req.first_token)
+            req.state = State.RUNNING
+            req.stages["running"] = time.time()
+            self._append(req, req.first_token, req.first_logprob)
+
+    # ---- 3. launch -------------------------------------------------------------------
+    def _launch(self, reqs: list[Req]) -> StepResult:
+        self.steps += 1
+        return launch_step(
+            reqs, self.runner, self.future, self.forward_stream, self.seeds, self.forward_hook
+        )
+
+    # ---- 4. process the previous step ------------------------------------------------
+    def _process(self, result: StepResult) -> None:
+        assert result.copy_done is not None
+        result.copy_done.wait()
+        t = result.timing
+        self.busy_s += t.get("end", 0.0) - t.get("start", 0.0)
+        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
+        for req, tok, lp in zip(result.reqs, tokens, logprobs):
+            if not req.finished:  # a finished request's redundant step is discarded
+                self._append(req, tok, lp)
+
+    def _append(self, req: Req, token: int, logprob: float) -> None:
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        stop = check_stop(req, token, self.runner.arch.eos_token_ids)
+        ev = TokenEvent(rid=req.rid, token_ids=[token], logprobs=[logprob] if req.params.logprobs else [])
+        self.events.append(ev)
+        if stop is not None:
+            req.finish_reason, req.matched_stop = stop
+            self._end(req, event=ev)
+
+    # ---- terminal states and freeing -------------------------------------------------
+    def _end(self, req: Req, event: TokenEvent | None = None, detail: str = "") -> None:
+        """Move `req` to DONE from whatever queue holds it; release what it holds."""
+        was = req.state
+        req.state = State.DONE
+        self.reqs.pop(req.rid, None)
+        self.seeds.pop(req.rid, None)
+        if was == State.PREALLOC:
+            self.prealloc.remove(req)
+        elif was == State.TRANSFER:
+            self.transfer.pop(req.rid, None)
+            self.source.cancel(req, detail or req.error or "aborted")
+        elif was == State.PREBUILT:
+            self.prebuilt.remove(req)
+        self._free(req, in_batch=was == State.RUNNING)
+        if event is None:
+            event = TokenEvent(rid=req.rid)
+            self.events.append(event)
+        event.finished = True
+        event.finish_reason = req.finish_reason if req.error is None else None
+        event.matched_stop = req.matched_stop
+        event.error = req.error
+        event.stages = dict(req.stages)
+
+    def _free(self, req: Req, in_batch: bool) -> None:
+        if req.row:
+            # The row is free at once: the only writer of a reused row is
+            # process_prebuilt, which fences against the forward stream first.
+            self.runner.req_pool.free(req.row)
+            req.row = 0
+        if not req.pages:
+            return
+        pages, req.pages = req.pages, []
+        if in_batch and self.overlap:
+            # NOTE: deferred free. The redundant step still writes this request's KV
+            # (at position prompt_len + launched_steps - 1, inside its pages). Pages go
+            # back only after everything issued on the forward stream so far is done,
+            # or a new request's transferred KV could be overwritten.
+            self.deferred_pages.append((self.forward_stream.record(), pages))
+        else:
+            self.runner.kv_pool.allocator.free(pages)
+
+    def _release_deferred_pages(self) -> None:
+        keep = []
+        for event, pages in self.deferred_pages:
+            if event.query():
+                self.runner.kv_pool.allocator.free(pages)
+            else:
+                keep.append((event, pages))
+        self.deferred_pages = keep
+
+    def _emit_error(self, req: Req, message: str) -> None:
+        req.error = message
+        req.state = State.DONE
+        self.events.append(TokenEvent(rid=req.rid, finished=True, error=message))
+
+    # ---- introspection -------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        rp, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        used = alloc.total_pages - alloc.free_pages
+        return {
+            "free_rows": rp.free_rows,
+            "total_rows": rp.total_rows,
+            "free_kv_pages": alloc.free_pages,
+            "total_kv_pages": alloc.total_pages,
+            "running": len([r for r in self.running if not r.finished]),
+            "queued": len(self.prealloc) + len(self.transfer) + len(self.prebuilt),
+            "prealloc": len(self.prealloc),
+            "transfer": len(self.transfer),
+            "prebuilt": len(self.prebuilt),
+            "token_usage": used / max(alloc.total_pages, 1),
+            "forward_busy_ratio": self.busy_s / wall,
+            "decode_steps": self.steps,
+        }
+
+    def drain(self) -> None:
+        """Finish in-flight work and return deferred pages (idle, tests, shutdown)."""
+        if self.in_flight is not None:
+            done, self.in_flight = self.in_flight, None
+            self._process(done)
+        self.forward_stream.synchronize()
+        self._release_deferred_pages()
+
+    def close(self) -> None:
+        self.forward_stream.close()
+        self.schedule_stream.close()
+
+

@@ -1,0 +1,105 @@
+"""Building and launching one decode step on the forward stream.
+
+Tokens never leave the device between steps: the step's input ids are
+gathered from `FutureMap.output_tokens[rows]` on the forward stream, and its
+sampled tokens are scattered back there before the host copy. So step N+1 can
+be built on the host before step N's tokens are known there.
+
+Per request in a step (host-side counters only, no tokens needed):
+
+    input position  = prompt_len + launched_steps          (before the increment)
+    KV slot written = slot of that position in req.pages
+    output index    = launched_steps (after the increment)  (index 0 came from the prefill)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.kernels.stream import Event, Stream
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.runner import ModelRunner
+from pdserve.model.sampling import sample
+from pdserve.scheduler.future_map import FutureMap
+from pdserve.scheduler.request import Req
+
+# Called on the forward stream after sampling, before publishing (tests hold the stream here).
+ForwardHook = Callable[["StepResult"], None]
+
+
+@dataclass(eq=False)
+class StepResult:
+    """One launched step. `tokens`/`logprobs` are valid on the host once `copy_done` is set."""
+
+    reqs: list[Req]
+    out_index: list[int]  # output index each request samples in this step
+    tokens: torch.Tensor  # [B] int64 host, filled on the forward stream
+    logprobs: torch.Tensor  # [B] float32 host
+    copy_done: Event | None = None  # recorded by the launcher
+    timing: dict[str, float] = field(default_factory=dict)  # forward-stream start/end (perf_counter)
+
+
+def slot_of(req: Req, pos: int, page_size: int) -> int:
+    return req.pages[pos // page_size] * page_size + pos % page_size
+
+
+def build_batch(reqs: list[Req], page_size: int, device: str) -> tuple[ForwardBatch, list[int]]:
+    """Advance each request by one launched step and describe the step's forward."""
+    positions, slots, out_index = [], [], []
+    for r in reqs:
+        pos = r.prompt_len + r.launched_steps
+        positions.append(pos)
+        slots.append(slot_of(r, pos, page_size))
+        r.launched_steps += 1
+        out_index.append(r.launched_steps)
+    batch = ForwardBatch(
+        input_ids=torch.empty(0, dtype=torch.int64, device=device),  # resolved on the stream
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=device),
+        rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=[p + 1 for p in positions],
+        extend_lens=[1] * len(reqs),
+    )
+    return batch, out_index
+
+
+def launch_step(
+    reqs: list[Req],
+    runner: ModelRunner,
+    future: FutureMap,
+    stream: Stream,
+    seeds: dict[str, int],
+    hook: ForwardHook | None = None,
+) -> StepResult:
+    """Issue resolve -> forward -> sample -> publish -> host copy on `stream`."""
+    batch, out_index = build_batch(reqs, runner.layout.page_size, runner.device)
+    n = len(reqs)
+    pin = runner.device.startswith("cuda")
+    result = StepResult(
+        reqs=list(reqs),
+        out_index=out_index,
+        tokens=torch.empty(n, dtype=torch.int64, pin_memory=pin),
+        logprobs=torch.empty(n, dtype=torch.float32, pin_memory=pin),
+    )
+    params = [r.params for r in reqs]
+    req_seeds = [seeds[r.rid] for r in reqs]
+
+    def forward() -> None:
+        result.timing["start"] = time.perf_counter()
+        batch.input_ids = future.resolve(batch.rows)
+        logits = runner.forward(batch)
+        tokens, logprobs = sample(logits, params, req_seeds, out_index)
+        if hook is not None:
+            hook(result)
+        future.publish(batch.rows, tokens)
+        result.tokens.copy_(tokens, non_blocking=pin)
+        result.logprobs.copy_(logprobs, non_blocking=pin)
+        result.timing["end"] = time.perf_counter()
+
+    stream.run(forward)
+    result.copy_done = stream.record()
+    return result

@@ -1,0 +1,112 @@
+"""In-process KV handoff: the prefill's KV pages and first token handed to the
+decode in memory. The offline `LLM` and the unit tests use it; the servers use
+the ZeroMQ transfer (pdserve.transfer) instead.
+
+Requests pair up by `room`. Whichever side arrives second triggers the copy:
+    sink.on_done(room)  +  source.expect(room)  ->  copy KV, source event, sink event
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.scheduler.kv_io import SinkEvent, SourceEvent
+from pdserve.scheduler.pools import KVPool
+from pdserve.scheduler.request import Req
+
+
+@dataclass
+class _Prefilled:
+    rid: str
+    pool: KVPool
+    slots: torch.Tensor
+    first_token: int
+    first_logprob: float
+
+
+@dataclass
+class _Expected:
+    rid: str
+    pool: KVPool
+    slots: torch.Tensor
+
+
+class InProcessHandoff:
+    def __init__(self) -> None:
+        self.prefilled: dict[int, _Prefilled] = {}
+        self.expected: dict[int, _Expected] = {}
+        self.failed_rooms: dict[int, str] = {}
+        self.sink = _Sink(self)
+        self.source = _Source(self)
+        self.sink_events: list[SinkEvent] = []
+        self.source_events: list[SourceEvent] = []
+
+    def _try_copy(self, room: int) -> None:
+        src, dst = self.prefilled.get(room), self.expected.get(room)
+        if src is None or dst is None:
+            return
+        del self.prefilled[room], self.expected[room]
+        if len(src.slots) != len(dst.slots):
+            reason = f"prompt length mismatch: prefill {len(src.slots)}, decode {len(dst.slots)}"
+            self.sink_events.append(SinkEvent(src.rid, ok=False, reason=reason))
+            self.source_events.append(SourceEvent(dst.rid, ok=False, reason=reason))
+            return
+        d = dst.slots.to(dst.pool.k.device)
+        dst.pool.k[:, d] = src.pool.k[:, src.slots].to(dst.pool.k.device)
+        dst.pool.v[:, d] = src.pool.v[:, src.slots].to(dst.pool.v.device)
+        self.sink_events.append(SinkEvent(src.rid, ok=True))
+        self.source_events.append(
+            SourceEvent(dst.rid, ok=True, first_token=src.first_token, first_logprob=src.first_logprob)
+        )
+
+
+class _Sink:
+    def __init__(self, h: InProcessHandoff) -> None:
+        self.h = h
+        self.where: dict[str, tuple[KVPool, torch.Tensor]] = {}  # rid -> prefill pool, slots
+
+    def on_admit(self, req: Req) -> None:
+        pass
+
+    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+        self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining in memory
+
+    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        pool, slots = self.where.pop(req.rid)
+        self.h.prefilled[req.room] = _Prefilled(req.rid, pool, slots, first_token, first_logprob)
+        self.h._try_copy(req.room)
+
+    def on_abort(self, req: Req, reason: str) -> None:
+        self.where.pop(req.rid, None)
+        self.h.prefilled.pop(req.room, None)
+        exp = self.h.expected.pop(req.room, None)
+        if exp is not None:
+            self.h.source_events.append(SourceEvent(exp.rid, ok=False, reason=f"prefill: {reason}"))
+        else:
+            self.h.failed_rooms[req.room] = reason
+
+    def poll(self) -> list[SinkEvent]:
+        out, self.h.sink_events = self.h.sink_events, []
+        return out
+
+
+class _Source:
+    def __init__(self, h: InProcessHandoff) -> None:
+        self.h = h
+
+    def expect(self, req: Req, pool: KVPool, slots: torch.Tensor) -> None:
+        reason = self.h.failed_rooms.pop(req.room, None)
+        if reason is not None:
+            self.h.source_events.append(SourceEvent(req.rid, ok=False, reason=f"prefill: {reason}"))
+            return
+        self.h.expected[req.room] = _Expected(req.rid, pool, slots)
+        self.h._try_copy(req.room)
+
+    def cancel(self, req: Req, reason: str) -> None:
+        self.h.expected.pop(req.room, None)
+
+    def poll(self) -> list[SourceEvent]:
+        out, self.h.source_events = self.h.source_events, []
+        return out

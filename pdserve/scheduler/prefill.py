@@ -1,0 +1,234 @@
+"""Prefill engine: batched, chunked prefill; samples the first token; holds each
+request's KV until the sink reports the decode has it (or gave up), then frees it.
+
+    waiting --(row + prompt pages)--> prefilling (chunk by chunk) --(first token)--> holding --> freed
+
+One step packs up to `max_prefill_tokens` prompt tokens: the unfinished request
+first, then new ones; a prompt longer than the budget is split across steps.
+The prefill never decodes; it runs on the calling thread (no overlap needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.runner import ModelRunner
+from pdserve.model.sampling import sample
+from pdserve.scheduler.kv_io import KVSink
+from pdserve.scheduler.pools import slots_of
+from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEngine:
+    role = "prefill"
+
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, sink: KVSink) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.sink = sink
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []  # admitted, prompt partly computed
+        self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
+        self.reqs: dict[str, Req] = {}
+        self.done_tokens: dict[str, int] = {}  # rid -> prompt tokens computed so far
+        self.slots: dict[str, torch.Tensor] = {}
+        self.seeds: dict[str, int] = {}
+        self.events: list[TokenEvent] = []
+        self.busy_s = 0.0
+        self.started = time.perf_counter()
+
+    def add_request(self, er: EngineRequest) -> None:
+        req = Req.from_engine_request(er)
+        problem = self._refusal(req)
+        if problem:
+            req.error = problem
+            req.state = State.DONE
+            self.sink.on_abort(req, problem)  # the decode must not wait for this room
+            self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
+            return
+        self.reqs[req.rid] = req
+        self.seeds[req.rid] = er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        self.waiting.append(req)
+
+    def _refusal(self, req: Req) -> str | None:
+        if req.rid in self.reqs:
+            return f"duplicate request id {req.rid!r}"
+        try:
+            req.params.validate(self.runner.arch.vocab_size)
+        except ValueError as e:
+            return str(e)
+        if not req.prompt_ids:
+            return "the prompt is empty"
+        if any(not 0 <= t < self.runner.arch.vocab_size for t in req.prompt_ids):
+            return "prompt token ids outside the vocabulary"
+        if req.reserved_tokens > self.runner.max_context:
+            return (
+                f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
+                f"exceeds the context length {self.runner.max_context}"
+            )
+        alloc = self.runner.kv_pool.allocator
+        if alloc.pages_for(req.prompt_len) > alloc.total_pages:
+            return "prompt needs more KV pages than the prefill pool has"
+        if len(self.waiting) >= self.cfg.scheduler.max_queued_requests:
+            return "server overloaded: prefill queue is full"
+        return None
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        req.finish_reason = "abort"
+        self.sink.on_abort(req, reason)
+        self._finish(req)
+
+    def has_work(self) -> bool:
+        return bool(self.reqs)
+
+    # ---- the loop ------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        self._poll_sink()
+        self._admit()
+        chunk = self._plan_chunk()
+        if chunk:
+            self._run(chunk)
+        events, self.events = self.events, []
+        return events
+
+    def _poll_sink(self) -> None:
+        for ev in self.sink.poll():
+            req = self.holding.get(ev.rid) or self.reqs.get(ev.rid)
+            if req is None:
+                continue
+            if not ev.ok:
+                req.error = f"KV transfer failed: {ev.reason}"
+            self._finish(req)
+
+    def _admit(self) -> None:
+        pool, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
+        while self.waiting and pool.free_rows:
+            req = self.waiting[0]
+            pages = alloc.alloc(alloc.pages_for(req.prompt_len))
+            if pages is None:
+                return
+            self.waiting.popleft()
+            req.row, req.pages, req.state = pool.alloc() or 0, pages, State.TRANSFER
+            slots = slots_of(pages, req.prompt_len, alloc.page_size)
+            self.slots[req.rid] = slots.to(self.runner.device)
+            table = pool.req_to_token
+            table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
+            self.done_tokens[req.rid] = 0
+            self.prefilling.append(req)
+            req.stages["prefill_start"] = time.time()
+            self.sink.on_admit(req)
+
+    def _plan_chunk(self) -> list[tuple[Req, int, int]]:
+        """(req, start, end) prompt ranges for this step, within the token budget."""
+        budget = self.cfg.scheduler.max_prefill_tokens
+        plan = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            start = self.done_tokens[req.rid]
+            end = min(req.prompt_len, start + budget)
+            plan.append((req, start, end))
+            budget -= end - start
+        return plan
+
+    def _run(self, plan: list[tuple[Req, int, int]]) -> None:
+        t0 = time.perf_counter()
+        batch = self._batch(plan)
+        logits = self.runner.forward(batch)
+        finished = [(i, r) for i, (r, _, end) in enumerate(plan) if end == r.prompt_len]
+        if finished:
+            idx = [i for i, _ in finished]
+            reqs = [r for _, r in finished]
+            tokens, logprobs = sample(
+                logits[idx], [r.params for r in reqs], [self.seeds[r.rid] for r in reqs], [0] * len(reqs)
+            )
+        for req, start, end in plan:
+            self.done_tokens[req.rid] = end
+            self.sink.on_chunk(req, self.runner.kv_pool, self.slots[req.rid], start, end)
+        for j, (_, req) in enumerate(finished):
+            self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
+        self.busy_s += time.perf_counter() - t0
+
+    def _batch(self, plan: list[tuple[Req, int, int]]) -> ForwardBatch:
+        dev = self.runner.device
+        ids, pos, locs = [], [], []
+        for req, start, end in plan:
+            ids.extend(req.prompt_ids[start:end])
+            pos.extend(range(start, end))
+            locs.append(self.slots[req.rid][start:end])
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.cat(locs).long(),
+            rows=torch.tensor([r.row for r, _, _ in plan], dtype=torch.int64, device=dev),
+            seq_lens=[end for _, _, end in plan],
+            extend_lens=[end - start for _, start, end in plan],
+        )
+
+    def _prompt_done(self, req: Req, token: int, logprob: float) -> None:
+        self.prefilling.remove(req)
+        self.holding[req.rid] = req
+        req.first_token, req.first_logprob = token, logprob
+        req.output_ids.append(token)
+        req.stages["prefill_end"] = time.time()
+        self.sink.on_done(req, token, logprob)
+
+    def _finish(self, req: Req) -> None:
+        """Terminal: free row and pages (the sink no longer reads them), emit one event."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.holding.pop(req.rid, None)
+        self.reqs.pop(req.rid, None)
+        self.done_tokens.pop(req.rid, None)
+        self.slots.pop(req.rid, None)
+        self.seeds.pop(req.rid, None)
+        if req.row:
+            self.runner.req_pool.free(req.row)
+            req.row = 0
+        if req.pages:
+            self.runner.kv_pool.allocator.free(req.pages)
+            req.pages = []
+        req.state = State.DONE
+        ok = req.error is None and req.finish_reason is None
+        self.events.append(
+            TokenEvent(
+                rid=req.rid,
+                token_ids=req.output_ids[:1] if ok else [],
+                finished=True,
+                finish_reason="length" if ok else req.finish_reason,
+                error=req.error,
+                stages=dict(req.stages),
+            )
+        )
+
+    def stats(self) -> dict[str, float]:
+        rp, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        return {
+            "free_rows": rp.free_rows,
+            "total_rows": rp.total_rows,
+            "free_kv_pages": alloc.free_pages,
+            "total_kv_pages": alloc.total_pages,
+            "running": len(self.prefilling),
+            "queued": len(self.waiting),
+            "holding": len(self.holding),
+            "token_usage": (alloc.total_pages - alloc.free_pages) / max(alloc.total_pages, 1),
+            "forward_busy_ratio": self.busy_s / wall,
+        }
+
+    def close(self) -> None:
+        pass

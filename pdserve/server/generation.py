@@ -1,0 +1,251 @@
+"""One request's path through the frontend: validate -> engine -> detokenize -> stream.
+
+    HTTP handler ── build_requests ──▶ EngineRequest per sample (own rid, own room)
+                 ◀─ run_sample ─────── Delta per engine event (new text, new tokens)
+
+A sample's generator always ends the engine request: on a stop-string match
+and when the consumer goes away (client disconnect cancels it) it sends Abort,
+so the engine frees the request's row and pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.request import EngineRequest
+from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
+from pdserve.server.engine_client import EngineClient
+from pdserve.server.metrics import Metrics
+from pdserve.server.tokenizer import Tokenizer
+
+ROOM_MASK = (1 << 63) - 1
+
+
+class RequestError(Exception):
+    """A client error: becomes an HTTP 4xx with an OpenAI-style body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The PD fields as the router sends them (each may be one value or one per sample)."""
+
+    host: str | list[str] | None = None
+    port: int | list[int] | None = None
+    room: int | list[int] | None = None
+
+    def for_sample(self, i: int, n: int) -> tuple[int, str | None, int | None]:
+        """(room, host, port) of sample `i` of `n`. A single room with n > 1 gives
+        rooms room, room+1, ...: both legs derive the same, and samples never share one."""
+        room = self.room
+        if isinstance(room, list):
+            if len(room) != n:
+                raise RequestError(f"bootstrap_room has {len(room)} values for n={n}", "n")
+            r = room[i]
+        else:
+            r = 0 if room is None else (room + i) & ROOM_MASK
+        return r, _pick(self.host, i), _pick(self.port, i)
+
+
+def _pick(v, i: int):  # type: ignore[no-untyped-def]
+    return v[i] if isinstance(v, list) else v
+
+
+@dataclass
+class Delta:
+    """New output of one sample since its previous Delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    error: str | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SampleResult:
+    index: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched: int | str | None = None
+    error: str | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.output_ids += d.token_ids
+        self.logprobs += d.logprobs
+        if d.finished:
+            self.finish_reason, self.matched, self.error = d.finish_reason, d.matched, d.error
+            self.stages = d.stages
+
+
+@dataclass
+class Frontend:
+    """What every handler needs; one per server."""
+
+    role: str
+    client: EngineClient
+    tokenizer: Tokenizer
+    metrics: Metrics
+    max_context: int
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Validate a prompt; return max_tokens (defaulting to the rest of the context)."""
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise RequestError("prompt token ids outside the vocabulary", "prompt")
+        room_left = self.max_context - len(ids)
+        if room_left < 1:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; the context length is {self.max_context}",
+                "prompt",
+            )
+        if max_tokens is None:
+            return room_left
+        if max_tokens > room_left:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length {self.max_context}",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def build_requests(
+        self, ids: list[int], params: SamplingParams, n: int, rid: str | None, boot: Bootstrap
+    ) -> list[EngineRequest]:
+        """One EngineRequest per sample; sample i gets seed + i (when seeded) and its own room."""
+        try:
+            params.validate(self.tokenizer.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if not params.ignore_eos:  # the model's end-of-sequence ids end a sample too
+            eos = sorted(set(params.stop_token_ids + self.tokenizer.eos_token_ids))
+            params = msgspec.structs.replace(params, stop_token_ids=eos)
+        base = rid or self.new_rid()
+        out = []
+        for i in range(n):
+            room, host, port = boot.for_sample(i, n)
+            seeded = n > 1 and params.seed is not None
+            p = msgspec.structs.replace(params, seed=params.seed + i) if seeded else params
+            r = base if n == 1 else f"{base}-{i}"
+            out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
+                                     bootstrap_host=host, bootstrap_port=port))  # fmt: skip
+        return out
+
+
+async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
+    """Stream one sample. Raises EngineDead if the engine is gone at submission."""
+    q = fe.client.submit(req)
+    detok = IncrementalDetokenizer(fe.tokenizer.decode)
+    stop = StopMatcher(req.params.stop)
+    clock = _Clock(fe.metrics)
+    done = False
+    try:
+        while not done:
+            ev = await q.get()
+            clock.tokens(len(ev.token_ids))
+            d = Delta(index, stop.feed(detok.add(ev.token_ids)), ev.token_ids, ev.logprobs)
+            if stop.matched is not None:  # a stop string: cut here, stop the engine
+                fe.client.abort(req.rid, "stop string matched")
+                d.finished, d.finish_reason, d.matched = True, "stop", stop.matched
+            elif ev.finished:
+                d.text += stop.feed(detok.flush())
+                d.text += stop.flush()
+                reason = "stop" if stop.matched is not None else ev.finish_reason
+                d.finished, d.finish_reason, d.error = True, reason, ev.error
+                d.matched = stop.matched if stop.matched is not None else ev.matched_stop
+                d.stages = ev.stages
+            done = d.finished
+            if done:
+                clock.finish(fe.metrics, "error" if d.error else (d.finish_reason or "stop"))
+            yield d
+    finally:
+        if not done:  # the consumer went away (client disconnect): free the engine's row
+            fe.client.abort(req.rid, "client disconnected")
+        fe.client.release(req.rid)
+
+
+class _Clock:
+    """Feeds TTFT / inter-token / e2e latency of one sample into the metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.t0 = self.last = time.monotonic()
+        self.n = 0
+        self.metrics = metrics
+
+    def tokens(self, k: int) -> None:
+        if k == 0:
+            return
+        now = time.monotonic()
+        if self.n == 0:
+            self.metrics.ttft.observe(now - self.t0)
+        else:
+            for _ in range(k):
+                self.metrics.itl.observe((now - self.last) / k)
+        self.n += k
+        self.last = now
+
+    def finish(self, metrics: Metrics, outcome: str) -> None:
+        metrics.e2e.observe(time.monotonic() - self.t0)
+        metrics.generation_tokens.inc(self.n)
+        metrics.requests.labels(outcome=outcome).inc()
+
+
+async def merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Interleave the samples' deltas as they come. Closing this generator cancels
+    every sample (each then aborts its engine request)."""
+    q: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+    async def pump(g: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in g:
+                await q.put(d)
+            await q.put(None)
+        except Exception as e:
+            await q.put(e)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        live = len(tasks)
+        while live:
+            item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(gen: AsyncIterator[Delta], n: int) -> list[SampleResult]:
+    results = [SampleResult(i) for i in range(n)]
+    async for d in gen:
+        results[d.index].add(d)
+    return results

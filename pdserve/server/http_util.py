@@ -1,0 +1,115 @@
+"""HTTP plumbing shared by the handlers: bounded JSON bodies, validation, auth,
+OpenAI-style errors, and watching for a client that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from pdserve.server.generation import RequestError
+from pdserve.server.openai_api import error_body
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was complete."""
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body; RequestError 413 past `limit` bytes, 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body larger than {limit} bytes", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body larger than {limit} bytes", status=413)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise RequestError(f"malformed JSON body: {e}") from e
+
+
+def parse(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ()))
+        raise RequestError(f"{param}: {err.get('msg')}" if param else str(e), param or None) from e
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """RequestError 401 unless `Authorization: Bearer <api_key>` (when a key is set)."""
+    if not api_key:
+        return
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+        raise RequestError("invalid or missing API key", status=401)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # Precondition: the body was read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client goes away first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
+
+
+async def stream_until_disconnect(request: Request, gen: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Relay `gen`; when the client goes away, cancel it mid-await (its cleanup aborts
+    the engine requests) even if it is not producing anything right now."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        while True:
+            nxt = asyncio.ensure_future(gen.__anext__())
+            await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
+                return
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            await aclose()

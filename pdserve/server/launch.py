@@ -1,0 +1,276 @@
+"""`pdserve router`, `pdserve up` and `pdserve demo`.
+
+`up` runs every server as a child process in its own process group:
+
+    up ─┬─ prefill i  (pdserve prefill --port P_i --bootstrap-port B_i)   ─ its engine
+        ├─ decode j   (pdserve decode --port D_j)                         ─ its engine
+        └─ router     (pdserve router --prefill http://H:P_i B_i ... --decode http://H:D_j ...)
+
+Invariant: when `up` returns, every child's process group has been sent
+SIGTERM and, after the grace period, SIGKILL; so no server outlives it and
+its ports are free again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import types
+from typing import Any
+
+import httpx
+
+from pdserve.server.launch_children import (
+    Child,
+    free_port,
+    start,
+    stop_all,
+    supervise,
+    wait_healthy,
+)
+from pdserve.server.router_workers import POLICIES
+
+DEMO_PROMPT = "The capital of France is"
+
+
+def worker_argv(
+    role: str, model: str, host: str, port: int, bootstrap_port: int | None, extra: list[str]
+) -> list[str]:
+    """The command line of one prefill or decode server."""
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        role,
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+    if bootstrap_port is not None:
+        argv += ["--bootstrap-port", str(bootstrap_port)]
+    return argv + extra
+
+
+def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[Child]) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "router",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--policy",
+        args.policy,
+    ]
+    for p in prefills:
+        argv += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        argv += ["--decode", d.url]
+    return argv
+
+
+def plan(args: argparse.Namespace) -> list[Child]:
+    """Children in start order: prefills, decodes, router (stopped in reverse)."""
+    model = args.model or _default_model()
+    prefills, decodes = [], []
+    for i in range(args.num_prefill):
+        port, boot = free_port(args.host), free_port(args.host)
+        argv = worker_argv("prefill", model, args.host, port, boot, args.engine_args)
+        prefills.append(Child(f"prefill{i}", argv, args.host, port, boot))
+    for j in range(args.num_decode):
+        port = free_port(args.host)
+        argv = worker_argv("decode", model, args.host, port, None, args.engine_args)
+        decodes.append(Child(f"decode{j}", argv, args.host, port))
+    router = Child("router", router_argv(args, prefills, decodes), args.host, args.port)
+    return [*prefills, *decodes, router]
+
+
+def _default_model() -> str:
+    from pdserve.model.make import default_model_path  # lazy: builds the checkpoint on first use
+
+    return str(default_model_path("tiny"))
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM; `supervise` polls it."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
+def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
+    """Start, wait healthy, serve until a signal (0) or a child's death (1)."""
+    _check_port_free(args.host, args.port)
+    stop = _Stop()
+    children = plan(args)
+    env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
+    log_dir = args.log_dir or _temp_log_dir()
+    try:
+        for c in children:
+            start(c, log_dir, env)
+        wait_healthy(children, args.startup_timeout, stop)
+        if stop():
+            return 0
+        _print_ready(args, children, log_dir)
+        if after_ready is not None:
+            after_ready(args)
+        died = supervise(children, stop)
+        return 1 if died else 0
+    except RuntimeError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children, args.grace_period)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise SystemExit(
+                f"pdserve up: port {port} on {host} is in use; choose --port"
+            ) from None
+
+
+def _temp_log_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="pdserve-up-")
+
+
+def _base(args: argparse.Namespace) -> str:
+    return f"http://{args.host}:{args.port}"
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    try:
+        r = httpx.get(_base(args) + "/v1/models", headers=_auth(args), timeout=5)
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return "default"
+
+
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def _print_ready(args: argparse.Namespace, children: list[Child], log_dir: str) -> None:
+    body = json.dumps({"model": _model_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16})
+    key = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
+    workers = ", ".join(f"{c.name} {c.url}" for c in children if c.name != "router")
+    print(f"pdserve is up at {_base(args)}  ({workers}; logs in {log_dir})")
+    print("Try:")
+    print(
+        f"  curl {_base(args)}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
+    )
+    print("Ctrl-C stops every server.", flush=True)
+
+
+def stream_demo(args: argparse.Namespace) -> None:
+    """Stream one completion through the router to the terminal, token by token."""
+    body = {"model": _model_name(args), "prompt": DEMO_PROMPT, "max_tokens": 32, "stream": True}
+    print(f"\n{DEMO_PROMPT}", end="", flush=True)
+    with httpx.stream(
+        "POST", _base(args) + "/v1/completions", json=body, headers=_auth(args), timeout=120
+    ) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                print(choice.get("text", ""), end="", flush=True)
+    print("\n\n(still serving; Ctrl-C stops)", flush=True)
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+
+def _keep_unknown(parser: argparse.ArgumentParser) -> None:
+    """Flags `up` does not know go, in order, to every prefill and decode server."""
+    plain = parser.parse_known_args
+
+    def parse_known_args(self: Any, args: Any = None, namespace: Any = None) -> Any:
+        ns, extra = plain(args, namespace)
+        ns.engine_args = [a for a in (ns.engine_args or []) if a != "--"] + extra
+        return ns, []
+
+    parser.parse_known_args = types.MethodType(parse_known_args, parser)  # type: ignore[method-assign]
+
+
+def _add_router(sub: Any) -> None:
+    p = sub.add_parser("router", help="PD router in front of prefill and decode servers")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        required=True,
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="prefill URL [bootstrap port]; repeat",
+    )
+    p.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="decode URL; repeat"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--api-key", default=None, help="bearer key (else $PDSERVE_API_KEY)")
+    p.add_argument(
+        "--pd-disaggregation", action="store_true", help="accepted for sglang-router parity"
+    )
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.server.router import config_from_args, create_app
+
+    cfg = config_from_args(args)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    return 0
+
+
+def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
+    p = sub.add_parser(name, help=help_)
+    p.add_argument("--model", default=None, help="model folder (default: the tiny test model)")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
+    p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="other flags go to every server")
+    _keep_unknown(p)
+    p.set_defaults(func=func)
+
+
+def add_cli(sub: Any) -> None:
+    _add_router(sub)
+    _add_up(sub, "up", "start router + prefill + decode servers and wait", run_up)
+    _add_up(
+        sub,
+        "demo",
+        "`up`, then stream one example completion",
+        lambda a: run_up(a, after_ready=stream_demo),
+    )

@@ -1,0 +1,151 @@
+"""Child processes of `pdserve up`: start, wait healthy, watch, stop.
+
+Each child is the leader of its own process group (its engine process joins
+that group), so one `killpg` reaches the whole server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+POLL_S = 0.2
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    host: str
+    port: int
+    bootstrap_port: int | None = None  # prefill only
+    proc: subprocess.Popen | None = None  # set by start()
+    log_path: str = ""  # set by start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM if `up` itself is killed hard, so nothing is orphaned.
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start(child: Child, log_dir: str, env: dict[str, str]) -> None:
+    child.log_path = os.path.join(log_dir, f"{child.name}.log")
+    with open(child.log_path, "ab") as log:
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group, and Ctrl-C reaches only `up`
+            preexec_fn=_die_with_parent,
+        )
+
+
+def _exited(child: Child) -> int | None:
+    assert child.proc is not None
+    return child.proc.poll()
+
+
+def _healthy(child: Child, headers: dict[str, str]) -> bool:
+    try:
+        return httpx.get(child.url + "/health", headers=headers, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(children: list[Child], timeout_s: float, stop: Callable[[], bool]) -> None:
+    """Returns when every child answers /health with 200, or `stop()` became true.
+
+    Raises RuntimeError, with the log tail, if a child exits or the timeout passes.
+    """
+    key = os.environ.get("PDSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    pending = list(children)
+    deadline = time.monotonic() + timeout_s
+    while pending and not stop():
+        for c in list(pending):
+            if (rc := _exited(c)) is not None:
+                raise RuntimeError(f"{c.name} exited with {rc} during startup:\n{c.log_tail()}")
+            if _healthy(c, headers):
+                pending.remove(c)
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
+            names = ", ".join(c.name for c in pending)
+            raise RuntimeError(f"not healthy after {timeout_s:.0f}s: {names}\n{tails}")
+        time.sleep(POLL_S)
+
+
+def supervise(children: list[Child], stop: Callable[[], bool]) -> Child | None:
+    """Blocks until `stop()` (returns None) or a child exits (returns it, after reporting)."""
+    while not stop():
+        for c in children:
+            if (rc := _exited(c)) is not None:
+                print(f"pdserve up: {c.name} exited with {rc}:\n{c.log_tail()}", file=sys.stderr)
+                return c
+        time.sleep(POLL_S)
+    return None
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    if child.proc is None:
+        return
+    try:
+        os.killpg(child.proc.pid, sig)  # pgid == leader pid (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(child: Child) -> bool:
+    if child.proc is None:
+        return False
+    child.proc.poll()  # reap the leader so a zombie does not count
+    try:
+        os.killpg(child.proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    """SIGTERM every group (last started first), SIGKILL what is left after `grace_s`."""
+    for c in reversed(children):
+        _signal_group(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_group_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for c in children:
+        if _group_alive(c):
+            _signal_group(c, signal.SIGKILL)
+        if c.proc is not None:
+            c.proc.wait()

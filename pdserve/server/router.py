@@ -1,0 +1,230 @@
+"""The PD router: one HTTP front for prefill and decode servers (DESIGN §1, §6).
+
+Generation requests go to a (prefill, decode) pair with the bootstrap fields
+added (router_proxy.py); the rest of the API is answered from the workers.
+`pdserve router` takes the same PD flags as sglang-router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pdserve.server.router_body import error_body
+from pdserve.server.router_proxy import PDProxy
+from pdserve.server.router_workers import Worker, WorkerPool
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key
+HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[tuple[str, int | None], ...]  # (url, bootstrap port or None)
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"  # round_robin | least_load
+    api_key: str | None = None  # required from clients and forwarded to workers
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 3600.0  # longest silence on a leg
+    health_timeout_s: float = 5.0
+    health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
+
+
+class RouterState:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.pool = WorkerPool.build(list(cfg.prefill), list(cfg.decode), cfg.policy)
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
+        self.proxy = PDProxy(self.pool, self.client, self.stats)
+
+    def worker_headers(self, request: Request | None) -> dict[str, str]:
+        """Headers for a worker: our API key, else the client's own Authorization."""
+        if self.cfg.api_key:
+            return {"authorization": f"Bearer {self.cfg.api_key}"}
+        auth = request.headers.get("authorization") if request else None
+        return {"authorization": auth} if auth else {}
+
+    async def check(self, w: Worker) -> dict[str, Any]:
+        try:
+            r = await self.client.get(
+                w.url + "/health",
+                headers=self.worker_headers(None),
+                timeout=self.cfg.health_timeout_s,
+            )
+            w.healthy, detail = r.status_code == 200, f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            w.healthy, detail = False, repr(e)
+        return {"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight} | (
+            {} if w.healthy else {"error": detail}
+        )
+
+    async def check_all(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self.check(w) for w in self.pool.all)))
+
+    async def get_json(self, w: Worker, path: str, request: Request) -> dict[str, Any]:
+        try:
+            r = await self.client.get(w.url + path, headers=self.worker_headers(request))
+            return {"url": w.url, "role": w.role, "status": r.status_code, "info": r.json()}
+        except (httpx.HTTPError, ValueError) as e:
+            return {"url": w.url, "role": w.role, "error": repr(e)}
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    """Precondition: cfg names at least one prefill and one decode."""
+    state = RouterState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poll = asyncio.create_task(_health_loop(state))
+        yield
+        poll.cancel()
+        await state.client.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.router = state
+    _add_auth(app, cfg.api_key)
+    _add_generation(app, state)
+    _add_info(app, state)
+    return app
+
+
+async def _health_loop(state: RouterState) -> None:
+    while True:
+        await asyncio.sleep(state.cfg.health_interval_s)
+        await state.check_all()
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if request.url.path not in OPEN_PATHS:
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                body = error_body("invalid or missing API key", "authentication_error")
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+
+def _add_generation(app: FastAPI, state: RouterState) -> None:
+    async def generation(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return JSONResponse(error_body(f"invalid JSON body: {e}", "invalid_request_error"), 400)
+        if not isinstance(body, dict):
+            return JSONResponse(
+                error_body("the body must be a JSON object", "invalid_request_error"), 400
+            )
+        headers = state.worker_headers(request)
+        return await state.proxy.forward(request.url.path, body, headers, request)
+
+    for path in GEN_PATHS:
+        app.add_api_route(path, generation, methods=["POST"])
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        resp = await state.proxy.forward(
+            "/generate", dict(HEALTH_PROBE), state.worker_headers(None), None
+        )
+        return Response(status_code=200 if resp.status_code == 200 else 503)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await request.json()
+        results = []
+        for w in state.pool.all:
+            try:
+                r = await state.client.post(
+                    w.url + "/abort_request", json=body, headers=state.worker_headers(request)
+                )
+                results.append({"url": w.url, "status": r.status_code})
+            except httpx.HTTPError as e:
+                results.append({"url": w.url, "error": repr(e)})
+        return JSONResponse({"workers": results})
+
+
+def _add_info(app: FastAPI, state: RouterState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        workers = await state.check_all()
+        ok = all(
+            any(w["healthy"] for w in workers if w["role"] == r) for r in ("prefill", "decode")
+        )
+        body = {"status": "ok" if ok else "unhealthy", "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> dict[str, Any]:
+        infos = await asyncio.gather(
+            *(state.get_json(w, "/server_info", request) for w in state.pool.all)
+        )
+        router = asdict(state.cfg) | {"api_key": bool(state.cfg.api_key), "stats": state.stats}
+        return {"role": "router", "router": router, "workers": list(infos)}
+
+    async def first_decode(request: Request, path: str) -> Response:
+        w = next((w for w in state.pool.decode.workers if w.healthy), state.pool.decode.workers[0])
+        try:
+            r = await state.client.get(w.url + path, headers=state.worker_headers(request))
+        except httpx.HTTPError as e:
+            return JSONResponse(error_body(f"decode {w.url} unreachable: {e!r}"), 502)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> Response:
+        return await first_decode(request, "/model_info")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await first_decode(request, "/v1/models")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(state))
+
+
+def _prometheus(state: RouterState) -> str:
+    lines = []
+    for name, value in state.stats.items():
+        lines += [f"# TYPE pdserve:router_{name} counter", f"pdserve:router_{name} {value}"]
+    lines.append("# TYPE pdserve:router_in_flight gauge")
+    for w in state.pool.all:
+        lines.append(f'pdserve:router_in_flight{{worker="{w.url}",role="{w.role}"}} {w.in_flight}')
+    lines.append("# TYPE pdserve:router_worker_healthy gauge")
+    for w in state.pool.all:
+        lines.append(
+            f'pdserve:router_worker_healthy{{worker="{w.url}",role="{w.role}"}} {int(w.healthy)}'
+        )
+    return "\n".join(lines) + "\n"
+
+
+def config_from_args(args: Any) -> RouterConfig:
+    from pdserve.server.router_workers import parse_prefill_args
+
+    return RouterConfig(
+        prefill=tuple(parse_prefill_args(args.prefill or [])),
+        decode=tuple(d[0] if isinstance(d, list) else d for d in (args.decode or [])),
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    )

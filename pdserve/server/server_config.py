@@ -1,0 +1,26 @@
+"""Frontend (HTTP) settings of a prefill or decode server; the engine's live in pdserve.config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    role: str  # "prefill" | "decode"
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None  # default: the model folder's name
+    api_key: str | None = None  # bearer key for generation and control endpoints
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    engine_start_timeout_s: float = 600.0
+    engine_heartbeat_timeout_s: float = 60.0  # engine silent this long: considered dead
+    health_generate_timeout_s: float = 20.0
+    default_max_new_tokens: int = 128  # /generate without sampling_params.max_new_tokens
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name or self.model_path

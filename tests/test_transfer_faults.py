@@ -1,0 +1,141 @@
+"""Injected faults on the wire: every request ends exactly once, as a failure, leaving no state."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.scheduler.pools import KVLayout
+from pdserve.transfer.faults import Fault, FaultInjector, kill_peer
+from pdserve.transfer.loopback import (
+    Side,
+    gather,
+    make_req,
+    push_prompt,
+    random_pool,
+    reserve,
+    wait_for,
+    wait_until,
+)
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.sender import KVSender
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
+N, CHUNK = 30, 10  # three chunks: indices 0, 1, 2
+HB_TIMEOUT = 0.6
+
+
+def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
+    """One transfer through a faulty sender; returns (decode events, prefill events, elapsed, sides)."""
+    inj = FaultInjector(faults, seed=1)
+    tx = KVSender("127.0.0.1", 0, LAYOUT, ack_timeout_s=3, heartbeat_s=0.1, fault_hook=inj)
+    rx = KVReceiver(LAYOUT, kv_timeout_s=kv_timeout_s, heartbeat_timeout_s=HB_TIMEOUT)
+    try:
+        pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre = Side(pre_pool, *reserve(pre_pool, N, 1))
+        dec = Side(dec_pool, *reserve(dec_pool, N, 2))
+        t0 = time.monotonic()
+        rx.expect(make_req("f", 3, N, tx.bootstrap_port), dec.pool, dec.slots)
+        push_prompt(tx, make_req("f", 3, N, tx.bootstrap_port), pre, chunk=CHUNK)
+        dec_events = wait_for(rx.poll, 1, 8)
+        elapsed = time.monotonic() - t0
+        pre_events = wait_for(tx.poll, 1, 8)
+        time.sleep(0.3)  # anything after the terminal event would show up now
+        dec_events += rx.poll()
+        pre_events += tx.poll()
+        assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
+        assert inj.fired, "the fault never fired"
+        return dec_events, pre_events, elapsed, (pre, dec)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        (Fault("drop", "KVChunk", nth=1), "never arrived"),
+        (Fault("duplicate", "KVChunk", nth=0), "duplicate chunk"),
+        (Fault("reorder", "KVChunk", nth=2), "never arrived"),  # KVDone overtakes the last chunk
+        (Fault("truncate", "KVChunk", nth=1), "byte count"),
+        (Fault("corrupt", "KVChunk", nth=2), "checksum mismatch"),
+        (Fault("corrupt", "KVDone", nth=0), ""),  # refused or dropped (then timed out)
+        (Fault("drop", "KVDone", nth=0), "timed out"),
+        (Fault("delay", "KVChunk", nth=0, delay_s=2.0), "silent"),  # no heartbeats meanwhile
+    ],
+    ids=lambda v: v.action + "-" + v.kind if isinstance(v, Fault) else None,
+)
+def test_fault_fails_closed_once(fault: Fault, reason: str) -> None:
+    dec_events, pre_events, elapsed, _ = run_transfer([fault], kv_timeout_s=2.0)
+    assert len(dec_events) == 1 and len(pre_events) == 1
+    assert not dec_events[0].ok and reason in dec_events[0].reason
+    assert not pre_events[0].ok
+    assert elapsed < 2.0 + 0.5
+
+
+def test_reordered_chunks_are_harmless() -> None:
+    """Chunks 0 and 1 swapped: the KV is still complete and intact, so it is accepted."""
+    dec_events, pre_events, _, (pre, dec) = run_transfer([Fault("reorder", "KVChunk", nth=0)])
+    assert [e.ok for e in dec_events] == [True] and [e.ok for e in pre_events] == [True]
+    assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
+    assert torch.equal(gather(pre.pool, pre.slots)[1], gather(dec.pool, dec.slots)[1])
+
+
+def test_dead_prefill_fails_within_heartbeat_bound() -> None:
+    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1)
+    rx = KVReceiver(LAYOUT, kv_timeout_s=30, heartbeat_timeout_s=HB_TIMEOUT)
+    try:
+        pool_p, pool_d = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre, dec = Side(pool_p, *reserve(pool_p, N, 1)), Side(pool_d, *reserve(pool_d, N, 2))
+        req_p = make_req("k", 4, N, tx.bootstrap_port)
+        rx.expect(make_req("k", 4, N, tx.bootstrap_port), dec.pool, dec.slots)
+        tx.on_admit(req_p)
+        tx.on_chunk(req_p, pre.pool, pre.slots, 0, CHUNK)  # mid-transfer ...
+        time.sleep(0.5)  # ... heartbeats flowing: still alive
+        assert rx.poll() == [] and rx.active_rooms() == {4}
+        kill_peer(tx)
+        t0 = time.monotonic()
+        [ev] = wait_for(rx.poll, 1, 5)
+        assert not ev.ok and "silent" in ev.reason
+        assert time.monotonic() - t0 < HB_TIMEOUT + 0.5
+        assert rx.active_rooms() == set()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_prefill_abort_reaches_decode() -> None:
+    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1)
+    rx = KVReceiver(LAYOUT, kv_timeout_s=30, heartbeat_timeout_s=5)
+    try:
+        pool_d = random_pool(LAYOUT, 64, 2)
+        dec = Side(pool_d, *reserve(pool_d, N, 2))
+        req_p = make_req("ab", 8, N, tx.bootstrap_port)
+        rx.expect(make_req("ab", 8, N, tx.bootstrap_port), dec.pool, dec.slots)
+        tx.on_admit(req_p)
+        assert wait_until(lambda: tx.active_rooms() == {8}, 2)
+        tx.on_abort(req_p, "prompt too long")
+        [ev] = wait_for(rx.poll, 1, 3)
+        assert not ev.ok and "prompt too long" in ev.reason
+        [sev] = wait_for(tx.poll, 1, 3)
+        assert not sev.ok
+        assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_prefill_without_ready_times_out() -> None:
+    tx = KVSender("127.0.0.1", 0, LAYOUT, ready_timeout_s=0.3, heartbeat_s=0.1)
+    try:
+        pool_p = random_pool(LAYOUT, 64, 1)
+        push_prompt(tx, make_req("nr", 9, N, tx.bootstrap_port), Side(pool_p, *reserve(pool_p, N, 1)), CHUNK)
+        [sev] = wait_for(tx.poll, 1, 3)
+        assert not sev.ok and "no Ready" in sev.reason
+        assert tx.active_rooms() == set()
+    finally:
+        tx.close()
