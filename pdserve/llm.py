@@ -52,7 +52,9 @@ class LLM:
             model_path=str(model),
             dtype=dtype,
             kernel_backend=kernel_backend,
-            cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens, max_context=max_context),
+            cache=CacheConfig(
+                page_size=page_size, max_total_tokens=max_total_tokens, max_context=max_context
+            ),
             scheduler=SchedulerConfig(
                 max_running_requests=max_running_requests,
                 max_prefill_tokens=max_prefill_tokens,
@@ -117,9 +119,6 @@ class LLM:
 
     def close(self) -> None:
         self.decode.close()
-
-
-
 
 
 def _load_tokenizer(model_dir: Path):

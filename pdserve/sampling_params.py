@@ -8,7 +8,7 @@ import msgspec
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop.
 
-    `temperature == 0` (or `top_k == 1`) is greedy. `seed` makes sampling a pure
+    `temperature == 0` is greedy (top_k == 1 gives the same tokens through the sampler). `seed` makes sampling a pure
     function of (seed, output index, logits), so it is reproducible across batch
     compositions and across the prefill/decode split.
     """
@@ -43,4 +43,4 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -215,6 +216,7 @@ def main() -> None:
     ap.add_argument("--pid-file", default=None)
     ap.add_argument("--die-after", type=float, default=None, help="exit 3 after this many s")
     args, _ = ap.parse_known_args()
+    print("argv:", sys.argv[1:], flush=True)
     if args.pid_file:
         grandchild = subprocess.Popen(["sleep", "300"])
         with open(args.pid_file, "a") as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -117,7 +118,8 @@ def test_cli_end_to_end_writes_a_json_line(tmp_path, capsys):
                 "--arrival", "constant", "--max-concurrency", "4", "--slo-ttft-ms", "1000",
                 "--slo-tpot-ms", "1000", "--output", str(out), "--details", "--seed", "3"]  # fmt: skip
         assert main(argv) == 0
-        assert main([*argv[:-3], "--disable-progress"]) == 0  # appends a second line
+        rerun = [*argv[:-3], "--disable-progress", "--api-key", "sekret"]
+        assert main(rerun) == 0  # appends a second line
     lines = out.read_text().splitlines()
     assert len(lines) == 2
     run = json.loads(lines[0])
@@ -128,13 +130,17 @@ def test_cli_end_to_end_writes_a_json_line(tmp_path, capsys):
     assert m["slo_attainment"] == 1.0
     assert TTFT_MS - 2 <= m["ttft_ms"]["median"] <= TTFT_MS + 40
     assert len(run["details"]) == 6 and all(d["output_tokens"] == 5 for d in run["details"])
-    assert "details" not in json.loads(lines[1])
+    assert "details" not in json.loads(lines[1]) and "sekret" not in lines[1]
     printed = capsys.readouterr()
     assert "Output throughput (tok/s)" in printed.out and "TTFT breakdown" in printed.out
     assert "bench [" in printed.err  # the progress bar of the first run
 
 
-def test_cli_rejects_bad_settings(capsys):
+def test_cli_rejects_bad_settings(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    png = tmp_path / "p.png"
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--plot", str(png)]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err and not png.exists()
     assert main(["bench", "--dataset", "sharegpt", "--disable-progress"]) == 2
     assert "--dataset-path" in capsys.readouterr().err
     with pytest.raises(SystemExit):

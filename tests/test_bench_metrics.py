@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench.backends import RequestRecord, _count_ids, _Stream
 from pdserve.bench.config import BenchConfig
-from pdserve.bench.datasets import build_requests
+from pdserve.bench.datasets import PromptMaker, build_requests
 from pdserve.bench.metrics import Dist, compute_metrics, meets_slo, percentile
 from pdserve.bench.plot import token_rate
 from pdserve.bench.runner import arrival_offsets
@@ -157,3 +157,22 @@ def test_the_harness_imports_no_engine_code():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_tokenizer_prompts_have_exact_token_lengths(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog, then naps in the warm sun"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = BenchConfig(num_prompts=20, random_input_len=(5, 40), tokenizer=str(tmp_path), seed=1)
+    reqs = build_requests(cfg)
+    assert all(isinstance(r.prompt, str) for r in reqs)
+    counts = [len(tok.encode(str(r.prompt), add_special_tokens=False).ids) for r in reqs]
+    assert counts == [r.prompt_len for r in reqs]  # the recorded length is the true one
+    maker = PromptMaker(random.Random(0), str(tmp_path), as_ids=False, vocab=None)
+    made = [maker.random(n) for n in range(1, 60)]
+    assert [count for _, count in made] == list(range(1, 60))

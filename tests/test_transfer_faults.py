@@ -133,7 +133,9 @@ def test_prefill_without_ready_times_out() -> None:
     tx = KVSender("127.0.0.1", 0, LAYOUT, ready_timeout_s=0.3, heartbeat_s=0.1)
     try:
         pool_p = random_pool(LAYOUT, 64, 1)
-        push_prompt(tx, make_req("nr", 9, N, tx.bootstrap_port), Side(pool_p, *reserve(pool_p, N, 1)), CHUNK)
+        push_prompt(
+            tx, make_req("nr", 9, N, tx.bootstrap_port), Side(pool_p, *reserve(pool_p, N, 1)), CHUNK
+        )
         [sev] = wait_for(tx.poll, 1, 3)
         assert not sev.ok and "no Ready" in sev.reason
         assert tx.active_rooms() == set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from pdserve.bench.config import ARRIVALS, BACKENDS, DATASETS, BenchConfig
@@ -220,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.bench.report import append_json_line, json_record, summary_table
     from pdserve.bench.runner import run_benchmark
 
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
         if args.plot:
             require_matplotlib()  # fail before the run, not after it

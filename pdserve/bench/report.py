@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+from pdserve.bench.config import BenchConfig
 from pdserve.bench.metrics import Dist, Metrics
 from pdserve.bench.runner import BenchResult
 
@@ -61,7 +62,7 @@ def json_record(result: BenchResult, details: bool) -> dict[str, Any]:
         "date": datetime.datetime.fromtimestamp(result.started_at).isoformat(timespec="seconds"),
         "started_at": result.started_at,
         "model": result.model,
-        "config": _json_safe(dataclasses.asdict(result.config)),
+        "config": _json_safe(dataclasses.asdict(_redacted(result.config))),
         "metrics": _json_safe(dataclasses.asdict(result.metrics)),
     }
     if details:
@@ -69,6 +70,11 @@ def json_record(result: BenchResult, details: bool) -> dict[str, Any]:
             {**dataclasses.asdict(r), "tpot": r.tpot, "success": r.success} for r in result.records
         ]
     return record
+
+
+def _redacted(cfg: BenchConfig) -> BenchConfig:
+    # the API key is a secret: it never goes into a results file
+    return dataclasses.replace(cfg, api_key="<redacted>") if cfg.api_key else cfg
 
 
 def append_json_line(path: str, record: dict[str, Any]) -> None:

@@ -98,6 +98,7 @@ QK_SCALE = 1.5
 EMBED_STD = 1.0
 LOGIT_STD = 4.0
 BIAS_STD = 0.5
+OUT_GAIN = 2.0  # o_proj / down_proj: layers outweigh the embedding, so context matters
 SPECIAL_ROW_SCALE = 0.05  # lm_head rows of special tokens: logits ~20x smaller than the rest
 
 
@@ -167,13 +168,13 @@ def _layer_weights(p: ModelPreset, g: torch.Generator) -> Iterator[tuple[str, to
     if p.qk_norm:
         yield "self_attn.q_norm.weight", norm_weight(p.head_dim)
         yield "self_attn.k_norm.weight", norm_weight(p.head_dim)
-    yield "self_attn.o_proj.weight", normal(h, q_out, std=1.0 / math.sqrt(q_out))
+    yield "self_attn.o_proj.weight", normal(h, q_out, std=OUT_GAIN / math.sqrt(q_out))
     yield "post_attention_layernorm.weight", norm_weight(h)
     yield "mlp.gate_proj.weight", normal(p.intermediate_size, h, std=s)
     yield "mlp.up_proj.weight", normal(p.intermediate_size, h, std=s)
     yield (
         "mlp.down_proj.weight",
-        normal(h, p.intermediate_size, std=math.sqrt(2.0 / p.intermediate_size)),
+        normal(h, p.intermediate_size, std=OUT_GAIN * math.sqrt(2.0 / p.intermediate_size)),
     )
 
 

@@ -67,7 +67,9 @@ class DecodeEngine:
             self._emit_error(req, problem)
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        self.seeds[req.rid] = (
+            er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        )
         self.prealloc.append(req)
 
     def _refusal(self, req: Req) -> str | None:
@@ -205,7 +207,9 @@ class DecodeEngine:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         stop = check_stop(req, token, self.runner.arch.eos_token_ids)
-        ev = TokenEvent(rid=req.rid, token_ids=[token], logprobs=[logprob] if req.params.logprobs else [])
+        ev = TokenEvent(
+            rid=req.rid, token_ids=[token], logprobs=[logprob] if req.params.logprobs else []
+        )
         self.events.append(ev)
         if stop is not None:
             req.finish_reason, req.matched_stop = stop
@@ -298,5 +302,3 @@ class DecodeEngine:
     def close(self) -> None:
         self.forward_stream.close()
         self.schedule_stream.close()
-
-

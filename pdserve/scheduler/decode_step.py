@@ -40,7 +40,9 @@ class StepResult:
     tokens: torch.Tensor  # [B] int64 host, filled on the forward stream
     logprobs: torch.Tensor  # [B] float32 host
     copy_done: Event | None = None  # recorded by the launcher
-    timing: dict[str, float] = field(default_factory=dict)  # forward-stream start/end (perf_counter)
+    timing: dict[str, float] = field(
+        default_factory=dict
+    )  # forward-stream start/end (perf_counter)
 
 
 def slot_of(req: Req, pos: int, page_size: int) -> int:

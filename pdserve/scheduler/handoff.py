@@ -58,7 +58,9 @@ class InProcessHandoff:
         dst.pool.v[:, d] = src.pool.v[:, src.slots].to(dst.pool.v.device)
         self.sink_events.append(SinkEvent(src.rid, ok=True))
         self.source_events.append(
-            SourceEvent(dst.rid, ok=True, first_token=src.first_token, first_logprob=src.first_logprob)
+            SourceEvent(
+                dst.rid, ok=True, first_token=src.first_token, first_logprob=src.first_logprob
+            )
         )
 
 

@@ -56,7 +56,9 @@ class PrefillEngine:
             self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        self.seeds[req.rid] = (
+            er.params.seed if er.params.seed is not None else random.getrandbits(62)
+        )
         self.waiting.append(req)
 
     def _refusal(self, req: Req) -> str | None:
@@ -152,7 +154,10 @@ class PrefillEngine:
             idx = [i for i, _ in finished]
             reqs = [r for _, r in finished]
             tokens, logprobs = sample(
-                logits[idx], [r.params for r in reqs], [self.seeds[r.rid] for r in reqs], [0] * len(reqs)
+                logits[idx],
+                [r.params for r in reqs],
+                [self.seeds[r.rid] for r in reqs],
+                [0] * len(reqs),
             )
         for req, start, end in plan:
             self.done_tokens[req.rid] = end

@@ -8,9 +8,9 @@ character; decoding then yields U+FFFD. We decode a small window twice,
     ids:  [ ... prefix_offset ........ read_offset ........ len(ids) ]
                 └── already emitted ──┘└── not yet emitted ─┘
 
-and emit only the new suffix, and only when it does not end in U+FFFD (the
-character is incomplete: hold its bytes back until the next token). `flush()`
-emits whatever is left at the end of the request.
+and emit the new suffix except a trailing run of U+FFFD (an incomplete
+character: its bytes are held back until the tokens completing it arrive).
+`flush()` emits whatever is left at the end of the request.
 
 StopMatcher: text is held back while its tail could be the start of a stop
 string, so a stop string split across chunks is still found; on a match the
@@ -27,25 +27,36 @@ class IncrementalDetokenizer:
         self._decode = decode
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the re-decoded window
-        self._read_offset = 0  # ids before this are emitted
+        self._read_offset = 0  # ids before this are fully emitted
+        self._emitted = 0  # characters of ids[read_offset:] already emitted
+
+    def _window(self) -> tuple[int, str]:
+        """(chars of the emitted context, decoded window)."""
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        return len(prefix), self._decode(self.ids[self._prefix_offset :])
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly "")."""
         self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for its remaining bytes
-        # the window slides: what was unread becomes the context of the next decode
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        return full[len(prefix) :]
+        n_prefix, full = self._window()
+        # trailing U+FFFD: bytes of a character whose remaining bytes have not come yet
+        stable = len(full.rstrip("\ufffd"))
+        start = n_prefix + self._emitted
+        new = full[start:stable] if stable > start else ""
+        if stable == len(full):  # all complete: the unread part becomes the next context
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            self._emitted = 0
+        else:
+            self._emitted += len(new)
+        return new
 
     def flush(self) -> str:
         """Everything not emitted yet (an incomplete trailing character decodes to U+FFFD)."""
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.ids[self._prefix_offset :])
+        n_prefix, full = self._window()
+        out = full[n_prefix + self._emitted :]
         self._prefix_offset = self._read_offset = len(self.ids)
-        return full[len(prefix) :]
+        self._emitted = 0
+        return out
 
 
 class StopMatcher:

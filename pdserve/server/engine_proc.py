@@ -62,6 +62,7 @@ def _load_fake_module(value: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise RuntimeError(f"{FAKE_ENGINE_ENV}: cannot load {path}")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 

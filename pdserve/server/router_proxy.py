@@ -156,7 +156,7 @@ class PDProxy:
             legs.finish(ok=True)
             return Response(data, resp.status_code, _forward_headers(resp))
         except LegError as e:
-            legs.finish(ok=False)
+            legs.finish(ok=False, abort=True)  # the surviving leg's worker drops the rid too
             self.stats["failed_total"] += 1
             log.warning("request failed: %s", e)
             return JSONResponse(e.body, e.status)

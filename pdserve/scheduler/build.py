@@ -1,0 +1,41 @@
+"""Build an engine for a server role: the model runner plus the ZeroMQ KV channel."""
+
+from __future__ import annotations
+
+from pdserve.config import EngineConfig, TransferConfig
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.decode import DecodeEngine
+from pdserve.scheduler.engine_api import Engine
+from pdserve.scheduler.prefill import PrefillEngine
+
+
+def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engine:
+    """role "prefill": binds the bootstrap socket; role "decode": binds a data socket."""
+    from pdserve.transfer.curve import curve_keys_from_config
+    from pdserve.transfer.receiver import KVReceiver
+    from pdserve.transfer.sender import KVSender
+
+    runner = ModelRunner(cfg)
+    curve = curve_keys_from_config(transfer)
+    if role == "prefill":
+        sink = KVSender(
+            transfer.host,
+            transfer.bootstrap_port,
+            runner.layout,
+            ready_timeout_s=transfer.ready_timeout_s,
+            ack_timeout_s=transfer.kv_timeout_s,
+            heartbeat_s=transfer.heartbeat_s,
+            curve=curve,
+        )
+        return PrefillEngine(cfg, runner, sink)
+    if role == "decode":
+        source = KVReceiver(
+            runner.layout,
+            host=transfer.host,
+            advertise_host=transfer.advertise_host,
+            kv_timeout_s=transfer.kv_timeout_s,
+            heartbeat_timeout_s=transfer.heartbeat_timeout_s,
+            curve=curve,
+        )
+        return DecodeEngine(cfg, runner, source)
+    raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")

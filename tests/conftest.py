@@ -1,0 +1,58 @@
+"""Shared fixtures: reference checkpoints made once per session, and the
+`transformers` greedy reference (the correctness oracle nobody here wrote)."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+# Every test process uses one model cache beside the repository's test run,
+# so the servers started by tests find the same checkpoints.
+os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@cache
+def model_path(preset: str) -> Path:
+    from pdserve.model.make import default_model_path
+
+    return default_model_path(preset)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return model_path("tiny")
+
+
+@cache
+def _hf_model(path: str):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.eval()
+    return m
+
+
+def hf_greedy(path: str | Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, never stopping early at EOS."""
+    m = _hf_model(str(path))
+    with torch.no_grad():
+        out = m.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_pools_free(llm) -> None:
+    for role, s in llm.stats().items():
+        assert s["free_rows"] == s["total_rows"], (role, s)
+        assert s["free_kv_pages"] == s["total_kv_pages"], (role, s)

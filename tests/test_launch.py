@@ -1,0 +1,126 @@
+"""`pdserve up` process handling, with fake workers in place of the engine servers.
+
+The real router runs; each prefill/decode child is `tests/fake_workers.py`,
+which also starts a grandchild (`sleep`, standing in for the engine process)
+so the test can check that nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from fake_workers import free_port
+
+FAKE = str(Path(__file__).with_name("fake_workers.py"))
+LAUNCHER = """
+import sys
+import pdserve.server.launch as launch
+
+def fake_worker(role, model, host, port, bootstrap_port, extra):
+    return [sys.executable, {fake!r}, role, "--port", str(port), "--pid-file", {pids!r}, *extra]
+
+launch.worker_argv = fake_worker
+from pdserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def start_up(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
+    pids = tmp_path / "grandchildren.pid"
+    code = LAUNCHER.format(fake=FAKE, pids=str(pids))
+    argv = [sys.executable, "-c", code, "up", "--model", "/unused", "--port", str(port),
+            "--grace-period", "3", "--startup-timeout", "30", "--log-dir", str(tmp_path), *extra]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, pids
+
+
+def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if needle in line:
+            return seen
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no {needle!r}; stdout:\n{seen}\nstderr:\n{proc.stderr.read()}")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state  # a reaped-later zombie is dead too
+
+
+def assert_all_stopped(ports: list[int], pids: Path) -> None:
+    grandchildren = [int(x) for x in pids.read_text().split()]
+    assert grandchildren and all(gone(pid) for pid in grandchildren)
+    deadline = time.monotonic() + 5
+    while not all(port_free(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(port_free(p) for p in ports)
+
+
+def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    port = free_port()
+    proc, pids = start_up(tmp_path, port, "--num-prefill", "2", "--some-engine-flag", "1")
+    try:
+        out = wait_line(proc, "pdserve is up")
+        assert f"http://127.0.0.1:{port}" in out
+        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        roles = sorted(w["role"] for w in health["workers"] if w["healthy"])
+        assert roles == ["decode", "prefill", "prefill"]
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x"})
+        assert r.status_code == 200 and r.json()["text"].startswith("decode:")
+        ports = [port] + [int(w["url"].rsplit(":", 1)[1]) for w in health["workers"]]
+        assert "--some-engine-flag" in (tmp_path / "decode0.log").read_text()  # passed through
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert_all_stopped(ports, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_child_death_stops_the_rest_and_fails(tmp_path):
+    port = free_port()
+    proc, pids = start_up(tmp_path, port, "--die-after", "2")
+    try:
+        rc = proc.wait(timeout=30)
+        assert rc == 1
+        assert "exited with 3" in proc.stderr.read()
+        assert_all_stopped([port], pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        proc, _ = start_up(tmp_path, s.getsockname()[1])
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "in use" in err
+    assert not os.path.exists(tmp_path / "router.log")  # nothing was started

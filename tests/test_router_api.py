@@ -1,0 +1,171 @@
+"""Router selection policies, /health, API key and the info endpoints."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from fake_workers import FakeWorker, Served, free_port
+from pdserve.server.router import RouterConfig, create_app
+from pdserve.server.router_body import with_bootstrap
+from pdserve.server.router_workers import Worker, parse_prefill_args
+
+
+def start_router(prefills: list[FakeWorker], decodes: list[FakeWorker], **kw) -> Served:
+    cfg = RouterConfig(
+        prefill=tuple((p.url, 9000 + i) for i, p in enumerate(prefills)),
+        decode=tuple(d.url for d in decodes),
+        **kw,
+    )
+    return Served(create_app(cfg))
+
+
+@pytest.fixture
+def workers():
+    ws = [FakeWorker(r, f"{r[0]}{i}").start() for r in ("prefill", "decode") for i in (0, 1)]
+    yield ws[:2], ws[2:]
+    for w in ws:
+        w.stop()
+
+
+def served_by(ws: list[FakeWorker]) -> list[int]:
+    """How many generation requests each worker got."""
+    return [len(w.gen_requests()) for w in ws]
+
+
+def test_round_robin_alternates(workers):
+    prefills, decodes = workers
+    router = start_router(prefills, decodes)
+    try:
+        for i in range(4):
+            httpx.post(router.url + "/generate", json={"text": "x"})
+            assert served_by(prefills) == served_by(decodes) == [i // 2 + 1, (i + 1) // 2]
+    finally:
+        router.stop()
+
+
+def test_least_load_avoids_the_busy_worker(workers):
+    prefills, decodes = workers
+    prefills[0].hold_s = decodes[0].hold_s = 1.5
+    router = start_router(prefills, decodes, policy="least_load")
+    try:
+        slow = threading.Thread(target=httpx.post, args=(router.url + "/generate",),
+                                kwargs={"json": {"text": "x"}, "timeout": 10})
+        slow.start()
+        assert _wait(lambda: served_by(decodes) == [1, 0])
+        for _ in range(2):  # round robin would send the second one to worker 0
+            assert httpx.post(router.url + "/generate", json={"text": "x"}).status_code == 200
+        assert served_by(prefills) == served_by(decodes) == [1, 2]
+        slow.join()
+    finally:
+        router.stop()
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_health_reports_each_worker(workers):
+    prefills, decodes = workers
+    router = start_router(prefills, decodes)
+    try:
+        prefills[1].healthy = False
+        r = httpx.get(router.url + "/health")
+        assert r.status_code == 200
+        health = {w["url"]: w["healthy"] for w in r.json()["workers"]}
+        assert health == {w.url: w is not prefills[1] for w in prefills + decodes}
+        prefills[0].healthy = False
+        assert httpx.get(router.url + "/health").status_code == 503
+        # the router routes around the unhealthy decode while a healthy one is left
+        decodes[0].healthy = False
+        httpx.get(router.url + "/health")
+        for _ in range(2):
+            httpx.post(router.url + "/generate", json={"text": "x"})
+        assert served_by(decodes) == [0, 2]
+    finally:
+        router.stop()
+
+
+def test_dead_worker_is_unhealthy():
+    p = FakeWorker("prefill").start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = Served(create_app(RouterConfig(prefill=((p.url, 1),), decode=(dead,))))
+    try:
+        r = httpx.get(router.url + "/health")
+        assert r.status_code == 503
+        (d,) = [w for w in r.json()["workers"] if w["role"] == "decode"]
+        assert d["healthy"] is False and "Connect" in d["error"]
+    finally:
+        router.stop()
+        p.stop()
+
+
+def test_api_key_checked_and_forwarded(workers):
+    prefills, decodes = workers
+    router = start_router(prefills[:1], decodes[:1], api_key="sk-test")
+    try:
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        bad = {"Authorization": "Bearer nope"}
+        assert httpx.post(router.url + "/generate", json={}, headers=bad).status_code == 401
+        assert decodes[0].gen_requests() == []
+        good = {"Authorization": "Bearer sk-test"}
+        assert httpx.post(router.url + "/generate", json={}, headers=good).status_code == 200
+        for w in (prefills[0], decodes[0]):
+            assert w.gen_requests()[0].headers["authorization"] == "Bearer sk-test"
+        assert httpx.get(router.url + "/health").status_code == 200  # open for probes
+    finally:
+        router.stop()
+
+
+def test_bad_json_is_a_400(workers):
+    router = start_router(*workers)
+    try:
+        r = httpx.post(router.url + "/generate", content=b"{nope")
+        assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+        assert httpx.post(router.url + "/generate", json=[1]).status_code == 400
+    finally:
+        router.stop()
+
+
+def test_info_endpoints_and_abort_fan_out(workers):
+    prefills, decodes = workers
+    router = start_router(prefills, decodes)
+    try:
+        info = httpx.get(router.url + "/server_info").json()
+        assert sorted(w["info"]["name"] for w in info["workers"]) == ["d0", "d1", "p0", "p1"]
+        assert httpx.get(router.url + "/model_info").json()["model_path"] == "fake"
+        assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "fake"
+        assert httpx.get(router.url + "/health_generate").status_code == 200
+        probe = decodes[0].gen_requests()[0].body
+        assert probe["sampling_params"]["max_new_tokens"] == 1 and "bootstrap_room" in probe
+        httpx.post(router.url + "/abort_request", json={"rid": "r1"})
+        assert all(w.aborted == [{"rid": "r1"}] for w in prefills + decodes)
+        text = httpx.get(router.url + "/metrics").text
+        assert "pdserve:router_requests_total 1" in text
+        decodes[1].fail_status = 500  # the next probe goes to decode 1
+        assert httpx.get(router.url + "/health_generate").status_code == 503
+    finally:
+        router.stop()
+
+
+def test_parse_prefill_args_like_sglang_router():
+    got = parse_prefill_args([["http://a:1", "8998"], ["http://b:2", "none"], ["http://c:3"]])
+    assert got == [("http://a:1", 8998), ("http://b:2", None), ("http://c:3", None)]
+    with pytest.raises(ValueError):
+        parse_prefill_args([["http://a:1", "x"]])
+
+
+def test_with_bootstrap_does_not_touch_the_clients_body():
+    body = {"prompt": "x", "n": 1}
+    out = with_bootstrap("/v1/completions", body, Worker("http://10.0.0.7:5", "prefill", None))
+    assert body == {"prompt": "x", "n": 1}
+    assert out["bootstrap_host"] == "10.0.0.7" and out["bootstrap_port"] is None
+    assert isinstance(out["bootstrap_room"], int)

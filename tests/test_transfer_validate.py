@@ -1,0 +1,177 @@
+"""A hand-driven fake prefill sends bad messages; the decode refuses them before writing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from pdserve.scheduler.pools import KVLayout
+from pdserve.transfer.loopback import make_req, random_pool, reserve, wait_for, wait_until
+from pdserve.transfer.messages import (
+    Abort,
+    Decoder,
+    Heartbeat,
+    KVChunk,
+    KVDone,
+    Ready,
+    encode,
+    frames_checksum,
+)
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.zmq_io import MsgSocket, bind, make_socket
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
+N = 10
+TOKEN_BYTES = LAYOUT.token_bytes_per_layer
+
+
+class FakePrefill:
+    """Bootstrap ROUTER + data PUSH, driven by the test."""
+
+    def __init__(self) -> None:
+        self.router = MsgSocket(make_socket(zmq.ROUTER), Decoder())
+        self.port = bind(self.router.sock, "127.0.0.1", 0)
+        self.push: MsgSocket | None = None
+
+    def recv(self, timeout_ms: int = 3000):
+        assert self.router.sock.poll(timeout_ms), "nothing arrived at the fake prefill"
+        return self.router.recv()
+
+    def accept_ready(self) -> Ready:
+        _, ready, _ = self.recv()
+        assert isinstance(ready, Ready)
+        self.push = MsgSocket(make_socket(zmq.PUSH), Decoder())
+        self.push.sock.connect(ready.data_endpoint)
+        return ready
+
+    def close(self) -> None:
+        self.router.close()
+        if self.push:
+            self.push.close()
+
+
+@pytest.fixture
+def rig():
+    fake = FakePrefill()
+    rx = KVReceiver(LAYOUT, kv_timeout_s=5, heartbeat_timeout_s=5)
+    pool = random_pool(LAYOUT, 64, 3)
+    _, slots = reserve(pool, N, 3)
+    rx.expect(make_req("v", 11, N, fake.port), pool, slots)
+    ready = fake.accept_ready()
+    yield fake, rx, pool, ready
+    rx.close()
+    fake.close()
+
+
+def chunk(ready: Ready, **kw) -> tuple[KVChunk, list[bytes]]:
+    fields = dict(layer_start=0, layer_end=2, tok_start=0, tok_end=N, kind="kv", dtype="float32")
+    fields.update(kw)
+    n = (fields["layer_end"] - fields["layer_start"]) * (fields["tok_end"] - fields["tok_start"])
+    frames = [
+        np.random.rand(max(0, n) * TOKEN_BYTES // 4).astype(np.float32).tobytes() for _ in range(2)
+    ]
+    hdr = KVChunk(
+        room=ready.room,
+        session=ready.session,
+        index=0,
+        nbytes=len(frames[0]),
+        checksum=frames_checksum(frames),
+        **fields,
+    )
+    return hdr, frames
+
+
+def assert_refused(fake: FakePrefill, rx: KVReceiver, pool, reason: str) -> None:
+    before = pool.k.clone(), pool.v.clone()
+    [ev] = wait_for(rx.poll, 1, 3)
+    assert not ev.ok and reason in ev.reason, ev.reason
+    _, abort, _ = fake.recv()
+    assert isinstance(abort, Abort) and reason in abort.reason
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
+    assert rx.active_rooms() == set()
+
+
+def test_ready_carries_the_reservation(rig) -> None:
+    _, _, _, ready = rig
+    assert (ready.room, ready.rid, ready.num_tokens) == (11, "v", N)
+    assert ready.layout == LAYOUT.fingerprint() and ready.session > 0
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(layer_end=3), "layer range"),
+        (dict(layer_start=-1), "layer range"),
+        (dict(tok_end=N + 1), "token range"),
+        (dict(tok_start=5, tok_end=5), "token range"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(kind="x"), "kind"),
+    ],
+)
+def test_bad_header_refused_before_write(rig, fields, reason) -> None:
+    fake, rx, pool, ready = rig
+    before = pool.k.clone(), pool.v.clone()
+    hdr, frames = chunk(ready, **fields)
+    assert fake.push is not None
+    fake.push.send(hdr, frames)
+    assert_refused(fake, rx, pool, reason)
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
+
+
+def test_wrong_byte_count_and_checksum_refused(rig) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    assert fake.push is not None
+    fake.push.send(hdr, [frames[0], frames[1][:-4]])
+    assert_refused(fake, rx, pool, "byte count")
+
+
+def test_checksum_mismatch_refused(rig) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    bad = bytearray(frames[1])
+    bad[3] ^= 1
+    assert fake.push is not None
+    fake.push.send(hdr, [frames[0], bytes(bad)])
+    assert_refused(fake, rx, pool, "checksum mismatch")
+
+
+def test_garbage_is_dropped_and_counted(rig) -> None:
+    fake, rx, pool, ready = rig
+    before = pool.k.clone()
+    assert fake.push is not None
+    sock = fake.push.sock
+    sock.send(b"\x93not msgpack at all")
+    sock.send(encode(Heartbeat(sender="x", seq=1))[:-1] + b"\xc1")  # malformed
+    sock.send(b"\x81\xa1t\xa4evil")  # unknown tag
+    sock.send(b"\x00" * 70_000)  # oversized header
+    sock.send(encode(Heartbeat(sender="x", seq=1)).replace(b"\xa1v\x01", b"\xa1v\x02"))
+    hdr, frames = chunk(ready)
+    fake.push.send(KVChunk(**{**_fields(hdr), "room": 999}), frames)  # unknown room
+    fake.push.send(KVChunk(**{**_fields(hdr), "session": ready.session + 1}), frames)  # stale
+    assert wait_until(lambda: rx.stats().get("stale_session", 0) == 1, 3)
+    s = rx.stats()
+    assert (s["malformed"], s["oversized"], s["version"], s["unknown_room"]) == (3, 1, 1, 1)
+    assert rx.poll() == [] and rx.active_rooms() == {11}  # the transfer itself is unharmed
+    assert torch.equal(pool.k, before)
+    fake.push.send(hdr, frames)
+    assert wait_until(lambda: not torch.equal(pool.k, before), 3)  # a valid chunk is written
+    done = KVDone(
+        room=11,
+        session=ready.session,
+        first_token=5,
+        first_logprob=0.0,
+        prompt_len=N,
+        num_chunks=1,
+        digest=0,
+    )
+    fake.push.send(done)
+    assert_refused(fake, rx, pool, "digest mismatch")
+
+
+def _fields(s: KVChunk) -> dict:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
