@@ -100,7 +100,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     results = []
     for n in args.tokens:
         nbytes = kv_bytes(BENCH_LAYOUT, n)

@@ -8,20 +8,26 @@ The i-th generation request (in arrival order) follows `faults[i]` when given:
   "drop"   send `drop_after` tokens, then cut the connection mid-stream
   "hang"   send the headers and nothing more
   "error"  send one token, then an SSE error object
-Raw asyncio (one request per connection), run on its own loop in a thread.
+Raw asyncio (one request per connection), in a child process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import subprocess
+import sys
 from typing import Any
+
+import httpx
 
 BREAKDOWN = {"queue": 0.001, "prefill": 0.03, "kv_transfer": 0.015, "decode_admission": 0.004}
 
 
 class FakeStreamServer:
+    """Test-side handle: runs `StreamServer` in a child process (so its clock is
+    not disturbed by the GIL of the process under test) on a free loopback port."""
+
     def __init__(
         self,
         ttft: float = 0.05,
@@ -30,51 +36,56 @@ class FakeStreamServer:
         server_counts: bool = True,  # send token counts (usage, meta_info) and ttft_breakdown
         drop_after: int = 3,
     ):
-        self.ttft, self.itl, self.drop_after = ttft, itl, drop_after
-        self.faults = list(faults or [])
-        self.server_counts = server_counts
-        self.requests: list[dict[str, Any]] = []  # bodies of generation requests, in order
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._tasks: set[asyncio.Task] = set()
+        self.settings = dict(
+            ttft=ttft,
+            itl=itl,
+            faults=faults or [],
+            server_counts=server_counts,
+            drop_after=drop_after,
+        )
         self.port = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """Bodies of the generation requests received so far, in arrival order."""
+        return httpx.get(self.url + "/_requests", timeout=10, trust_env=False).json()
+
     def __enter__(self) -> FakeStreamServer:
-        self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-        self.port = fut.result(timeout=10)
+        cmd = [sys.executable, __file__, json.dumps(self.settings)]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())  # the child prints its port when ready
         return self
 
     def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
 
-    async def _start(self) -> int:
-        self._server = await asyncio.start_server(self._on_conn, "127.0.0.1", 0)
-        return self._server.sockets[0].getsockname()[1]
 
-    async def _stop(self) -> None:
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+class StreamServer:
+    def __init__(
+        self, ttft: float, itl: float, faults: list[str], server_counts: bool, drop_after: int
+    ):
+        self.ttft, self.itl, self.drop_after = ttft, itl, drop_after
+        self.faults = faults
+        self.server_counts = server_counts
+        self.requests: list[dict[str, Any]] = []  # bodies of generation requests, in order
+
+    async def serve_forever(self) -> None:
+        server = await asyncio.start_server(self._on_conn, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await server.serve_forever()
 
     async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
         finally:
-            self._tasks.discard(task)
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -85,6 +96,8 @@ class FakeStreamServer:
             for k, v in (line.split(":", 1) for line in head.split("\r\n")[1:] if ":" in line)
         )
         body = await reader.readexactly(int(headers.get("content-length", "0")))
+        if method == "GET" and path == "/_requests":
+            return await _send_json(writer, 200, self.requests)
         if method == "GET" and path == "/v1/models":
             return await _send_json(writer, 200, {"object": "list", "data": [{"id": "fake-model"}]})
         kind = {"/generate": "native", "/v1/completions": "openai"}.get(path)
@@ -132,8 +145,8 @@ class FakeStreamServer:
                 meta.update(prompt_tokens=_prompt_len(req), completion_tokens=i + 1)
             if last and self.server_counts:
                 meta["ttft_breakdown"] = BREAKDOWN
-            text = "".join(f" t{j}" for j in range(i + 1))  # cumulative
-            return {"text": text, "output_ids": [100 + i], "meta_info": meta}
+            text = "".join(f" t{j}" for j in range(i + 1))  # cumulative, as are the ids
+            return {"text": text, "output_ids": list(range(100, 101 + i)), "meta_info": meta}
         finish = "length" if last else None
         if kind == "openai":
             return {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}]}
@@ -169,7 +182,7 @@ async def _send_event(writer: asyncio.StreamWriter, obj: dict) -> None:
     await writer.drain()
 
 
-async def _send_json(writer: asyncio.StreamWriter, status: int, obj: dict) -> None:
+async def _send_json(writer: asyncio.StreamWriter, status: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
     reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}[status]
     writer.write(
@@ -178,3 +191,7 @@ async def _send_json(writer: asyncio.StreamWriter, status: int, obj: dict) -> No
         + body
     )
     await writer.drain()
+
+
+if __name__ == "__main__":
+    asyncio.run(StreamServer(**json.loads(sys.argv[1])).serve_forever())

@@ -1,6 +1,8 @@
 """`pdserve bench` against a real fake server that streams on a known clock
-(first token at 50 ms, then one every 20 ms). Tolerances are generous: the CI
-machine has 2 noisy cores."""
+(first token 50 ms after the server reads the request, then one every 20 ms).
+Tolerances are generous: the CI machine has 2 noisy cores. The lower bounds
+are sharp (the server never sends early); TTFT's upper bound is loose because
+it also holds connection setup, which a loaded machine stretches by tens of ms."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pdserve.cli import main
 pytestmark = pytest.mark.timeout(60)
 
 TTFT_MS, ITL_MS = 50.0, 20.0
+TTFT_SLACK_MS = 150.0
 
 
 def config(url: str, backend: str, **kw) -> BenchConfig:
@@ -36,9 +39,9 @@ def config(url: str, backend: str, **kw) -> BenchConfig:
 
 
 def assert_clock(m) -> None:
-    assert TTFT_MS - 2 <= m.ttft_ms.median <= TTFT_MS + 40
+    assert TTFT_MS - 2 <= m.ttft_ms.median <= TTFT_MS + TTFT_SLACK_MS
     assert ITL_MS - 5 <= m.itl_ms.median <= ITL_MS + 15
-    assert ITL_MS - 5 <= m.tpot_ms.mean <= ITL_MS + 15
+    assert ITL_MS - 5 <= m.tpot_ms.mean <= ITL_MS + 20
     assert m.e2e_ms.median >= TTFT_MS + 3 * ITL_MS - 5  # at least 4 tokens each
 
 
@@ -55,6 +58,7 @@ def test_timing_and_token_counts_per_backend(backend, server_counts):
     assert [r.output_tokens for r in res.records] == asked  # exact, ignore_eos
     assert m.total_output_tokens == sum(asked)
     assert all(len(r.itl) == r.output_tokens - 1 for r in res.records)
+    assert all(r.latency >= r.ttft + sum(r.itl) - 1e-6 for r in res.records)
     assert_clock(m)
     assert m.output_throughput == pytest.approx(sum(asked) / m.duration_s)
     assert res.model == (None if backend == "native" else "fake-model")
@@ -128,7 +132,7 @@ def test_cli_end_to_end_writes_a_json_line(tmp_path, capsys):
     m = run["metrics"]
     assert m["completed"] == 6 and m["total_output_tokens"] == 30
     assert m["slo_attainment"] == 1.0
-    assert TTFT_MS - 2 <= m["ttft_ms"]["median"] <= TTFT_MS + 40
+    assert TTFT_MS - 2 <= m["ttft_ms"]["median"] <= TTFT_MS + TTFT_SLACK_MS
     assert len(run["details"]) == 6 and all(d["output_tokens"] == 5 for d in run["details"])
     assert "details" not in json.loads(lines[1]) and "sekret" not in lines[1]
     printed = capsys.readouterr()

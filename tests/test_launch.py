@@ -7,7 +7,6 @@ so the test can check that nothing is orphaned.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -16,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from fake_workers import free_port
 
 FAKE = str(Path(__file__).with_name("fake_workers.py"))
@@ -57,7 +55,9 @@ def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> str:
 
 
 def port_free(port: int) -> bool:
+    """True if a server could listen there again (SO_REUSEADDR, as uvicorn sets it)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -117,10 +117,15 @@ def test_child_death_stops_the_rest_and_fails(tmp_path):
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):
+    import argparse
+
+    import pytest
+
+    from pdserve.server.launch import run_up
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        proc, _ = start_up(tmp_path, s.getsockname()[1])
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode != 0 and "in use" in err
-    assert not os.path.exists(tmp_path / "router.log")  # nothing was started
+        args = argparse.Namespace(host="127.0.0.1", port=s.getsockname()[1])
+        with pytest.raises(SystemExit, match="in use"):
+            run_up(args)  # fails before planning or starting any child

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-
 from fake_workers import FakeWorker, Served, free_port
+
 from pdserve.server.router import RouterConfig, create_app
 
 

@@ -6,8 +6,8 @@ import threading
 
 import httpx
 import pytest
-
 from fake_workers import FakeWorker, Served, free_port
+
 from pdserve.server.router import RouterConfig, create_app
 from pdserve.server.router_body import with_bootstrap
 from pdserve.server.router_workers import Worker, parse_prefill_args
@@ -51,8 +51,11 @@ def test_least_load_avoids_the_busy_worker(workers):
     prefills[0].hold_s = decodes[0].hold_s = 1.5
     router = start_router(prefills, decodes, policy="least_load")
     try:
-        slow = threading.Thread(target=httpx.post, args=(router.url + "/generate",),
-                                kwargs={"json": {"text": "x"}, "timeout": 10})
+        slow = threading.Thread(
+            target=httpx.post,
+            args=(router.url + "/generate",),
+            kwargs={"json": {"text": "x"}, "timeout": 10},
+        )
         slow.start()
         assert _wait(lambda: served_by(decodes) == [1, 0])
         for _ in range(2):  # round robin would send the second one to worker 0

@@ -176,7 +176,9 @@ def test_abort_request_endpoint(server):
     with httpx.stream("POST", server.url + "/generate", json=body) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        assert httpx.post(server.url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+        assert (
+            httpx.post(server.url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+        )
         events = sse_events(lines)
     assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(events[-2]["output_ids"]) < 200

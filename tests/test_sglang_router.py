@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from fake_workers import FakeWorker, free_port
 
 pytest.importorskip("sglang_router")

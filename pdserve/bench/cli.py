@@ -69,7 +69,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=_D.base_url, help="server root URL (default: %(default)s)")
+    g.add_argument(
+        "--base-url",
+        metavar="URL",
+        default=_D.base_url,
+        help="server root URL (default: %(default)s)",
+    )
     g.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -77,10 +82,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
         help="native: POST /generate (pdserve, sglang); openai: /v1/completions; "
         "openai-chat: /v1/chat/completions (default: %(default)s)",
     )
-    g.add_argument("--model", default=None, help="model name to send (default: ask /v1/models)")
-    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument(
+        "--model", metavar="NAME", default=None, help="model name to send (default: ask /v1/models)"
+    )
+    g.add_argument(
+        "--api-key", metavar="KEY", default=None, help="sent as 'Authorization: Bearer KEY'"
+    )
     g.add_argument(
         "--timeout",
+        metavar="S",
         type=float,
         default=_D.timeout,
         help="per-request limit in s (default: %(default)s)",
@@ -92,13 +102,21 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=DATASETS, default=_D.dataset, help="(default: %(default)s)")
     g.add_argument(
         "--dataset-path",
+        metavar="FILE",
         default=None,
         help="ShareGPT-format JSON: a list of {conversations: [human, gpt, ...]}; the human "
         "turn is the prompt, the gpt turn's length the output length",
     )
-    g.add_argument("--num-prompts", type=int, default=_D.num_prompts, help="(default: %(default)s)")
+    g.add_argument(
+        "--num-prompts",
+        metavar="N",
+        type=int,
+        default=_D.num_prompts,
+        help="(default: %(default)s)",
+    )
     g.add_argument(
         "--tokenizer",
+        metavar="DIR",
         default=None,
         help="folder with a tokenizer.json: exact prompt "
         "lengths in tokens (default: about one token per word)",
@@ -125,39 +143,50 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--vocab-size",
+        metavar="V",
         type=int,
         default=None,
         help="random token ids are drawn below this (default: the tokenizer's, or 1000)",
     )
     g.add_argument(
         "--shared-prefix-groups",
+        metavar="G",
         type=int,
         default=_D.shared_prefix_groups,
         help="shared-prefix: number of prefixes G (default: %(default)s)",
     )
     g.add_argument(
         "--shared-prefix-prompts-per-group",
+        metavar="P",
         type=int,
         default=None,
-        help="shared-prefix: prompts per prefix P (default: num-prompts / G)",
+        help="shared-prefix: prompts per prefix P (default: num-prompts / G); like every "
+        "dataset, it is cycled or cut to --num-prompts",
     )
     g.add_argument(
         "--shared-prefix-len",
+        metavar="L",
         type=int,
         default=_D.shared_prefix_len,
         help="shared-prefix: prefix tokens (default: %(default)s)",
     )
     g.add_argument(
         "--shared-prefix-suffix-len",
+        metavar="S",
         type=int,
         default=_D.shared_prefix_suffix_len,
         help="shared-prefix: unique suffix tokens (default: %(default)s)",
     )
     g.add_argument(
-        "--temperature", type=float, default=_D.temperature, help="(default: %(default)s)"
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=_D.temperature,
+        help="(default: %(default)s)",
     )
     g.add_argument(
         "--seed",
+        metavar="SEED",
         type=int,
         default=_D.seed,
         help="seeds prompts, lengths and arrival times (default: %(default)s)",
@@ -168,6 +197,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate",
+        metavar="R",
         type=_rate,
         default=_D.request_rate,
         help="requests/s; inf sends all at once (default: %(default)s)",
@@ -180,12 +210,14 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-concurrency",
+        metavar="C",
         type=int,
         default=None,
         help="at most this many requests in flight (default: no limit)",
     )
     g.add_argument(
         "--num-warmup",
+        metavar="K",
         type=int,
         default=_D.num_warmup,
         help="requests sent first and left out of the metrics (default: %(default)s)",
@@ -194,9 +226,15 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
-    g.add_argument("--output", default=None, help="append one JSON line per run to this file")
+    g.add_argument(
+        "--slo-ttft-ms", metavar="MS", type=float, default=None, help="TTFT SLO for goodput"
+    )
+    g.add_argument(
+        "--slo-tpot-ms", metavar="MS", type=float, default=None, help="TPOT SLO for goodput"
+    )
+    g.add_argument(
+        "--output", metavar="FILE", default=None, help="append one JSON line per run to this file"
+    )
     g.add_argument(
         "--details", action="store_true", help="put per-request records into the JSON line"
     )

@@ -148,8 +148,9 @@ class Frontend:
         out = []
         for i in range(n):
             room, host, port = boot.for_sample(i, n)
-            seeded = n > 1 and params.seed is not None
-            p = msgspec.structs.replace(params, seed=params.seed + i) if seeded else params
+            p = params
+            if n > 1 and params.seed is not None:
+                p = msgspec.structs.replace(params, seed=params.seed + i)
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
                                      bootstrap_host=host, bootstrap_port=port))  # fmt: skip

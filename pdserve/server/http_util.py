@@ -91,18 +91,17 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def stream_until_disconnect(request: Request, gen: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Relay `gen`; when the client goes away, cancel it mid-await (its cleanup aborts
-    the engine requests) even if it is not producing anything right now."""
+    """Relay `gen`; when the client goes away (noticed here or by the server cancelling
+    us), cancel it mid-await, so its cleanup aborts the engine requests even while it
+    is not producing anything."""
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    nxt: asyncio.Future[T] | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(gen.__anext__())
             await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(BaseException):
-                    await nxt
-                return
+                return  # client gone
             try:
                 item = nxt.result()
             except StopAsyncIteration:
@@ -110,6 +109,10 @@ async def stream_until_disconnect(request: Request, gen: AsyncIterator[T]) -> As
             yield item
     finally:
         watcher.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
         aclose = getattr(gen, "aclose", None)
         if aclose is not None:
             await aclose()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -117,6 +118,7 @@ class _Stop:
 def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     """Start, wait healthy, serve until a signal (0) or a child's death (1)."""
     _check_port_free(args.host, args.port)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
     stop = _Stop()
     children = plan(args)
     env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
@@ -209,7 +211,7 @@ def _keep_unknown(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(self: Any, args: Any = None, namespace: Any = None) -> Any:
         ns, extra = plain(args, namespace)
-        ns.engine_args = [a for a in (ns.engine_args or []) if a != "--"] + extra
+        ns.engine_args = [a for a in extra if a != "--"]
         return ns, []
 
     parser.parse_known_args = types.MethodType(parse_known_args, parser)  # type: ignore[method-assign]
@@ -260,8 +262,7 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
-    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="other flags go to every server")
-    _keep_unknown(p)
+    _keep_unknown(p)  # any other flag goes to every prefill and decode server
     p.set_defaults(func=func)
 
 

@@ -92,9 +92,10 @@ def wait_healthy(children: list[Child], timeout_s: float, stop: Callable[[], boo
     pending = list(children)
     deadline = time.monotonic() + timeout_s
     while pending and not stop():
-        for c in list(pending):
+        for c in children:
             if (rc := _exited(c)) is not None:
                 raise RuntimeError(f"{c.name} exited with {rc} during startup:\n{c.log_tail()}")
+        for c in list(pending):
             if _healthy(c, headers):
                 pending.remove(c)
         if time.monotonic() > deadline:

@@ -61,7 +61,7 @@ class _EngineStatsCollector(Collector):
         yield SummaryMetricFamily(
             "pdserve:kv_transfer_seconds",
             "KV transfer time per request",
-            count_value=s.get("kv_transfer_seconds_count", 0.0),
+            count_value=int(s.get("kv_transfer_seconds_count", 0)),
             sum_value=s.get("kv_transfer_seconds_sum", 0.0),
         )
         yield CounterMetricFamily(

@@ -88,7 +88,9 @@ class _Native:
         try:
             async for d in gen:
                 if d.error:
-                    yield sse(error_body(d.error, "server_error", None, engine_error_status(self.fe)))
+                    yield sse(
+                        error_body(d.error, "server_error", None, engine_error_status(self.fe))
+                    )
                     break
                 acc[d.index].add(d)
                 if d.text or d.finished or d.token_ids:

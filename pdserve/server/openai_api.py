@@ -109,7 +109,7 @@ class NativeSampling(_In):
 class GenerateIn(_PD):
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
+    sampling_params: NativeSampling = Field(default_factory=lambda: NativeSampling())
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class IOThread:
     def __init__(self, name: str, tick_s: float) -> None:
         self.tick_ms = max(1, int(tick_s * 1000))
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rfd, self._wfd = os.pipe()  # wakes the poller when work is submitted
         os.set_blocking(self._rfd, False)
@@ -44,7 +44,7 @@ class IOThread:
         self._readers[sock] = fn
         self._poller.register(sock, zmq.POLLIN)
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], object]) -> None:
         self._work.put(fn)
         if self._wfd < 0:
             return  # stopped
@@ -101,11 +101,17 @@ class IOThread:
                 fn = self._work.get_nowait()
             except queue.Empty:
                 return
-            fn()
+            try:
+                fn()
+            except Exception:  # a bug in one work item must not kill every transfer
+                log.exception("transfer work item failed")
 
     @staticmethod
     def _drain_socket(sock: zmq.Socket, fn: Callable[[], None]) -> None:
         budget = 256  # bound one socket's turn so timers and work still run
         while budget and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            fn()
+            try:
+                fn()
+            except Exception:
+                log.exception("transfer message handler failed")
             budget -= 1

@@ -171,9 +171,12 @@ class KVReceiver:
             self.counters["refused_chunk"] += 1
             self._fail(x, f"chunk {hdr.index} refused: {reason}")
             return
-        with x.lock:
-            if x.open:  # NOTE: cancel() may have closed it since the lookup
-                write_chunk(x, hdr, bufs)
+        try:
+            with x.lock:
+                if x.open:  # NOTE: cancel() may have closed it since the lookup
+                    write_chunk(x, hdr, bufs)
+        except Exception as e:  # fail closed: partially written KV is never reported ok
+            self._fail(x, f"internal error while writing KV: {e!r}")
 
     def _on_done(self, done: KVDone) -> None:
         x = self._lookup(done.room, done.session)

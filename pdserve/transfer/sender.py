@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +37,12 @@ from pdserve.transfer.messages import (
     done_digest,
     frames_checksum,
 )
+from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
-MAX_FRAME_BYTES = 32 << 20  # per payload frame; larger on_chunk ranges are split
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 8 << 20  # per payload frame; larger on_chunk ranges are split
 
 
 @dataclass
@@ -85,6 +89,7 @@ class KVSender:
         self._rooms: dict[int, _Room] = {}
         self._refused: dict[int, tuple[str, float]] = {}  # room -> (reason, expiry)
         self._data: dict[str, MsgSocket] = {}  # decode data endpoint -> PUSH
+        self._staging: StagingPool | None = None  # created on first chunk (pool dtype, device)
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -173,6 +178,14 @@ class KVSender:
         """Push whatever is computed, once the decode's Ready is known and accepted."""
         if st.ready is None or st.req is None:
             return
+        try:
+            self._push(st)
+        except Exception as e:  # never leave the room hanging on an internal error
+            log.exception("KV push of room %d failed", st.room)
+            self._fail(st, f"internal error while sending KV: {e!r}")
+
+    def _push(self, st: _Room) -> None:
+        assert st.ready is not None
         sock = self._data_socket(st.ready.data_endpoint)
         while st.pending:
             pool, slots, start, end = st.pending.pop(0)
@@ -186,8 +199,9 @@ class KVSender:
     ) -> None:
         assert st.ready is not None
         idx = idx.to(pool.k.device)
-        k = pool.k.index_select(1, idx).cpu().numpy()  # staging copies [L, n, H, D]
-        v = pool.v.index_select(1, idx).cpu().numpy()
+        staging = self._staging_for(pool)
+        k_buf, k = staging.gather(pool.k, idx)  # [L, n, H, D] each
+        v_buf, v = staging.gather(pool.v, idx)
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,
@@ -202,7 +216,18 @@ class KVSender:
             checksum=frames_checksum([k, v]),
         )
         st.sent.append((hdr.index, hdr.checksum))
-        sock.send(hdr, [k, v])
+        trackers = sock.send(hdr, [k, v])
+        # NOTE: staging buffers return to the pool only when libzmq is done with them
+        staging.hold(k_buf, trackers)
+        staging.hold(v_buf, trackers)
+
+    def _staging_for(self, pool: KVPool) -> StagingPool:
+        if self._staging is None:
+            numel = self._max_tokens * self.layout.num_layers * self.layout.num_kv_heads
+            self._staging = StagingPool(
+                numel * self.layout.head_dim, pool.k.dtype, pin=pool.k.is_cuda
+            )
+        return self._staging
 
     def _send_done(self, sock: MsgSocket, st: _Room) -> None:
         assert st.ready is not None and st.req is not None and st.done is not None

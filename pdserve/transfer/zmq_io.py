@@ -80,14 +80,20 @@ class MsgSocket:
         self.hook = hook
         self.routed = sock.type == zmq.ROUTER
 
-    def send(self, msg: Message, frames: Sequence[Frame] = (), to: bytes | None = None) -> None:
-        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy:
-        pyzmq keeps the buffer objects alive until libzmq has written them."""
+    def send(
+        self, msg: Message, frames: Sequence[Frame] = (), to: bytes | None = None
+    ) -> list[zmq.MessageTracker]:
+        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy;
+        the returned trackers say when libzmq no longer reads them."""
         parts: list[Frame] = [encode(msg), *frames]
         batches = self.hook(type(msg).__name__, parts) if self.hook else [parts]
+        trackers = []
         for batch in batches:
             prefix: list[Frame] = [to] if (self.routed and to is not None) else []
-            self.sock.send_multipart(prefix + batch, copy=False)
+            tracker = self.sock.send_multipart(prefix + batch, copy=False, track=bool(frames))
+            if tracker is not None:
+                trackers.append(tracker)
+        return trackers
 
     def recv(self) -> tuple[bytes | None, Message | None, list[zmq.Frame]]:
         """Receive one multipart message (call after poll said readable).
