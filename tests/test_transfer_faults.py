@@ -108,21 +108,28 @@ def test_dead_prefill_fails_within_heartbeat_bound() -> None:
         rx.close()
 
 
-def test_prefill_abort_reaches_decode() -> None:
+@pytest.mark.parametrize("ready_first", [True, False])
+def test_prefill_abort_reaches_decode(ready_first: bool) -> None:
     tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1)
     rx = KVReceiver(LAYOUT, kv_timeout_s=30, heartbeat_timeout_s=5)
     try:
         pool_d = random_pool(LAYOUT, 64, 2)
         dec = Side(pool_d, *reserve(pool_d, N, 2))
-        req_p = make_req("ab", 8, N, tx.bootstrap_port)
-        rx.expect(make_req("ab", 8, N, tx.bootstrap_port), dec.pool, dec.slots)
+        req_p, req_d = (
+            make_req("ab", 8, N, tx.bootstrap_port),
+            make_req("ab", 8, N, tx.bootstrap_port),
+        )
+        if ready_first:
+            rx.expect(req_d, dec.pool, dec.slots)
+            assert wait_until(lambda: tx.room_phases() == {8: "wait_admit"}, 2)
         tx.on_admit(req_p)
-        assert wait_until(lambda: tx.active_rooms() == {8}, 2)
         tx.on_abort(req_p, "prompt too long")
+        [sev] = wait_for(tx.poll, 1, 3)
+        assert not sev.ok and "prompt too long" in sev.reason
+        if not ready_first:  # the decode's Ready comes after the prefill gave up
+            rx.expect(req_d, dec.pool, dec.slots)
         [ev] = wait_for(rx.poll, 1, 3)
         assert not ev.ok and "prompt too long" in ev.reason
-        [sev] = wait_for(tx.poll, 1, 3)
-        assert not sev.ok
         assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
     finally:
         tx.close()

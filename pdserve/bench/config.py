@@ -69,5 +69,12 @@ class BenchConfig:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}: need 1 <= min <= max, got ({lo}, {hi})")
+        if (
+            min(self.shared_prefix_groups, self.shared_prefix_len, self.shared_prefix_suffix_len)
+            < 1
+        ):
+            raise ValueError("--shared-prefix-groups, -len and -suffix-len must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError("--vocab-size must be >= 1")
         if self.timeout <= 0:
             raise ValueError("--timeout must be > 0")

@@ -23,9 +23,10 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` stays fast
+    import torch
 
 from pdserve.model import tokenizer_build as tb
 
@@ -74,6 +75,19 @@ class ModelPreset:
     @property
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
+
+    def describe(self) -> str:
+        extras = [
+            ("llama3 rope", self.rope_scaling is not None),
+            ("tied embeddings", self.tie_word_embeddings),
+            ("q/k/v bias", self.qkv_bias),
+            ("q/k norm", self.qk_norm),
+        ]
+        return ", ".join(
+            [self.architecture, f"{self.num_layers} layers", f"hidden {self.hidden_size}"]
+            + [f"vocab {self.vocab_size}"]
+            + [name for name, on in extras if on]
+        )
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -148,6 +162,8 @@ def generation_config() -> dict[str, object]:
 
 
 def _layer_weights(p: ModelPreset, g: torch.Generator) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
     h, q_out, kv_out = p.hidden_size, p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -180,6 +196,8 @@ def _layer_weights(p: ModelPreset, g: torch.Generator) -> Iterator[tuple[str, to
 
 def init_weights(p: ModelPreset, seed: int) -> dict[str, torch.Tensor]:
     """All float32 tensors of preset `p`, keyed by Hugging Face names; a pure function of seed."""
+    import torch
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     specials = torch.arange(len(tb.SPECIAL_TOKENS))
     out = {"model.embed_tokens.weight": torch.randn(p.vocab_size, p.hidden_size, generator=g)}
@@ -218,6 +236,8 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", hf_config(p))
     _write_json(out / "generation_config.json", generation_config())
+    from safetensors.torch import save_file
+
     save_file(init_weights(p, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     tb.build_tokenizer(p.vocab_size).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tb.tokenizer_config(p.max_position_embeddings))
@@ -246,6 +266,8 @@ def default_model_path(preset: str = "tiny") -> Path:
     Safe across processes: the maker holds an flock, builds in a temp folder beside
     the target and renames it into place, so a visible folder is always complete.
     """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     target = cache_root() / "models" / f"{preset}-v{FORMAT_VERSION}"
     if target.is_dir():
         return target
@@ -256,6 +278,7 @@ def default_model_path(preset: str = "tiny") -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             make_model(preset, tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it 0700
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -272,17 +295,15 @@ def _cli_make_model(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Register `pdserve make-model`."""
-    lines = [
-        f"  {name:12s} {p.architecture}, {p.num_layers} layers, hidden {p.hidden_size}, "
-        f"vocab {p.vocab_size}"
-        for name, p in PRESETS.items()
-    ]
+    lines = [f"  {name:12s} {p.describe()}" for name, p in PRESETS.items()]
     parser = subparsers.add_parser(
         "make-model",
         help="write a small random reference checkpoint (Hugging Face format)",
-        description="Write a seeded, randomly initialised checkpoint that transformers "
-        "and pdserve both load: config.json, model.safetensors, tokenizer.json, "
-        "tokenizer_config.json, generation_config.json.\n\npresets:\n" + "\n".join(lines),
+        description="Write a seeded, randomly initialised checkpoint in Hugging Face format\n"
+        "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json,\n"
+        "generation_config.json) that transformers and pdserve both load offline.\n"
+        "Same preset and seed give byte-identical weights.\n\npresets:\n" + "\n".join(lines),
+        epilog="example: pdserve make-model --preset tiny-qwen3 --out /tmp/tiny-qwen3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape")

@@ -11,12 +11,12 @@ from pdserve.scheduler.prefill import PrefillEngine
 
 def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engine:
     """role "prefill": binds the bootstrap socket; role "decode": binds a data socket."""
-    from pdserve.transfer.curve import curve_keys_from_config
+    from pdserve.transfer.curve import load_keys
     from pdserve.transfer.receiver import KVReceiver
     from pdserve.transfer.sender import KVSender
 
     runner = ModelRunner(cfg)
-    curve = curve_keys_from_config(transfer)
+    curve = load_keys(transfer.curve_secret_key_file)
     if role == "prefill":
         sink = KVSender(
             transfer.host,

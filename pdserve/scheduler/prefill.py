@@ -168,7 +168,9 @@ class PrefillEngine:
 
     def _batch(self, plan: list[tuple[Req, int, int]]) -> ForwardBatch:
         dev = self.runner.device
-        ids, pos, locs = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        locs: list[torch.Tensor] = []
         for req, start, end in plan:
             ids.extend(req.prompt_ids[start:end])
             pos.extend(range(start, end))

@@ -6,8 +6,8 @@ are read from the latest `engine.stats()` snapshot at scrape time:
     metric                                  engine.stats() key(s)
     pdserve:num_running_reqs                running
     pdserve:num_queue_reqs                  queued
-    pdserve:num_prealloc_queue_reqs         prealloc_queue
-    pdserve:num_transfer_queue_reqs         transfer_queue
+    pdserve:num_prealloc_queue_reqs         prealloc
+    pdserve:num_transfer_queue_reqs         transfer
     pdserve:token_usage                     token_usage, else 1 - free_kv_pages / total_kv_pages
     pdserve:forward_busy_ratio              forward_busy_ratio
     pdserve:kv_transfer_seconds (summary)   kv_transfer_seconds_sum, kv_transfer_seconds_count
@@ -36,8 +36,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _GAUGES = {
     "num_running_reqs": ("running", "Requests in the running batch"),
     "num_queue_reqs": ("queued", "Requests waiting in the engine's queues"),
-    "num_prealloc_queue_reqs": ("prealloc_queue", "Decode: requests waiting for a row and KV"),
-    "num_transfer_queue_reqs": ("transfer_queue", "Decode: requests waiting for their KV"),
+    "num_prealloc_queue_reqs": ("prealloc", "Decode: requests waiting for a row and KV"),
+    "num_transfer_queue_reqs": ("transfer", "Decode: requests waiting for their KV"),
     "forward_busy_ratio": ("forward_busy_ratio", "Share of time the forward stream is busy"),
 }
 

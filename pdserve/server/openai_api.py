@@ -37,7 +37,7 @@ class _Sampling(_PD):
     """OpenAI sampling fields plus the sglang extras both OpenAI routes accept."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=64)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -71,7 +71,7 @@ class _Sampling(_PD):
 class CompletionIn(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
 
@@ -90,7 +90,7 @@ class ChatIn(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class NativeSampling(_In):
@@ -103,13 +103,13 @@ class NativeSampling(_In):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=64)
 
 
 class GenerateIn(_PD):
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: NativeSampling = Field(default_factory=lambda: NativeSampling())
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None

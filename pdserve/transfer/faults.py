@@ -1,5 +1,8 @@
 """Seeded fault injection in the transfer's send path (tests and chaos runs).
 
+Frames passed to a hook are valid only during the call (the sender recycles its
+staging buffers once ZeroMQ is done), so anything kept for later is copied.
+
 `FaultInjector` is a `SendHook`: pass it as `KVSender(fault_hook=...)`. Each `Fault`
 targets one message type ("KVChunk", "KVDone", "Heartbeat", "Abort") and fires either
 on the `nth` message of that type (0-based) or with probability `prob`.
@@ -69,8 +72,8 @@ class FaultInjector:
         if f.action == "duplicate":
             return out + [list(m) for m in out]
         if f.action == "reorder":
-            if out:
-                self._held[kind in _DATA_KINDS] = out[0]
+            if out:  # NOTE: copied: the caller may reuse its buffers once this call returns
+                self._held[kind in _DATA_KINDS] = [bytes(memoryview(f).cast("B")) for f in out[0]]
             return out[1:]
         return [self._damage(f.action, m) for m in out]
 

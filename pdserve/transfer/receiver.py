@@ -25,6 +25,7 @@ import zmq
 from pdserve.scheduler.kv_io import SourceEvent
 from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
+from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
@@ -59,6 +60,8 @@ class KVReceiver:
         self._io = IOThread("kv-receiver", tick_s=0.05)
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
+        if curve is not None:
+            authorize(curve)  # ZAP: only holders of the cluster secret may connect
         pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
         self.data_port = bind(pull, host, data_port)
         self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"

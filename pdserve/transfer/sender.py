@@ -25,6 +25,7 @@ import zmq
 from pdserve.scheduler.kv_io import SinkEvent
 from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
+from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import (
     Abort,
@@ -56,6 +57,14 @@ class _Room:
     sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
     done_sent: bool = False
     deadline: float = 0.0
+
+
+def _phase(st: _Room) -> str:
+    if st.req is None:
+        return "wait_admit"
+    if st.ready is None:
+        return "wait_ready"
+    return "wait_ack" if st.done_sent else "pushing"
 
 
 class KVSender:
@@ -95,6 +104,8 @@ class KVSender:
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
+        if curve is not None:
+            authorize(curve)  # ZAP: only holders of the cluster secret may connect
         router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
         self.bootstrap_port = bind(router, bootstrap_host, bootstrap_port)
         self._ctrl = MsgSocket(router, self._decoder, fault_hook)
@@ -126,6 +137,10 @@ class KVSender:
 
     def active_rooms(self) -> set[int]:
         return set(self._rooms)
+
+    def room_phases(self) -> dict[int, str]:
+        """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, for tests/metrics)."""
+        return {r: _phase(st) for r, st in list(self._rooms.items())}
 
     def close(self) -> None:
         self._io.stop()
@@ -269,6 +284,12 @@ class KVSender:
 
     def _on_ready(self, peer: bytes, ready: Ready) -> None:
         st = self._rooms.get(ready.room)
+        refused = self._refused.get(ready.room)
+        if st is None and refused is not None:  # failed before the decode was known
+            self._ctrl.send(
+                Abort(room=ready.room, session=ready.session, reason=refused[0]), to=peer
+            )
+            return
         if st is not None and st.ready is not None:
             if st.ready.session != ready.session:  # a second decode claims an active room
                 self._ctrl.send(
@@ -319,7 +340,9 @@ class KVSender:
             )
         if st.req is not None:
             self._io.emit(SinkEvent(st.req.rid, False, reason))
-        else:  # Ready refused before admission: on_admit must fail too
+        if st.req is None or st.ready is None:
+            # NOTE: one side not known yet: a later on_admit / Ready of this room is
+            # refused with the same reason (a prefill rejection must reach the decode)
             self._refused[st.room] = (reason, time.monotonic() + self.ready_timeout_s)
 
     # ---- timers (I/O thread) --------------------------------------------------------

@@ -16,7 +16,8 @@ import zmq
 from pdserve.transfer.messages import Decoder, Message, encode
 
 Frame = Any  # bytes, memoryview or contiguous numpy array: anything with a buffer
-# hook(kind tag, frames) -> the multipart messages to really send (0, 1 or more)
+# hook(kind tag, frames) -> the multipart messages to really send (0, 1 or more).
+# The frames are valid only during the call: a hook that keeps one must copy it.
 SendHook = Callable[[str, list[Frame]], list[list[Frame]]]
 
 _SOCK_BUF = 8 << 20  # kernel socket buffers: large frames stream without stalls
