@@ -21,7 +21,6 @@ import random
 import time
 from collections import deque
 
-
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.model.runner import ModelRunner
@@ -58,6 +57,12 @@ class DecodeEngine:
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.steps = 0
+        self.transfer_totals = {
+            "kv_transfer_seconds_sum": 0.0,
+            "kv_transfer_seconds_count": 0.0,
+            "kv_transfer_bytes": 0.0,
+            "transfer_failed": 0.0,
+        }
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -141,6 +146,7 @@ class DecodeEngine:
             if req is None:
                 continue  # cancelled meanwhile
             if not ev.ok:
+                self.transfer_totals["transfer_failed"] += 1
                 req.error = f"KV transfer failed: {ev.reason}"
                 self.transfer[req.rid] = req
                 self._end(req)
@@ -148,7 +154,17 @@ class DecodeEngine:
             req.first_token, req.first_logprob = ev.first_token, ev.first_logprob
             req.state = State.PREBUILT
             req.stages["kv_done"] = time.time()
+            self._count_transfer(req)
             self.prebuilt.append(req)
+
+    def _count_transfer(self, req: Req) -> None:
+        t = self.transfer_totals
+        t["kv_transfer_seconds_sum"] += req.stages["kv_done"] - req.stages["reserved"]
+        t["kv_transfer_seconds_count"] += 1
+        layout = self.runner.layout
+        t["kv_transfer_bytes"] += (
+            2 * layout.num_layers * layout.token_bytes_per_layer * req.prompt_len
+        )
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
@@ -289,6 +305,8 @@ class DecodeEngine:
             "token_usage": used / max(alloc.total_pages, 1),
             "forward_busy_ratio": self.busy_s / wall,
             "decode_steps": self.steps,
+            **self.transfer_totals,
+            **{f"transfer_{k}": float(v) for k, v in _source_stats(self.source).items()},
         }
 
     def drain(self) -> None:
@@ -302,3 +320,11 @@ class DecodeEngine:
     def close(self) -> None:
         self.forward_stream.close()
         self.schedule_stream.close()
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+def _source_stats(source: object) -> dict[str, int]:
+    stats = getattr(source, "stats", None)
+    return stats() if stats is not None else {}

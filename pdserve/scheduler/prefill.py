@@ -235,7 +235,15 @@ class PrefillEngine:
             "holding": len(self.holding),
             "token_usage": (alloc.total_pages - alloc.free_pages) / max(alloc.total_pages, 1),
             "forward_busy_ratio": self.busy_s / wall,
+            **{f"transfer_{k}": float(v) for k, v in _sink_stats(self.sink).items()},
         }
 
     def close(self) -> None:
-        pass
+        close = getattr(self.sink, "close", None)
+        if close is not None:
+            close()
+
+
+def _sink_stats(sink: object) -> dict[str, int]:
+    stats = getattr(sink, "stats", None)
+    return stats() if stats is not None else {}

@@ -63,6 +63,32 @@ def _pick(v, i: int):  # type: ignore[no-untyped-def]
     return v[i] if isinstance(v, list) else v
 
 
+def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
+    """Seconds per TTFT stage from the engines' time.time() stamps; a stage whose
+    stamps are missing is left out.
+
+        arrive ─queue─▶ reserved ─[prefill: prefill_start..prefill_end]─ kv_transfer ─▶ kv_done
+               ─decode_admission─▶ running
+
+    Without prefill stamps (the decode never sees them) `kv_transfer` is the whole
+    wait from reserved to kv_done, prefill compute included.
+    """
+    out: dict[str, float] = {}
+
+    def span(name: str, a: str, b: str) -> None:
+        if a in stages and b in stages:
+            out[name] = stages[b] - stages[a]
+
+    span("queue", "arrive", "reserved")
+    if "prefill_start" in stages and "prefill_end" in stages:
+        span("prefill", "prefill_start", "prefill_end")
+        span("kv_transfer", "prefill_end", "kv_done")
+    else:
+        span("kv_transfer", "reserved", "kv_done")
+    span("decode_admission", "kv_done", "running")
+    return out
+
+
 @dataclass
 class Delta:
     """New output of one sample since its previous Delta."""

@@ -77,7 +77,7 @@ class _Native:
 
     def body(self, r: SampleResult) -> dict[str, Any]:
         meta = native_meta(self.reqs[r.index].rid, r, self.prompt_tokens,
-                           time.time() - self.arrival, self.arrival, self.logprob)  # fmt: skip
+                           time.time() - self.arrival, self.logprob)  # fmt: skip
         out: dict[str, Any] = {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
         if len(self.reqs) > 1:
             out["index"] = r.index

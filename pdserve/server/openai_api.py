@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.generation import Bootstrap, Delta, SampleResult
+from pdserve.server.generation import Bootstrap, Delta, SampleResult, ttft_breakdown
 from pdserve.server.tokenizer import Tokenizer
 
 
@@ -191,6 +191,9 @@ class OpenAIFormatter:
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         body = self._envelope(obj, choices)
         body["usage"] = usage(prompt_tokens * len(results), sum(len(r.output_ids) for r in results))
+        staged = next((r for r in results if r.stages), None)
+        if staged is not None:  # the first sample's stages (pdserve extension, read by bench)
+            body["ttft_breakdown"] = ttft_breakdown(staged.stages)
         return body
 
     def _choice(self, r: SampleResult, logprobs: bool) -> dict[str, Any]:
@@ -224,7 +227,10 @@ class OpenAIFormatter:
                 lp = chat_logprobs(self.tok, d.token_ids, d.logprobs)
         c["logprobs"] = lp
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return self._envelope(obj, [c])
+        body = self._envelope(obj, [c])
+        if d.finished and d.stages:  # a choice's final chunk (pdserve extension, read by bench)
+            body["ttft_breakdown"] = ttft_breakdown(d.stages)
+        return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
@@ -235,7 +241,7 @@ class OpenAIFormatter:
 
 # ---- sglang native formatting ------------------------------------------------------------
 def native_meta(
-    rid: str, r: SampleResult, prompt_tokens: int, e2e: float, arrival: float, logprob: bool
+    rid: str, r: SampleResult, prompt_tokens: int, e2e: float, logprob: bool
 ) -> dict:
     fr: dict[str, Any] | None = None
     if r.finish_reason is not None:
@@ -250,7 +256,7 @@ def native_meta(
         "e2e_latency": e2e,
     }
     if r.stages:
-        meta["ttft_breakdown"] = {k: v - arrival for k, v in r.stages.items()}
+        meta["ttft_breakdown"] = ttft_breakdown(r.stages)
     if logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(r.output_ids, r.logprobs)]
     return meta

@@ -2,7 +2,8 @@
 
 The engine thread hands work over with `submit(fn)` (thread-safe, never blocks);
 the I/O thread owns every ZeroMQ socket, runs the submitted work in FIFO order,
-dispatches readable sockets, and fires `on_tick` at least every `tick_s`.
+dispatches readable sockets in turns of at most SLICE_S each, and fires `on_tick`
+after every turn (and at least every `tick_s`).
 Events for the engine go through `emit` and come out of `drain` (thread-safe).
 """
 
@@ -12,11 +13,16 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 
 log = logging.getLogger(__name__)
+
+# NOTE: work and each socket get turns of at most SLICE_S, so a big push or a burst
+# of chunks never starves heartbeats, acks and timers (no false timeouts)
+SLICE_S = 0.05
 
 
 class IOThread:
@@ -79,7 +85,8 @@ class IOThread:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                ready = dict(self._poller.poll(self.tick_ms))
+                busy = not self._work.empty()  # leftover work: only peek at the sockets
+                ready = dict(self._poller.poll(0 if busy else self.tick_ms))
                 self._run_work()
                 for sock, fn in list(self._readers.items()):
                     if ready.get(sock) and not self._stop.is_set():
@@ -96,7 +103,8 @@ class IOThread:
             os.read(self._rfd, 65536)
         except BlockingIOError:
             pass
-        while not self._stop.is_set():
+        end = time.monotonic() + SLICE_S
+        while not self._stop.is_set() and time.monotonic() < end:
             try:
                 fn = self._work.get_nowait()
             except queue.Empty:
@@ -108,10 +116,9 @@ class IOThread:
 
     @staticmethod
     def _drain_socket(sock: zmq.Socket, fn: Callable[[], None]) -> None:
-        budget = 256  # bound one socket's turn so timers and work still run
-        while budget and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        end = time.monotonic() + SLICE_S
+        while time.monotonic() < end and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 fn()
             except Exception:
                 log.exception("transfer message handler failed")
-            budget -= 1

@@ -110,9 +110,13 @@ class KVReceiver:
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
+        """Counters of refused and dropped messages, and the active transfers."""
         with self._lock:
-            active = len(self._xfers)
-        return {"active_rooms": active, **self._decoder.dropped, **self.counters}
+            return {"active_rooms": len(self._xfers), **self._decoder.dropped, **self.counters}
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
 
     def active_rooms(self) -> set[int]:
         with self._lock:
@@ -148,9 +152,9 @@ class KVReceiver:
         with self._lock:
             x = self._xfers.get(room)
         if x is None:
-            self.counters["unknown_room"] += 1
+            self._count("unknown_room")
         elif x.session != session:
-            self.counters["stale_session"] += 1
+            self._count("stale_session")
             return None
         return x
 
@@ -161,7 +165,7 @@ class KVReceiver:
         elif isinstance(msg, KVDone):
             self._on_done(msg)
         elif msg is not None:
-            self.counters["unexpected_message"] += 1
+            self._count("unexpected_message")
 
     def _on_chunk(self, hdr: KVChunk, frames: list[zmq.Frame]) -> None:
         x = self._lookup(hdr.room, hdr.session)
@@ -171,7 +175,7 @@ class KVReceiver:
         bufs = [f.buffer for f in frames]
         reason = check_chunk(self.layout, x, hdr, bufs)
         if reason:
-            self.counters["refused_chunk"] += 1
+            self._count("refused_chunk")
             self._fail(x, f"chunk {hdr.index} refused: {reason}")
             return
         try:
@@ -204,7 +208,7 @@ class KVReceiver:
             if x is not None and x.endpoint == endpoint and msg.session in (0, x.session):
                 self._fail(x, f"prefill aborted: {msg.reason}", notify=False)
         elif not isinstance(msg, Heartbeat):
-            self.counters["unexpected_message"] += 1
+            self._count("unexpected_message")
 
     def _close(self, x: Transfer) -> bool:
         """Make `x` terminal; False if something else (cancel, another failure) did first."""

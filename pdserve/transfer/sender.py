@@ -173,7 +173,8 @@ class KVSender:
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return  # failed or foreign: the event was already emitted
-        st.pending.append((pool, slots, start, end))
+        for s in range(start, end, self._max_tokens):  # one frame-sized piece per entry
+            st.pending.append((pool, slots, s, min(end, s + self._max_tokens)))
         self._flush(st)
 
     def _done(self, req: Req, first_token: int, first_logprob: float) -> None:
@@ -202,10 +203,12 @@ class KVSender:
     def _push(self, st: _Room) -> None:
         assert st.ready is not None
         sock = self._data_socket(st.ready.data_endpoint)
-        while st.pending:
+        if st.pending:  # one piece per turn; the rest is resubmitted behind other work
             pool, slots, start, end = st.pending.pop(0)
-            for s in range(start, end, self._max_tokens):
-                self._send_chunk(sock, st, pool, slots[s : min(end, s + self._max_tokens)], s)
+            self._send_chunk(sock, st, pool, slots[start:end], start)
+            if st.pending:
+                self._io.submit(lambda: self._flush(st) if self._rooms.get(st.room) is st else None)
+                return
         if st.done is not None and not st.done_sent:
             self._send_done(sock, st)
 
@@ -266,6 +269,17 @@ class KVSender:
             raw.connect(endpoint)
             sock = self._data[endpoint] = MsgSocket(raw, self._decoder, self._hook)
         return sock
+
+    def _drop_idle_endpoint(self, endpoint: str) -> None:
+        """After a failure: close the PUSH to a decode no live room uses, so KV queued
+        for a dead or refusing decode is discarded instead of held forever."""
+        if any(
+            s.ready is not None and s.ready.data_endpoint == endpoint for s in self._rooms.values()
+        ):
+            return
+        sock = self._data.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
 
     def _curve_client(self) -> CurveKeys | None:
         # NOTE: with CURVE the decode's data socket is a CURVE server using the same
@@ -340,6 +354,8 @@ class KVSender:
             )
         if st.req is not None:
             self._io.emit(SinkEvent(st.req.rid, False, reason))
+        if st.ready is not None:
+            self._drop_idle_endpoint(st.ready.data_endpoint)
         if st.req is None or st.ready is None:
             # NOTE: one side not known yet: a later on_admit / Ready of this room is
             # refused with the same reason (a prefill rejection must reach the decode)

