@@ -27,7 +27,7 @@ import torch
 from pdserve.scheduler.pools import KVLayout
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
 
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
 
@@ -36,11 +36,18 @@ def kv_bytes(layout: KVLayout, tokens: int) -> int:
     return 2 * layout.num_layers * tokens * layout.token_bytes_per_layer
 
 
-def prefill_side(n: int, rooms: list[int], port_q: mp.Queue) -> None:
+def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
     at expect(), covers Ready + gather + send + receive + scatter + KVDone)."""
-    tx = KVSender("127.0.0.1", 0, BENCH_LAYOUT, heartbeat_s=0.5, ack_timeout_s=300)
+    tx = KVSender(
+        "127.0.0.1",
+        0,
+        BENCH_LAYOUT,
+        heartbeat_s=0.5,
+        ack_timeout_s=300,
+        max_frame_bytes=frame_bytes,
+    )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1)
     side = Side(pool, *reserve(pool, n, 1))
     for room in rooms:
@@ -51,10 +58,12 @@ def prefill_side(n: int, rooms: list[int], port_q: mp.Queue) -> None:
     tx.close()
 
 
-def zmq_gbps(n: int, repeats: int) -> float:
+def zmq_gbps(n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES) -> float:
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
-    child = mp.get_context("spawn").Process(target=prefill_side, args=(n, rooms, port_q))
+    child = mp.get_context("spawn").Process(
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes)
+    )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300)
     try:
@@ -113,12 +122,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results = []
     for n in args.tokens:
         nbytes = kv_bytes(BENCH_LAYOUT, n)
-        z, r = zmq_gbps(n, args.repeats), raw_gbps(nbytes, args.repeats)
+        z, r = (
+            zmq_gbps(n, args.repeats, int(args.frame_mib * 2**20)),
+            raw_gbps(nbytes, args.repeats),
+        )
         results.append(
             {
                 "tokens": n,

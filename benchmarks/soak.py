@@ -171,8 +171,8 @@ class Tally:
 
 
 class Load:
-    def __init__(self, url: str, vocab: int, seed: int, max_samples: int) -> None:
-        self.url, self.vocab, self.max_samples = url, vocab, max_samples
+    def __init__(self, url: str, model: str, vocab: int, seed: int, max_samples: int) -> None:
+        self.url, self.model, self.vocab, self.max_samples = url, model, vocab, max_samples
         self.rng = random.Random(seed)
         self.t = Tally()
 
@@ -181,14 +181,18 @@ class Load:
         self.t.requests += 1
         t0 = time.monotonic()
         try:
-            done = await getattr(self, "_" + kind)(client)
+            outcome = await getattr(self, "_" + kind)(client)
         except httpx.HTTPError as e:
-            return self.t.error(type(e).__name__)
-        if done:
+            outcome = type(e).__name__
+        if outcome == "ok":
             self.t.ok += 1
             self.t.latencies.append(time.monotonic() - t0)
+        elif outcome == "cancelled":
+            self.t.cancelled += 1
+        else:
+            self.t.error(outcome)
 
-    async def _greedy(self, client: httpx.AsyncClient) -> bool:
+    async def _greedy(self, client: httpx.AsyncClient) -> str:
         ids = [self.rng.randrange(3, self.vocab) for _ in range(self.rng.randint(1, 40))]
         n = self.rng.randint(1, 24)
         sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -196,58 +200,55 @@ class Load:
             self.url + "/generate", json={"input_ids": ids, "sampling_params": sp}
         )
         if r.status_code != 200:
-            return self.t.error(f"http_{r.status_code}") or False
+            return f"http_{r.status_code}"
         out = r.json()["output_ids"]
         self.t.tokens += len(out)
         if len(self.t.samples) < self.max_samples:
             self.t.samples.append((ids, n, out))
-        return True
+        return "ok"
 
     def _body(self, stream: bool) -> dict[str, Any]:
         prompt = " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 60)))
-        return {"model": "default", "prompt": prompt, "max_tokens": self.rng.randint(1, 48),
+        return {"model": self.model, "prompt": prompt, "max_tokens": self.rng.randint(1, 48),
                 "temperature": self.rng.choice([0, 0.7, 1.0]), "stream": stream,
                 "stop": self.rng.sample(STOPS, self.rng.randint(0, 2)) or None}  # fmt: skip
 
-    async def _text(self, client: httpx.AsyncClient) -> bool:
+    async def _text(self, client: httpx.AsyncClient) -> str:
         r = await client.post(self.url + "/v1/completions", json=self._body(False))
         if r.status_code != 200:
-            return self.t.error(f"http_{r.status_code}") or False
+            return f"http_{r.status_code}"
         self.t.tokens += int(r.json()["usage"]["completion_tokens"])
-        return True
+        return "ok"
 
-    async def _stream(self, client: httpx.AsyncClient, cut: int | None = None) -> bool:
+    async def _stream(self, client: httpx.AsyncClient, cut: int | None = None) -> str:
         async with client.stream("POST", self.url + "/v1/completions", json=self._body(True)) as r:
             if r.status_code != 200:
                 await r.aread()
-                return self.t.error(f"http_{r.status_code}") or False
+                return f"http_{r.status_code}"
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
-                    return True
+                    return "ok"
                 if line.startswith("data: "):
                     if "error" in json.loads(line[6:]):
-                        return self.t.error("sse_error") or False
+                        return "sse_error"
                     self.t.tokens += 1
                     if cut is not None and (cut := cut - 1) <= 0:
-                        self.t.cancelled += 1  # leaving the block closes the connection
-                        return False
-        return self.t.error("stream_ended_without_done") or False
+                        return "cancelled"  # leaving the block closes the connection
+        return "stream_ended_without_done"
 
-    async def _cancel(self, client: httpx.AsyncClient) -> bool:
+    async def _cancel(self, client: httpx.AsyncClient) -> str:
         if self.rng.random() < 0.5:
             return await self._stream(client, cut=self.rng.randint(1, 4))
         try:  # gone before the first byte: often while the prefill still runs
-            await asyncio.wait_for(self._stream(client), self.rng.uniform(0.01, 0.3))
-            return True
+            return await asyncio.wait_for(self._stream(client), self.rng.uniform(0.01, 0.3))
         except TimeoutError:
-            self.t.cancelled += 1
-            return False
+            return "cancelled"
 
 
-async def drive(url: str, vocab: int, duration_s: float, concurrency: int, seed: int = 0,
+async def drive(url: str, model: str, vocab: int, duration_s: float, concurrency: int, seed: int = 0,
                 max_samples: int = 8) -> Tally:  # fmt: skip
     """`concurrency` clients loop until `duration_s`; every 3 s a burst of as many again."""
-    load = Load(url, vocab, seed, max_samples)
+    load = Load(url, model, vocab, seed, max_samples)
     deadline = time.monotonic() + duration_s
     limits = httpx.Limits(max_connections=4 * concurrency)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
@@ -263,6 +264,13 @@ async def drive(url: str, vocab: int, duration_s: float, concurrency: int, seed:
 
         await asyncio.gather(bursts(), *(worker() for _ in range(concurrency)))
     return load.t
+
+
+def model_facts(worker_url: str) -> tuple[str, str, int]:
+    """(model folder, served model name, vocabulary size) of a worker."""
+    info = server_info(worker_url)
+    cfg = json.loads((Path(info["model_path"]) / "config.json").read_text())
+    return info["model_path"], info["served_model_name"], int(cfg["vocab_size"])
 
 
 def greedy_mismatches(model_path: str, samples: list[tuple[list[int], int, list[int]]]) -> int:
@@ -295,11 +303,10 @@ def main() -> int:
     cluster = Cluster()
     try:
         p, d, r = cluster.start()
-        info = server_info(p.url)
-        vocab = json.loads((Path(info["model_path"]) / "config.json").read_text())["vocab_size"]
-        t = asyncio.run(drive(r.url, vocab, args.duration, args.concurrency, args.seed))
+        path, name, vocab = model_facts(p.url)
+        t = asyncio.run(drive(r.url, name, vocab, args.duration, args.concurrency, args.seed))
         held = wait_quiet([p.url, d.url], timeout_s=15.0)
-        res = figures(t, args.duration, held, greedy_mismatches(info["model_path"], t.samples))
+        res = figures(t, args.duration, held, greedy_mismatches(path, t.samples))
     finally:
         cluster.stop()
     print(json.dumps(res) if args.json else "\n".join(f"{k:>18}: {v}" for k, v in res.items()))

@@ -182,7 +182,8 @@ def test_openai_chat(stack):
 
     messages = [{"role": "user", "content": "Name three colours."}]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(stack.model))
-    ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = hf_tok(text, add_special_tokens=False)["input_ids"]
     want = stack.text(stack.ref(ids))
     c = stack.client()
     r = c.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=NEW,  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` stays fast
     import torch
 
+from pdserve.envs import ENV
 from pdserve.model import tokenizer_build as tb
 
 FORMAT_VERSION = 1  # bump when the files written here change; names the cache folder
@@ -246,7 +247,7 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 def cache_root() -> Path:
     """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
+    env = ENV.CACHE_DIR.get()
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
 
 

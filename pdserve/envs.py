@@ -1,0 +1,46 @@
+"""Every environment variable pdserve reads, in one typed registry (prefix PDSERVE_).
+
+Read them through `ENV.<name>.get()`, never `os.environ` directly, so `pdserve
+--help`, the docs and the code agree on what exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+
+    def get(self, default: str | None = None) -> str | None:
+        value = os.environ.get(self.name)
+        return value if value not in (None, "") else default
+
+
+class _Registry:
+    CACHE_DIR = EnvVar(
+        "PDSERVE_CACHE_DIR", "where default models are made and cached (~/.cache/pdserve)"
+    )
+    API_KEY = EnvVar(
+        "PDSERVE_API_KEY", "bearer key required on generation endpoints (same as --api-key)"
+    )
+    CURVE_PUBLIC = EnvVar(
+        "PDSERVE_CURVE_PUBLIC", "Z85 public key of the KV channel's CURVE keypair"
+    )
+    CURVE_SECRET = EnvVar(
+        "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
+    )
+    FAKE_ENGINE = EnvVar(
+        "PDSERVE_FAKE_ENGINE",
+        "tests only: load a fake engine from this .py path (1: tests/fake_engine.py)",
+    )
+    FAKE_STEP_S = EnvVar("PDSERVE_FAKE_STEP_S", "tests only: seconds per fake engine step")
+
+    def all(self) -> list[EnvVar]:
+        return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
+
+
+ENV = _Registry()

