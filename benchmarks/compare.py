@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench.config import BenchConfig
+from pdserve.bench.datasets import BenchRequest, build_requests
 
 SYSTEMS = ("pdserve", "vllm", "transformers")
 QUICK = {"num_prompts": 16, "concurrency": 8, "input_len": (32, 128), "output_len": (16, 64)}
@@ -262,16 +263,14 @@ def run_transformers(args: argparse.Namespace, model: str, cfg: BenchConfig) -> 
     import torch
     import transformers
 
-    from pdserve.bench.datasets import build_requests
-
     torch.set_num_threads(os.cpu_count() or 1)
     reqs = build_requests(cfg)[cfg.num_warmup :]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    _generate(hf, [list(reqs[0].prompt)], 2)  # warm-up, not timed
+    _generate(hf, [_ids(reqs[0])], 2)  # warm-up, not timed
     t0 = time.perf_counter()
     for i in range(0, len(reqs), args.concurrency):
         batch = reqs[i : i + args.concurrency]
-        _generate(hf, [list(r.prompt) for r in batch], max(r.output_len for r in batch))
+        _generate(hf, [_ids(r) for r in batch], max(r.output_len for r in batch))
     duration = time.perf_counter() - t0
     out_tokens = sum(r.output_len for r in reqs)
     metrics = {
@@ -282,6 +281,11 @@ def run_transformers(args: argparse.Namespace, model: str, cfg: BenchConfig) -> 
     }  # fmt: skip
     return {"system": "transformers", "status": "ok", "version": transformers.__version__,
             "metrics": metrics}  # fmt: skip
+
+
+def _ids(req: BenchRequest) -> list[int]:
+    assert isinstance(req.prompt, list), "the workload sends token ids"
+    return req.prompt
 
 
 def _generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> None:

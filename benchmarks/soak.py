@@ -62,7 +62,7 @@ class Cluster:
     """One prefill, one decode and a router; `start()` blocks until all answer /health."""
 
     transfer: dict[str, float] = field(default_factory=lambda: dict(FAST_TRANSFER))
-    server: dict[str, Any] = field(default_factory=lambda: {"engine_heartbeat_timeout_s": 5.0})
+    server: dict[str, Any] = field(default_factory=dict)  # ServerConfig overrides
     engine_flags: list[str] = field(default_factory=lambda: list(ENGINE_FLAGS))
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-cluster-"))
     children: list[Child] = field(default_factory=list)
@@ -165,6 +165,7 @@ class Tally:
     errors: dict[str, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
     samples: list[tuple[list[int], int, list[int]]] = field(default_factory=list)  # greedy
+    examples: dict[str, str] = field(default_factory=dict)  # first error body of each kind
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -200,12 +201,16 @@ class Load:
             self.url + "/generate", json={"input_ids": ids, "sampling_params": sp}
         )
         if r.status_code != 200:
-            return f"http_{r.status_code}"
+            return self._bad(r.status_code, r.text)
         out = r.json()["output_ids"]
         self.t.tokens += len(out)
         if len(self.t.samples) < self.max_samples:
             self.t.samples.append((ids, n, out))
         return "ok"
+
+    def _bad(self, status: int, text: str) -> str:
+        self.t.examples.setdefault(f"http_{status}", text[:300])
+        return f"http_{status}"
 
     def _body(self, stream: bool) -> dict[str, Any]:
         prompt = " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 60)))
@@ -216,20 +221,20 @@ class Load:
     async def _text(self, client: httpx.AsyncClient) -> str:
         r = await client.post(self.url + "/v1/completions", json=self._body(False))
         if r.status_code != 200:
-            return f"http_{r.status_code}"
+            return self._bad(r.status_code, r.text)
         self.t.tokens += int(r.json()["usage"]["completion_tokens"])
         return "ok"
 
     async def _stream(self, client: httpx.AsyncClient, cut: int | None = None) -> str:
         async with client.stream("POST", self.url + "/v1/completions", json=self._body(True)) as r:
             if r.status_code != 200:
-                await r.aread()
-                return f"http_{r.status_code}"
+                return self._bad(r.status_code, (await r.aread()).decode(errors="replace"))
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     return "ok"
                 if line.startswith("data: "):
                     if "error" in json.loads(line[6:]):
+                        self.t.examples.setdefault("sse_error", line[:300])
                         return "sse_error"
                     self.t.tokens += 1
                     if cut is not None and (cut := cut - 1) <= 0:
@@ -290,7 +295,7 @@ def figures(t: Tally, duration_s: float, held: dict[str, list[str]], bad: int) -
             "cancelled": t.cancelled, "errors": t.errors, "tokens": t.tokens,
             "tokens_per_s": round(t.tokens / duration_s, 1), "p50_latency_s": pct(0.5),
             "p99_latency_s": pct(0.99), "greedy_checked": len(t.samples),
-            "greedy_mismatches": bad, "leaks": held}  # fmt: skip
+            "greedy_mismatches": bad, "leaks": held, "error_examples": t.examples}  # fmt: skip
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ tokens are checked against `transformers`, the oracle nobody here wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,7 +25,9 @@ from tokenizers import Tokenizer
 
 openai = pytest.importorskip("openai")
 
-NEW = 12  # greedy tokens per checked request
+NEW = 10  # greedy tokens per checked request
+N_PROMPTS = 4  # distinct prompts; their references are computed while the stack starts
+CHAT = [{"role": "user", "content": "Name three colours."}]
 STARTUP_S = 180.0
 
 
@@ -35,9 +38,13 @@ class Stack:
     decode: str
     model: Path
     tok: Tokenizer
+    refs: dict[tuple[int, ...], list[int]]  # prompt -> transformers' NEW greedy tokens
 
-    def ref(self, ids: list[int], n: int = NEW) -> list[int]:
-        return hf_greedy(self.model, ids, n)
+    def ref(self, ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in self.refs:
+            self.refs[key] = hf_greedy(self.model, ids, NEW)
+        return self.refs[key]
 
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -105,12 +112,23 @@ def stack():
     proc = spawn(argv, "up")
     url = f"http://127.0.0.1:{port}"
     try:
+        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+        prompts = [prompt(tok, i) for i in range(N_PROMPTS)] + [chat_ids(model)]
+        refs = {tuple(p): hf_greedy(model, p, NEW) for p in prompts}  # while the servers start
         wait_healthy(url, [proc])
         info = httpx.get(url + "/server_info", timeout=5).json()["router"]
-        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-        yield Stack(url, info["prefill"][0][0], info["decode"][0], model, tok)
+        yield Stack(url, info["prefill"][0][0], info["decode"][0], model, tok, refs)
     finally:
         stop(proc)
+
+
+def chat_ids(model: Path) -> list[int]:
+    """The chat prompt as transformers renders and tokenizes it."""
+    import transformers
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    text = hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    return list(hf_tok(text, add_special_tokens=False)["input_ids"])
 
 
 def prompt(tok: Tokenizer, i: int) -> list[int]:
@@ -178,12 +196,8 @@ def test_openai_completion_token_prompt(stack):
 
 
 def test_openai_chat(stack):
-    import transformers
-
-    messages = [{"role": "user", "content": "Name three colours."}]
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(stack.model))
-    text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+    messages = CHAT
+    ids = chat_ids(stack.model)
     want = stack.text(stack.ref(ids))
     c = stack.client()
     r = c.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=NEW,  # type: ignore[arg-type]
@@ -218,7 +232,7 @@ def test_n2_seeded_samples(stack):
 
 
 def test_concurrent_requests_match_transformers(stack):
-    prompts = [prompt(stack.tok, i) + [100 + i] for i in range(8)]
+    prompts = [prompt(stack.tok, i % N_PROMPTS) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda ids: generate(stack.url, ids)["output_ids"], prompts))
     for ids, out in zip(prompts, outs):
@@ -272,8 +286,7 @@ def test_api_key_at_the_router(stack):
             "--prefill", stack.prefill, str(boot), "--decode", stack.decode]  # fmt: skip
     proc = spawn(argv, "keyed-router")
     try:
-        keyed = Stack(f"http://127.0.0.1:{port}", stack.prefill, stack.decode, stack.model,
-                      stack.tok)  # fmt: skip
+        keyed = dataclasses.replace(stack, url=f"http://127.0.0.1:{port}")
         wait_healthy(keyed.url, [proc], timeout_s=60)
         with pytest.raises(openai.AuthenticationError):
             keyed.client("wrong").completions.create(model="tiny-v1", prompt="hi", max_tokens=2)
@@ -306,14 +319,11 @@ def test_client_disconnect_frees_resources(stack):
     body = {"prompt": [ids], "max_tokens": 3000, "temperature": 0, "stream": True}
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        got: list[str] = []
-        for ln in r.iter_lines():
-            if ln.startswith("data: "):
-                got.append(ln)
-            if len(got) == 2:
-                break
+        chunks = (ln for ln in r.iter_lines() if ln.startswith("data: "))
+        next(chunks), next(chunks)
         busy = server_info(stack.decode)
         assert not all_free(busy), busy  # the request holds a row and pages now
+        chunks.close()  # NOTE: closing the line iterator closes the connection
     deadline = time.monotonic() + 10
     infos = [server_info(stack.prefill), server_info(stack.decode)]
     while not all(all_free(i) for i in infos) and time.monotonic() < deadline:

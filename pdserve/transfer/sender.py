@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,39 +31,14 @@ from pdserve.transfer.messages import (
     Ack,
     Decoder,
     Heartbeat,
-    KVChunk,
-    KVDone,
     Ready,
-    done_digest,
-    frames_checksum,
 )
-from pdserve.transfer.staging import StagingPool
+from pdserve.transfer.push import Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 8 << 20  # per payload frame; larger on_chunk ranges are split
-
-
-@dataclass
-class _Room:
-    room: int
-    req: Req | None = None  # set by on_admit
-    ready: Ready | None = None  # set when the decode's Ready arrives
-    peer: bytes = b""  # decode's identity on the bootstrap ROUTER
-    pending: list[tuple[KVPool, torch.Tensor, int, int]] = field(default_factory=list)
-    done: tuple[int, float] | None = None  # (first_token, first_logprob) from on_done
-    sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
-    done_sent: bool = False
-    deadline: float = 0.0
-
-
-def _phase(st: _Room) -> str:
-    if st.req is None:
-        return "wait_admit"
-    if st.ready is None:
-        return "wait_ready"
-    return "wait_ack" if st.done_sent else "pushing"
 
 
 class KVSender:
@@ -91,14 +65,12 @@ class KVSender:
         self.heartbeat_s = heartbeat_s
         self._curve = curve
         self._hook = fault_hook
-        self._max_tokens = max(
-            1, max_frame_bytes // (layout.token_bytes_per_layer * layout.num_layers)
-        )
+        self._pusher = Pusher(layout, max_frame_bytes)
+        self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, Room] = {}
         self._refused: dict[int, tuple[str, float]] = {}  # room -> (reason, expiry)
         self._data: dict[str, MsgSocket] = {}  # decode data endpoint -> PUSH
-        self._staging: StagingPool | None = None  # created on first chunk (pool dtype, device)
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -140,7 +112,7 @@ class KVSender:
 
     def room_phases(self) -> dict[int, str]:
         """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, for tests/metrics)."""
-        return {r: _phase(st) for r, st in list(self._rooms.items())}
+        return {r: phase(st) for r, st in list(self._rooms.items())}
 
     def close(self) -> None:
         self._io.stop()
@@ -159,7 +131,7 @@ class KVSender:
         if refused is not None:
             self._io.emit(SinkEvent(req.rid, False, refused[0]))
             return
-        st = st or self._rooms.setdefault(req.room, _Room(req.room))
+        st = st or self._rooms.setdefault(req.room, Room(req.room))
         st.req = req
         st.deadline = time.monotonic() + self.ready_timeout_s
         if st.ready is not None:
@@ -190,7 +162,7 @@ class KVSender:
             self._fail(st, f"prefill aborted: {reason}")
 
     # ---- pushing KV -----------------------------------------------------------------
-    def _flush(self, st: _Room) -> None:
+    def _flush(self, st: Room) -> None:
         """Push whatever is computed, once the decode's Ready is known and accepted."""
         if st.ready is None or st.req is None:
             return
@@ -200,67 +172,18 @@ class KVSender:
             log.exception("KV push of room %d failed", st.room)
             self._fail(st, f"internal error while sending KV: {e!r}")
 
-    def _push(self, st: _Room) -> None:
+    def _push(self, st: Room) -> None:
         assert st.ready is not None
         sock = self._data_socket(st.ready.data_endpoint)
         if st.pending:  # one piece per turn; the rest is resubmitted behind other work
             pool, slots, start, end = st.pending.pop(0)
-            self._send_chunk(sock, st, pool, slots[start:end], start)
+            self._pusher.send_chunk(sock, st, pool, slots[start:end], start)
             if st.pending:
                 self._io.submit(lambda: self._flush(st) if self._rooms.get(st.room) is st else None)
                 return
         if st.done is not None and not st.done_sent:
-            self._send_done(sock, st)
-
-    def _send_chunk(
-        self, sock: MsgSocket, st: _Room, pool: KVPool, idx: torch.Tensor, tok: int
-    ) -> None:
-        assert st.ready is not None
-        idx = idx.to(pool.k.device)
-        staging = self._staging_for(pool)
-        k_buf, k = staging.gather(pool.k, idx)  # [L, n, H, D] each
-        v_buf, v = staging.gather(pool.v, idx)
-        hdr = KVChunk(
-            room=st.room,
-            session=st.ready.session,
-            index=len(st.sent),
-            layer_start=0,
-            layer_end=self.layout.num_layers,
-            tok_start=tok,
-            tok_end=tok + len(idx),
-            kind="kv",
-            dtype=self.layout.dtype,
-            nbytes=k.nbytes,
-            checksum=frames_checksum([k, v]),
-        )
-        st.sent.append((hdr.index, hdr.checksum))
-        trackers = sock.send(hdr, [k, v])
-        # NOTE: staging buffers return to the pool only when libzmq is done with them
-        staging.hold(k_buf, trackers)
-        staging.hold(v_buf, trackers)
-
-    def _staging_for(self, pool: KVPool) -> StagingPool:
-        if self._staging is None:
-            numel = self._max_tokens * self.layout.num_layers * self.layout.num_kv_heads
-            self._staging = StagingPool(
-                numel * self.layout.head_dim, pool.k.dtype, pin=pool.k.is_cuda
-            )
-        return self._staging
-
-    def _send_done(self, sock: MsgSocket, st: _Room) -> None:
-        assert st.ready is not None and st.req is not None and st.done is not None
-        done = KVDone(
-            room=st.room,
-            session=st.ready.session,
-            first_token=st.done[0],
-            first_logprob=st.done[1],
-            prompt_len=st.req.prompt_len,
-            num_chunks=len(st.sent),
-            digest=done_digest(st.sent, *st.done, st.req.prompt_len),
-        )
-        sock.send(done)
-        st.done_sent = True
-        st.deadline = time.monotonic() + self.ack_timeout_s
+            self._pusher.send_done(sock, st)
+            st.deadline = time.monotonic() + self.ack_timeout_s
 
     def _data_socket(self, endpoint: str) -> MsgSocket:
         sock = self._data.get(endpoint)
@@ -311,13 +234,13 @@ class KVSender:
                     to=peer,
                 )
             return
-        st = st or self._rooms.setdefault(ready.room, _Room(ready.room))
+        st = st or self._rooms.setdefault(ready.room, Room(ready.room))
         st.ready, st.peer = ready, peer
         if st.req is None:
             st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_admit
         self._check_ready(st)
 
-    def _check_ready(self, st: _Room) -> None:
+    def _check_ready(self, st: Room) -> None:
         assert st.ready is not None
         reason = self._ready_mismatch(st)
         if reason:
@@ -327,7 +250,7 @@ class KVSender:
             st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
         self._flush(st)
 
-    def _ready_mismatch(self, st: _Room) -> str:
+    def _ready_mismatch(self, st: Room) -> str:
         assert st.ready is not None
         if st.ready.layout != self.fingerprint:
             return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {self.fingerprint!r}"
@@ -346,7 +269,7 @@ class KVSender:
             if st.req is not None:
                 self._io.emit(SinkEvent(st.req.rid, True))
 
-    def _fail(self, st: _Room, reason: str, notify: bool = True) -> None:
+    def _fail(self, st: Room, reason: str, notify: bool = True) -> None:
         self._rooms.pop(st.room, None)
         if notify and st.ready is not None:
             self._ctrl.send(
@@ -374,7 +297,7 @@ class KVSender:
             for peer in {s.peer for s in self._rooms.values() if s.peer}:
                 self._ctrl.send(hb, to=peer)
 
-    def _timeout_reason(self, st: _Room) -> str:
+    def _timeout_reason(self, st: Room) -> str:
         if st.req is None:
             return f"prefill never admitted room {st.room} within {self.ready_timeout_s}s"
         if st.ready is None:
