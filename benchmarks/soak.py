@@ -305,7 +305,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    cluster = Cluster()
+    cluster = Cluster(transfer={})  # default timeouts: a slow shared CPU is no fault
     try:
         p, d, r = cluster.start()
         path, name, vocab = model_facts(p.url)

@@ -62,6 +62,6 @@ class TransferConfig:
     kv_timeout_s: float = 60.0  # decode: wait this long for a request's KV
     heartbeat_s: float = 1.0  # prefill -> decode heartbeat period
     heartbeat_timeout_s: float = 5.0  # decode fails a prefill's rooms after this silence
+    # One cluster CURVE keypair (a zmq.auth `.key_secret` file) encrypts and authenticates
+    # the channel; None falls back to PDSERVE_CURVE_PUBLIC/SECRET, else no CURVE.
     curve_secret_key_file: str | None = None
-    curve_public_key_file: str | None = None
-    curve_server_public_key_file: str | None = None

@@ -153,7 +153,9 @@ def test_compose_profiles_and_monitoring():
     prom = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}  # fmt: skip
-    expected = {f"{n}:{flag(svcs[n]['command'], '--port')}" for n in ("prefill", "decode", "router")}
+    expected = {
+        f"{n}:{flag(svcs[n]['command'], '--port')}" for n in ("prefill", "decode", "router")
+    }
     assert targets == expected
     for mount in svcs["prometheus"]["volumes"] + svcs["grafana"]["volumes"]:
         assert (ROOT / mount.split(":")[0]).exists(), mount
@@ -333,13 +335,20 @@ def compose_stack(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]
                 wait_healthy(urls[n], procs, tmp)
         yield urls["router"], urls, models / "model"
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGTERM)  # the frontend and the engine it started
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_all(procs)
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 8) -> None:
+    """SIGTERM each process group (a frontend and the engine it started), then SIGKILL."""
+    for p in procs:
+        os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def test_compose_commands_serve_tokens_identical_to_transformers(compose_stack):
@@ -366,5 +375,5 @@ def test_dashboard_queries_only_exported_metrics(compose_stack):
                      if line and not line.startswith("#")}  # fmt: skip
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    queried = {m for e in exprs for m in re.findall(r"pdserve:[a-z_:]+", e)}
+    queried = {m for e in exprs for m in re.findall(r"pdserve:[a-z0-9_:]+", e)}
     assert queried and queried <= exported, sorted(queried - exported)

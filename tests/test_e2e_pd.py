@@ -67,15 +67,19 @@ def spawn(argv: list[str], log_name: str) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the child's group; SIGKILL whatever of it is left after the grace period."""
-    _signal_group(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    _signal_group(proc, signal.SIGKILL)
-    proc.wait(timeout=10)
+def stop(*procs: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM each child's group; SIGKILL whatever of them is left after the grace period."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+        p.wait(timeout=10)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -122,12 +126,12 @@ def stack():
         stop(proc)
 
 
-def chat_ids(model: Path) -> list[int]:
+def chat_ids(model: Path, messages: list[dict[str, str]] = CHAT) -> list[int]:
     """The chat prompt as transformers renders and tokenizes it."""
     import transformers
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(model))
-    text = hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(hf_tok(text, add_special_tokens=False)["input_ids"])
 
 

@@ -87,8 +87,7 @@ def sgl():
         wait_router(url, procs[-1])
         yield Setup(url, tok, ids, want, chat_want)
     finally:
-        for p in reversed(procs):
-            stop(p, grace_s=10)
+        stop(*procs, grace_s=10)
 
 
 def test_generate_input_ids(sgl):

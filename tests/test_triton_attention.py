@@ -94,7 +94,8 @@ def test_wrappers_reject_bad_inputs() -> None:
     r2t = _table(0, 2, 16, 32)
     ok = (_ivec([0, 1]), _ivec([3, 4]), _ivec([0, 1]))
     with pytest.raises(ValueError, match="H % KH"):
-        at.decode_attention(torch.zeros(2, 3, 16, device=DEVICE), k, v, torch.zeros(2, 3, 16), r2t, *ok, 1.0)  # fmt: skip
+        q3 = torch.zeros(2, 3, 16, device=DEVICE)
+        at.decode_attention(q3, k, v, q3.clone(), r2t, *ok, 1.0)
     with pytest.raises(ValueError, match="dtypes differ"):
         at.decode_attention(q.double(), k, v, q.double(), r2t, *ok, 1.0)
     with pytest.raises(ValueError, match="index vectors"):
@@ -178,7 +179,8 @@ def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
 def test_tiny_model_greedy_tokens_match_torch_backend() -> None:
     def cfg(backend: str) -> EngineConfig:
         cache = CacheConfig(page_size=4, max_total_tokens=64, max_context=32)
-        return EngineConfig(model_path=str(model_path("tiny")), attention_backend=backend, cache=cache, device=DEVICE)  # fmt: skip
+        path = str(model_path("tiny"))
+        return EngineConfig(path, attention_backend=backend, cache=cache, device=DEVICE)
 
     ref = ModelRunner(cfg("torch"))
     tri = ModelRunner(cfg("triton"), model=ref.model)

@@ -23,40 +23,134 @@ def _default(cls: type, name: str) -> Any:
     return f.default
 
 
+def _flag(p: Any, flag: str, cls: type, field: str, help: str) -> None:
+    """A flag whose default is the config dataclass field's (one place for each default)."""
+    default = _default(cls, field)
+    numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+    p.add_argument(
+        flag,
+        default=default,
+        type=type(default) if numeric else None,
+        help=f"{help} (default: %(default)s)",
+    )
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=_default(EngineConfig, "dtype"))
-    p.add_argument("--device", default=_default(EngineConfig, "device"))
-    p.add_argument("--kernel-backend", default=_default(EngineConfig, "kernel_backend"))
-    p.add_argument("--attention-backend", default=_default(EngineConfig, "attention_backend"))
-    p.add_argument("--seed", type=int, default=_default(EngineConfig, "seed"))
-    p.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"))
-    p.add_argument("--max-total-tokens", type=int, default=_default(CacheConfig, "max_total_tokens"))  # fmt: skip
-    p.add_argument("--max-context", type=int, default=_default(CacheConfig, "max_context"))
-    p.add_argument("--max-running-requests", type=int,
-                   default=_default(SchedulerConfig, "max_running_requests"))  # fmt: skip
-    p.add_argument("--max-prefill-tokens", type=int,
-                   default=_default(SchedulerConfig, "max_prefill_tokens"))  # fmt: skip
-    p.add_argument("--max-queued-requests", type=int,
-                   default=_default(SchedulerConfig, "max_queued_requests"))  # fmt: skip
-    p.add_argument("--disable-overlap", action="store_true")
+    g = p.add_argument_group("engine")
+    _flag(g, "--dtype", EngineConfig, "dtype", "weights and KV dtype: float32 | bfloat16 | float16")
+    _flag(g, "--device", EngineConfig, "device", "cpu | cuda")
+    _flag(
+        g, "--kernel-backend", EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton"
+    )
+    _flag(g, "--attention-backend", EngineConfig, "attention_backend", "auto | torch | triton")
+    _flag(g, "--seed", EngineConfig, "seed", "engine seed")
+    _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
+    _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
+    _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
+    _flag(
+        g,
+        "--max-running-requests",
+        SchedulerConfig,
+        "max_running_requests",
+        "request rows (running batch size)",
+    )
+    _flag(
+        g,
+        "--max-prefill-tokens",
+        SchedulerConfig,
+        "max_prefill_tokens",
+        "prompt tokens per prefill chunk",
+    )
+    _flag(
+        g,
+        "--max-queued-requests",
+        SchedulerConfig,
+        "max_queued_requests",
+        "waiting requests before new ones are refused",
+    )
+    g.add_argument("--disable-overlap", action="store_true",
+                   help="run the decode loop without overlap (ablation/debugging; same tokens)")  # fmt: skip
+
+
+def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group("KV transfer (ZeroMQ)")
+    _flag(
+        g,
+        "--transfer-host",
+        TransferConfig,
+        "host",
+        "interface the KV socket binds (0.0.0.0 in containers)",
+    )
+    _flag(
+        g,
+        "--advertise-host",
+        TransferConfig,
+        "advertise_host",
+        "address peers use to reach this server's KV socket",
+    )
+    if role == "prefill":
+        _flag(
+            g,
+            "--bootstrap-port",
+            TransferConfig,
+            "bootstrap_port",
+            "port of the bootstrap socket decodes connect to",
+        )
+    _flag(
+        g,
+        "--kv-ready-timeout",
+        TransferConfig,
+        "ready_timeout_s",
+        "prefill: seconds to wait for the decode's Ready",
+    )
+    _flag(
+        g,
+        "--kv-timeout",
+        TransferConfig,
+        "kv_timeout_s",
+        "seconds a request's KV transfer may take before it fails",
+    )
+    _flag(
+        g,
+        "--heartbeat-interval",
+        TransferConfig,
+        "heartbeat_s",
+        "prefill -> decode heartbeat period in seconds",
+    )
+    _flag(
+        g,
+        "--heartbeat-timeout",
+        TransferConfig,
+        "heartbeat_timeout_s",
+        "decode fails a silent prefill's rooms after this",
+    )
+    _flag(g, "--curve-secret-key-file", TransferConfig, "curve_secret_key_file",
+          "cluster CURVE keypair (zmq.auth .key_secret) to encrypt and authenticate KV; "
+          "or env PDSERVE_CURVE_PUBLIC/PDSERVE_CURVE_SECRET")  # fmt: skip
 
 
 def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the cached tiny model)")
-    p.add_argument("--host", default=_default(ServerConfig, "host"))
-    p.add_argument("--port", type=int, default=_default(ServerConfig, "port"))
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help=f"bearer key (or env {API_KEY_ENV})")
-    p.add_argument("--max-body-bytes", type=int, default=_default(ServerConfig, "max_body_bytes"))
-    p.add_argument("--engine-start-timeout", type=float,
-                   default=_default(ServerConfig, "engine_start_timeout_s"))  # fmt: skip
+    _flag(p, "--host", ServerConfig, "host", "HTTP interface to bind")
+    _flag(p, "--port", ServerConfig, "port", "HTTP port")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: folder name)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"bearer key for generation endpoints (or env {API_KEY_ENV})",
+    )
+    _flag(p, "--max-body-bytes", ServerConfig, "max_body_bytes", "larger request bodies get 413")
+    _flag(
+        p,
+        "--engine-start-timeout",
+        ServerConfig,
+        "engine_start_timeout_s",
+        "seconds to wait for the engine process",
+    )
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug | info | warning")
-    p.add_argument("--transfer-host", default=_default(TransferConfig, "host"),
-                   help="interface of the KV transfer socket")  # fmt: skip
-    p.add_argument("--advertise-host", default=_default(TransferConfig, "advertise_host"))
-    if role == "prefill":
-        p.add_argument("--bootstrap-port", type=int,
-                       default=_default(TransferConfig, "bootstrap_port"))  # fmt: skip
+    _add_transfer_flags(p, role)
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -95,6 +189,11 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         host=args.transfer_host,
         advertise_host=args.advertise_host,
         bootstrap_port=getattr(args, "bootstrap_port", _default(TransferConfig, "bootstrap_port")),
+        ready_timeout_s=args.kv_ready_timeout,
+        kv_timeout_s=args.kv_timeout,
+        heartbeat_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        curve_secret_key_file=args.curve_secret_key_file,
     )
     server = ServerConfig(
         role=role, model_path=model, host=args.host, port=args.port,
