@@ -26,9 +26,13 @@ from pdserve.scheduler.prefill import PrefillEngine
 from pdserve.scheduler.request import EngineRequest
 
 
-def run_once(model: str, conc: int, prompt_len: int, output_len: int, overlap: bool) -> dict:
+def run_once(
+    model: str, conc: int, prompt_len: int, output_len: int, overlap: bool, device: str = "cpu"
+) -> dict:
     cfg = EngineConfig(
         model_path=model,
+        device=device,
+        kernel_backend="triton" if device == "cuda" else "torch",
         cache=CacheConfig(page_size=16, max_total_tokens=conc * (prompt_len + output_len + 16)),
         scheduler=SchedulerConfig(max_running_requests=conc, disable_overlap=not overlap),
     )
@@ -68,13 +72,18 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     model = args.model or str(default_model_path("bench"))
     rows = []
     for conc in args.concurrency:
-        off = run_once(model, conc, args.prompt_len, args.output_len, overlap=False)
-        on = run_once(model, conc, args.prompt_len, args.output_len, overlap=True)
+        off = run_once(
+            model, conc, args.prompt_len, args.output_len, overlap=False, device=args.device
+        )
+        on = run_once(
+            model, conc, args.prompt_len, args.output_len, overlap=True, device=args.device
+        )
         rows.append(
             {
                 "concurrency": conc,
@@ -87,6 +96,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
+        "device": args.device,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
     }

@@ -70,12 +70,11 @@ def _run_race(model, fence: bool) -> tuple[list[int], bool]:
     if not fence:
         decode.schedule_stream.wait_stream = lambda other: None  # type: ignore[method-assign]
 
-    greedy = dict(temperature=0.0, ignore_eos=True)
     for rid, prompt, n in (("x", X_PROMPT, X_TOKENS), ("y", Y_PROMPT, Y_TOKENS)):
         er = EngineRequest(
             rid=rid,
             input_ids=prompt,
-            params=SamplingParams(max_tokens=n, **greedy),
+            params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
             room=hash(rid) & 0xFFFF,
         )
         prefill.add_request(er)

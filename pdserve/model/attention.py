@@ -121,7 +121,9 @@ ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention}
 
 
 def make_attention(name: str, pool: KVPool, req_to_token: torch.Tensor, scale: float):
-    """`auto` picks triton on CUDA when registered, torch otherwise."""
+    """`auto` picks triton on CUDA, torch otherwise."""
+    import pdserve.model.attention_triton  # noqa: F401  (registers "triton"; imports this module)
+
     if name == "auto":
         on_cuda = pool.k.is_cuda
         name = "triton" if on_cuda and "triton" in ATTENTION_BACKENDS else "torch"
