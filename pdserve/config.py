@@ -57,7 +57,8 @@ class TransferConfig:
 
     host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
     bootstrap_port: int = 8998  # prefill side
-    advertise_host: str = "127.0.0.1"  # address the peer should connect to
+    advertise_host: str = "127.0.0.1"  # address peers connect to; "auto": this host's IP
+    data_port: int = 0  # decode side: KV data socket port (0: any free port)
     ready_timeout_s: float = 30.0  # prefill: wait this long for the decode's Ready
     kv_timeout_s: float = 60.0  # decode: wait this long for a request's KV
     heartbeat_s: float = 1.0  # prefill -> decode heartbeat period

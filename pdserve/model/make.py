@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` 
 from pdserve.envs import ENV
 from pdserve.model import tokenizer_build as tb
 
-FORMAT_VERSION = 1  # bump when the files written here change; names the cache folder
+FORMAT_VERSION = 2  # bump when the files written here change; names the cache folder
 
 LLAMA3_ROPE = (
     ("rope_type", "llama3"),
@@ -269,7 +269,7 @@ def default_model_path(preset: str = "tiny") -> Path:
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    target = cache_root() / "models" / f"{preset}-v{FORMAT_VERSION}"
+    target = cache_root() / "models" / f"v{FORMAT_VERSION}" / preset  # served as "<preset>"
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

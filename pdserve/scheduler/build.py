@@ -32,10 +32,20 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
         source = KVReceiver(
             runner.layout,
             host=transfer.host,
-            advertise_host=transfer.advertise_host,
+            data_port=transfer.data_port,
+            advertise_host=_advertise_host(transfer.advertise_host),
             kv_timeout_s=transfer.kv_timeout_s,
             heartbeat_timeout_s=transfer.heartbeat_timeout_s,
             curve=curve,
         )
         return DecodeEngine(cfg, runner, source)
     raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+
+
+def _advertise_host(value: str) -> str:
+    """ "auto" resolves to this host's address (a container's own IP), else as given."""
+    if value != "auto":
+        return value
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())

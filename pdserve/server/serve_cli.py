@@ -188,6 +188,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     transfer = TransferConfig(
         host=args.transfer_host,
         advertise_host=args.advertise_host,
+        data_port=getattr(args, "data_port", 0),
         bootstrap_port=getattr(args, "bootstrap_port", _default(TransferConfig, "bootstrap_port")),
         ready_timeout_s=args.kv_ready_timeout,
         kv_timeout_s=args.kv_timeout,
@@ -213,7 +214,7 @@ def run_server(role: str, args: argparse.Namespace) -> int:
     server, spec = configs_from_args(role, args)
     app = create_app(server, spec)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level.lower(),
-                timeout_graceful_shutdown=5)  # fmt: skip
+                timeout_graceful_shutdown=3)  # fmt: skip
     return 0
 
 

@@ -144,8 +144,8 @@ class Decoder:
             return None
         try:
             msg = self._dec.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self.dropped["malformed"] += 1  # includes unknown tags
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            self.dropped["malformed"] += 1  # includes unknown tags and invalid UTF-8
             return None
         if msg.v != PROTOCOL_VERSION:
             self.dropped["version"] += 1

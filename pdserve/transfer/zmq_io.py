@@ -44,6 +44,9 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+MAX_WIRE_FRAME_BYTES = 64 << 20
+
+
 def make_socket(
     kind: int, curve: CurveKeys | None = None, curve_server: bool = False
 ) -> zmq.Socket:
@@ -53,6 +56,9 @@ def make_socket(
     sock.setsockopt(zmq.RCVBUF, _SOCK_BUF)
     sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the engine's own admission, not by drops
     sock.setsockopt(zmq.RCVHWM, 0)
+    # A peer sending a larger frame is disconnected by ZeroMQ before we buffer it; every
+    # legitimate frame (a header, or a KV frame of at most max_frame_bytes) is far below.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)
     if curve is not None:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
