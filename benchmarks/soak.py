@@ -3,10 +3,9 @@
     python benchmarks/soak.py --duration 60 --concurrency 24        # table
     python benchmarks/soak.py --duration 60 --json                  # one JSON object
 
-Starts its own router + prefill + decode (real processes). `pdserve prefill|decode` have
-no flags for the transfer timeouts, so each worker is started through a tiny launcher that
-replaces the TransferConfig (and the frontend's engine heartbeat timeout) before the
-server starts; `Cluster` is also what tests/test_process_faults.py uses.
+Starts its own router + prefill + decode (real processes, `python -m pdserve.cli`);
+`Cluster` is also what tests/test_process_faults.py uses. Transfer timeouts go to the
+workers as flags (`--kv-timeout` ...), see TRANSFER_FLAGS.
 
 The load mixes native /generate greedy samples (kept and compared with transformers
 afterwards), OpenAI completions with stop strings, streamed or not, client cancellations
@@ -33,20 +32,13 @@ import httpx
 
 from pdserve.server.launch_children import Child, free_port, start, stop_all, wait_healthy
 
-# argv[1]: JSON {"transfer": {...TransferConfig overrides}, "server": {...ServerConfig overrides}}
-LAUNCHER = """
-import dataclasses, json, sys
-from pdserve.server import serve_cli
-over = json.loads(sys.argv.pop(1))
-plain = serve_cli.configs_from_args
-def configs(role, args):
-    server, spec = plain(role, args)
-    spec.transfer = dataclasses.replace(spec.transfer, **over["transfer"])
-    return dataclasses.replace(server, **over["server"]), spec
-serve_cli.configs_from_args = configs
-sys.exit(serve_cli.main())
-"""
-
+# TransferConfig field -> `pdserve prefill|decode` flag
+TRANSFER_FLAGS = {
+    "ready_timeout_s": "--kv-ready-timeout",
+    "kv_timeout_s": "--kv-timeout",
+    "heartbeat_s": "--heartbeat-interval",
+    "heartbeat_timeout_s": "--heartbeat-timeout",
+}
 FAST_TRANSFER = {
     "ready_timeout_s": 4.0,
     "kv_timeout_s": 6.0,
@@ -62,22 +54,24 @@ class Cluster:
     """One prefill, one decode and a router; `start()` blocks until all answer /health."""
 
     transfer: dict[str, float] = field(default_factory=lambda: dict(FAST_TRANSFER))
-    server: dict[str, Any] = field(default_factory=dict)  # ServerConfig overrides
     engine_flags: list[str] = field(default_factory=lambda: list(ENGINE_FLAGS))
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-cluster-"))
     children: list[Child] = field(default_factory=list)
     _n: int = 0
 
-    def worker(self, role: str) -> Child:
-        """A new prefill or decode child (not started). Each gets fresh ports."""
+    def worker(self, role: str, extra: list[str] | None = None) -> Child:
+        """A new prefill or decode child (not started). Each gets fresh ports;
+        `extra` flags come after the cluster's engine flags (and so win)."""
         self._n += 1
         port = free_port()
-        over = json.dumps({"transfer": self.transfer, "server": self.server})
-        argv = [sys.executable, "-c", LAUNCHER, over, role, "--port", str(port)]
+        argv = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port)]
+        for key, value in self.transfer.items():
+            argv += [TRANSFER_FLAGS[key], str(value)]
         boot = free_port() if role == "prefill" else None
         if boot is not None:
             argv += ["--bootstrap-port", str(boot)]
-        return Child(f"{role}{self._n}", argv + self.engine_flags, "127.0.0.1", port, boot)
+        argv += self.engine_flags + (extra or [])
+        return Child(f"{role}{self._n}", argv, "127.0.0.1", port, boot)
 
     def router(self, prefills: list[Child], decodes: list[Child]) -> Child:
         port = free_port()

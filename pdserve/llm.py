@@ -94,7 +94,7 @@ class LLM:
                 if self._apply(outs[ev.rid], ev):
                     pending.discard(ev.rid)
         self.decode.drain()
-        while self.prefill.has_work():
+        while self.prefill.has_unfinished():
             self.prefill.step()
 
     def _apply(self, out: RequestOutput, ev: TokenEvent) -> bool:

@@ -84,7 +84,7 @@ def _run(model, work, overlap: bool) -> tuple[dict[int, list[int]], DecodeEngine
             if ev.finished:
                 finished.add(int(ev.rid))
     decode.drain()
-    while prefill.has_work():
+    while prefill.has_unfinished():
         prefill.step()
     return out, decode, prefill.stats()
 
@@ -135,7 +135,7 @@ def test_overlap_is_real(tiny_model) -> None:
         )
         prefill.add_request(er)
         decode.add_request(er)
-    while decode.has_work() or prefill.has_work():
+    while decode.has_unfinished() or prefill.has_unfinished():
         prefill.step()
         decode.step()
     decode.drain()

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import hf_greedy, model_path
 from tokenizers import Tokenizer
-
-openai = pytest.importorskip("openai")
 
 NEW = 10  # greedy tokens per checked request
 N_PROMPTS = 4  # distinct prompts; their references are computed while the stack starts
@@ -39,6 +38,7 @@ class Stack:
     model: Path
     tok: Tokenizer
     refs: dict[tuple[int, ...], list[int]]  # prompt -> transformers' NEW greedy tokens
+    name: str = ""  # the served model name, from /v1/models
 
     def ref(self, ids: list[int]) -> list[int]:
         key = tuple(ids)
@@ -68,9 +68,11 @@ def spawn(argv: list[str], log_name: str) -> subprocess.Popen:
 
 
 def stop(*procs: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM each child's group; SIGKILL whatever of them is left after the grace period."""
+    """SIGTERM each child (its own shutdown stops what it started); SIGKILL whatever of
+    its group is left after the grace period. NOTE: SIGTERM to a server's whole group
+    would also hit its engine first, and the frontend then hangs in its shutdown."""
     for p in procs:
-        _signal_group(p, signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -93,7 +95,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float = STA
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs:
-            assert p.poll() is None, f"{p.args} exited with {p.returncode}"
+            assert p.poll() is None, f"{p.args!r} exited with {p.returncode}"
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -121,7 +123,9 @@ def stack():
         refs = {tuple(p): hf_greedy(model, p, NEW) for p in prompts}  # while the servers start
         wait_healthy(url, [proc])
         info = httpx.get(url + "/server_info", timeout=5).json()["router"]
-        yield Stack(url, info["prefill"][0][0], info["decode"][0], model, tok, refs)
+        st = Stack(url, info["prefill"][0][0], info["decode"][0], model, tok, refs)
+        st.name = st.client().models.list().data[0].id
+        yield st
     finally:
         stop(proc)
 
@@ -186,13 +190,13 @@ def test_openai_completion_token_prompt(stack):
     ids = prompt(stack.tok, 2)
     want = stack.text(stack.ref(ids))
     c = stack.client()
-    r = c.completions.create(model="tiny-v1", prompt=[ids], max_tokens=NEW, temperature=0)
+    r = c.completions.create(model=stack.name, prompt=[ids], max_tokens=NEW, temperature=0)
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == NEW
     assert r.usage.prompt_tokens == len(ids)
     check_breakdown((r.model_extra or {}).get("ttft_breakdown"))
-    stream = c.completions.create(model="tiny-v1", prompt=[ids], max_tokens=NEW, temperature=0,
+    stream = c.completions.create(model=stack.name, prompt=[ids], max_tokens=NEW, temperature=0,
                                   stream=True)  # fmt: skip
     chunks = list(stream)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
@@ -204,12 +208,12 @@ def test_openai_chat(stack):
     ids = chat_ids(stack.model)
     want = stack.text(stack.ref(ids))
     c = stack.client()
-    r = c.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=NEW,  # type: ignore[arg-type]
+    r = c.chat.completions.create(model=stack.name, messages=messages, max_tokens=NEW,  # type: ignore[arg-type]
                                   temperature=0)  # fmt: skip
     assert r.choices[0].message.content == want
     assert r.usage is not None and r.usage.prompt_tokens == len(ids)
     check_breakdown((r.model_extra or {}).get("ttft_breakdown"))
-    chunks = list(c.chat.completions.create(model="tiny-v1", messages=messages,  # type: ignore[arg-type]
+    chunks = list(c.chat.completions.create(model=stack.name, messages=messages,  # type: ignore[arg-type]
                                             max_tokens=NEW, temperature=0, stream=True))  # fmt: skip
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
@@ -221,7 +225,7 @@ def test_n2_seeded_samples(stack):
     c = stack.client()
 
     def sample() -> list[str]:
-        r = c.completions.create(model="tiny-v1", prompt=[ids], max_tokens=NEW, n=2, seed=7,
+        r = c.completions.create(model=stack.name, prompt=[ids], max_tokens=NEW, n=2, seed=7,
                                  temperature=1.0)  # fmt: skip
         assert sorted(ch.index for ch in r.choices) == [0, 1]
         assert r.usage is not None and r.usage.completion_tokens == 2 * NEW
@@ -230,7 +234,7 @@ def test_n2_seeded_samples(stack):
     first = sample()
     assert first[0] != first[1]  # samples get seeds 7 and 8
     assert sample() == first  # and a seed makes them reproducible
-    greedy = c.completions.create(model="tiny-v1", prompt=[ids], max_tokens=NEW, n=2,
+    greedy = c.completions.create(model=stack.name, prompt=[ids], max_tokens=NEW, n=2,
                                   temperature=0)  # fmt: skip
     assert [ch.text for ch in greedy.choices] == [stack.text(stack.ref(ids))] * 2
 
@@ -293,12 +297,12 @@ def test_api_key_at_the_router(stack):
         keyed = dataclasses.replace(stack, url=f"http://127.0.0.1:{port}")
         wait_healthy(keyed.url, [proc], timeout_s=60)
         with pytest.raises(openai.AuthenticationError):
-            keyed.client("wrong").completions.create(model="tiny-v1", prompt="hi", max_tokens=2)
+            keyed.client("wrong").completions.create(model=stack.name, prompt="hi", max_tokens=2)
         r = httpx.post(keyed.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                        timeout=30)  # fmt: skip
         check_error(r, 401)
         ids = prompt(stack.tok, 1)
-        ok = keyed.client("k1").completions.create(model="tiny-v1", prompt=[ids], max_tokens=NEW,
+        ok = keyed.client("k1").completions.create(model=stack.name, prompt=[ids], max_tokens=NEW,
                                                    temperature=0)  # fmt: skip
         assert ok.choices[0].text == stack.text(stack.ref(ids))
     finally:
@@ -335,3 +339,15 @@ def test_client_disconnect_frees_resources(stack):
         infos = [server_info(stack.prefill), server_info(stack.decode)]
     assert all(all_free(i) for i in infos), infos
     assert generate(stack.url, ids)["output_ids"] == stack.ref(ids)
+
+
+def test_ttft_breakdown_spans():
+    """The stage arithmetic, with and without the prefill's stamps (no servers needed)."""
+    from pdserve.server.generation import ttft_breakdown
+
+    st = {"arrive": 1.0, "reserved": 1.5, "kv_done": 2.25, "running": 2.5}
+    want = {"queue": 0.5, "kv_transfer": 0.75, "decode_admission": 0.25}
+    assert ttft_breakdown(st) == pytest.approx(want)
+    full = ttft_breakdown({**st, "prefill_start": 1.625, "prefill_end": 2.0})
+    assert full == pytest.approx({**want, "prefill": 0.375, "kv_transfer": 0.25})
+    assert ttft_breakdown({"arrive": 1.0}) == {}

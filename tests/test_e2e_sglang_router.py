@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import hf_greedy, model_path
 from test_e2e_pd import chat_ids, pool_args, spawn, stop, wait_healthy
 from tokenizers import Tokenizer
 
 pytest.importorskip("sglang_router")
-openai = pytest.importorskip("openai")
 
 NEW = 8
 PROMPT = "Disaggregated serving splits prefill and decode across two servers because"
@@ -34,6 +34,7 @@ class Setup:
     ids: list[int]  # PROMPT's token ids
     want: list[int]  # transformers' greedy continuation of ids
     chat_want: str  # transformers' greedy continuation of CHAT, as text
+    name: str  # the served model name, from the decode's /v1/models
 
 
 def free_port() -> int:
@@ -85,7 +86,8 @@ def sgl():
         procs.append(spawn(router, "sgl-router"))
         url = f"http://127.0.0.1:{rp}"
         wait_router(url, procs[-1])
-        yield Setup(url, tok, ids, want, chat_want)
+        name = httpx.get(f"http://127.0.0.1:{dp}/v1/models", timeout=5).json()["data"][0]["id"]
+        yield Setup(url, tok, ids, want, chat_want, name)
     finally:
         stop(*procs, grace_s=10)
 
@@ -108,21 +110,21 @@ def test_generate_input_ids(sgl):
 def test_completions(sgl):
     c = openai.OpenAI(base_url=sgl.url + "/v1", api_key="none", max_retries=0)
     want = sgl.tok.decode(sgl.want, skip_special_tokens=True)
-    r = c.completions.create(model="tiny-v1", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    r = c.completions.create(model=sgl.name, prompt=PROMPT, max_tokens=NEW, temperature=0)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
-    chunks = list(c.completions.create(model="tiny-v1", prompt=PROMPT, max_tokens=NEW,
+    chunks = list(c.completions.create(model=sgl.name, prompt=PROMPT, max_tokens=NEW,
                                        temperature=0, stream=True))  # fmt: skip
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
 
 
 def test_chat(sgl):
     c = openai.OpenAI(base_url=sgl.url + "/v1", api_key="none", max_retries=0)
-    r = c.chat.completions.create(model="tiny-v1", messages=CHAT, max_tokens=NEW,  # type: ignore[arg-type]
+    r = c.chat.completions.create(model=sgl.name, messages=CHAT, max_tokens=NEW,  # type: ignore[arg-type]
                                   temperature=0)  # fmt: skip
     text = r.choices[0].message.content
     assert r.usage is not None and r.usage.completion_tokens == NEW
     assert text == sgl.chat_want
-    chunks = list(c.chat.completions.create(model="tiny-v1", messages=CHAT,  # type: ignore[arg-type]
+    chunks = list(c.chat.completions.create(model=sgl.name, messages=CHAT,  # type: ignore[arg-type]
                                             max_tokens=NEW, temperature=0, stream=True))  # fmt: skip
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert chunks[-1].choices[0].finish_reason == "length"

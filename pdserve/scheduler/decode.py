@@ -123,7 +123,17 @@ class DecodeEngine:
         return events
 
     def has_work(self) -> bool:
+        runnable = self.running or self.prebuilt or self.in_flight is not None
+        return bool(runnable or self.deferred_pages or self._admissible())
+
+    def has_unfinished(self) -> bool:
         return bool(self.reqs) or self.in_flight is not None or bool(self.deferred_pages)
+
+    def _admissible(self) -> bool:
+        if not self.prealloc or not self.runner.req_pool.free_rows:
+            return False
+        alloc = self.runner.kv_pool.allocator
+        return alloc.pages_for(self.prealloc[0].reserved_tokens) <= alloc.free_pages
 
     # ---- 1. receive: prealloc -> transfer, transfer -> prebuilt -------------------
     def _admit(self) -> None:

@@ -3,7 +3,9 @@
 The engine process (pdserve.server) owns one engine and calls, from one thread:
     add_request / abort  as frontend messages arrive,
     step()               in a loop; it returns the TokenEvents ready now,
-    has_work()           to decide whether to block waiting for messages.
+    has_work()           False when a step has nothing to compute (idle, or only waiting
+                         for KV transfers): the loop then waits a few ms for messages
+                         before the next step().
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ class Engine(Protocol):
         """One scheduler iteration. Returns quickly when idle."""
         ...
 
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """A step would compute now (not just wait on transfers)."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Some request has not reached its terminal state, or resources await release."""
+        ...
 
     def stats(self) -> dict[str, float]:
         """free_rows, total_rows, free_kv_pages, total_kv_pages, running, queued, ..."""

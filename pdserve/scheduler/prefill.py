@@ -93,6 +93,14 @@ class PrefillEngine:
         self._finish(req)
 
     def has_work(self) -> bool:
+        if self.prefilling:
+            return True
+        if not self.waiting or not self.runner.req_pool.free_rows:
+            return False  # waiting only for transfers to release rows and pages
+        alloc = self.runner.kv_pool.allocator
+        return alloc.pages_for(self.waiting[0].prompt_len) <= alloc.free_pages
+
+    def has_unfinished(self) -> bool:
         return bool(self.reqs)
 
     # ---- the loop ------------------------------------------------------------------

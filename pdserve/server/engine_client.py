@@ -124,8 +124,10 @@ class EngineClient:
             t.cancel()
         proc = self._proc
         if proc is not None and proc.poll() is None:
+            # NOBLOCK: when the engine died first (SIGTERM to the whole process group)
+            # the PUSH socket has no peer and a blocking send would wait forever.
             with contextlib.suppress(zmq.ZMQError):
-                await self._push.send(P.encode(P.Shutdown()))
+                await self._push.send(P.encode(P.Shutdown()), flags=zmq.NOBLOCK)
             if not await _wait_exit(proc, 3.0):
                 proc.terminate()
                 if not await _wait_exit(proc, 2.0):

@@ -40,7 +40,7 @@ from pdserve.server import protocol as P
 
 log = logging.getLogger("pdserve.engine_proc")
 
-IDLE_POLL_MS = 20  # poll timeout while the engine has nothing to do
+IDLE_POLL_MS = 5  # poll timeout while the engine has nothing to compute (it still steps)
 HEARTBEAT_S = 0.5
 PARENT_CHECK_S = 0.5
 FAKE_ENGINE_ENV = "PDSERVE_FAKE_ENGINE"  # "1" -> tests/fake_engine.py, or a path to a .py file
@@ -97,13 +97,14 @@ class EngineLoop:
     def run(self) -> None:
         while not self.stopping:
             busy = self.engine.has_work()
-            got = self._drain(0 if busy else IDLE_POLL_MS)
+            self._drain(0 if busy else IDLE_POLL_MS)
             if self.stopping:
                 break
-            if busy or got:
-                events = self.engine.step()
-                if events:
-                    self.send(P.Events(events=events))
+            # Step even when idle: transfers complete in the background and are seen
+            # only by step(); has_work() just says whether to wait IDLE_POLL_MS first.
+            events = self.engine.step()
+            if events:
+                self.send(P.Events(events=events))
             self._heartbeat()
 
     def _drain(self, timeout_ms: int) -> int:

@@ -240,9 +240,7 @@ class OpenAIFormatter:
 
 
 # ---- sglang native formatting ------------------------------------------------------------
-def native_meta(
-    rid: str, r: SampleResult, prompt_tokens: int, e2e: float, logprob: bool
-) -> dict:
+def native_meta(rid: str, r: SampleResult, prompt_tokens: int, e2e: float, logprob: bool) -> dict:
     fr: dict[str, Any] | None = None
     if r.finish_reason is not None:
         fr = {"type": r.finish_reason}

@@ -41,6 +41,7 @@ class RouterConfig:
     request_timeout_s: float = 3600.0  # longest silence on a leg
     health_timeout_s: float = 5.0
     health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
 
 
 class RouterState:
@@ -125,8 +126,12 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
 
 def _add_generation(app: FastAPI, state: RouterState) -> None:
     async def generation(request: Request) -> Response:
+        raw = await _read_limited(request, state.cfg.max_body_bytes)
+        if raw is None:
+            msg = f"request body larger than {state.cfg.max_body_bytes} bytes"
+            return JSONResponse(error_body(msg, "invalid_request_error", 413), 413)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as e:
             return JSONResponse(error_body(f"invalid JSON body: {e}", "invalid_request_error"), 400)
         if not isinstance(body, dict):
@@ -159,6 +164,20 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             except httpx.HTTPError as e:
                 results.append({"url": w.url, "error": repr(e)})
         return JSONResponse({"workers": results})
+
+
+async def _read_limited(request: Request, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None  # stop reading: the rest is never buffered
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _add_info(app: FastAPI, state: RouterState) -> None:
@@ -227,4 +246,5 @@ def config_from_args(args: Any) -> RouterConfig:
         port=args.port,
         policy=args.policy,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
     )

@@ -1,0 +1,164 @@
+"""Real processes, real faults: SIGSTOP and kill -9 of an engine while transfers are in flight.
+
+One module-wide set of servers (short transfer timeouts, `TIMEOUTS`); the tests run in file
+order and each leaves a serving stack behind for the next:
+
+    stall prefill (SIGSTOP/SIGCONT)  ->  kill prefill, new prefill  ->  kill decode, new decode
+
+The first prefill runs 16-token prefill chunks so that prompts of a few hundred tokens are
+still being prefilled when the fault lands; every test checks that before faulting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.soak import Cluster, engine_signal, server_info, wait_quiet
+from pdserve.server.launch_children import Child
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+# kv_timeout (10 s) outlasts a slow prefill of the faulted load on a loaded CPU. What must fire
+# for a dead or stalled prefill is the heartbeat timeout (or the engine-exit watch).
+TIMEOUTS = {"ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_s": 0.25,
+            "heartbeat_timeout_s": 2.0}  # fmt: skip
+SLACK_S = 8.0  # HTTP hops, process polls and a loaded 2-core box
+BOUND_S = TIMEOUTS["heartbeat_timeout_s"] + SLACK_S
+SLOW_PREFILL = ["--max-prefill-tokens", "16"]
+Result = tuple[int, list[str], float]  # (status, body lines, seconds)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[dict[str, Any]]:
+    cluster = Cluster(transfer=dict(TIMEOUTS))
+    try:
+        p, d = cluster.worker("prefill", SLOW_PREFILL), cluster.worker("decode")
+        cluster.launch([p, d])
+        r = cluster.router([p], [d])
+        cluster.launch([r])
+        yield {"cluster": cluster, "p": p, "d": d, "r": r}
+    finally:
+        cluster.stop()
+
+
+async def _one(c: httpx.AsyncClient, url: str, i: int, plen: int, stream: bool) -> Result:
+    ids = [5 + (j * 7 + i * 13) % 3000 for j in range(plen)]
+    body = {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    t0 = time.monotonic()
+    async with c.stream("POST", url + "/generate", json=body) as r:
+        lines = [ln async for ln in r.aiter_lines() if ln]
+    return r.status_code, lines, time.monotonic() - t0
+
+
+async def _load(url: str, n: int, plen: int) -> list[Result]:
+    async with httpx.AsyncClient(timeout=BOUND_S + 60) as c:
+        return list(await asyncio.gather(*(_one(c, url, i, plen, i % 2 == 1) for i in range(n))))
+
+
+def _busy(url: str) -> bool:
+    info = server_info(url)
+    return info.get("running", 0) + info.get("queued", 0) > 0
+
+
+def _fault_during_load(url: str, busy_url: str, fault: Callable[[], None]) -> list[Result]:
+    """4 requests (2 streamed); `fault()` once `busy_url` reports them in flight.
+    Precondition: none of them can finish before that (slow prefill)."""
+
+    async def go() -> list[Result]:
+        task = asyncio.ensure_future(_load(url, 4, 240))
+        deadline = time.monotonic() + 30
+        while not await asyncio.to_thread(_busy, busy_url):
+            assert time.monotonic() < deadline and not task.done(), "requests never in flight"
+            await asyncio.sleep(0.05)
+        fault()
+        return await task
+
+    return asyncio.run(go())
+
+
+def _failed_cleanly(res: Result) -> bool:
+    """An HTTP error with an error body, or a stream whose every event is an error."""
+    status, lines, _ = res
+    if status >= 500:
+        return "error" in "".join(lines)
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    return status == 200 and bool(events) and all("error" in e for e in events)
+
+
+def _assert_failed(results: list[Result]) -> None:
+    assert all(map(_failed_cleanly, results)), results
+    assert max(s for *_, s in results) < BOUND_S, results
+    print(f"slowest failed request: {max(s for *_, s in results):.2f}s")  # figures (pytest -s)
+
+
+def _assert_quiet(urls: list[str], bound_s: float, logs: str = "") -> None:
+    t0 = time.monotonic()
+    assert not wait_quiet(urls, timeout_s=bound_s), logs
+    print(f"pools free after {time.monotonic() - t0:.2f}s: {urls}")
+
+
+def _serves(url: str) -> None:
+    results = asyncio.run(_load(url, 2, 20))
+    assert [s for s, *_ in results] == [200, 200], results
+    assert not any("error" in ln for _, lines, _ in results for ln in lines), results
+
+
+def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> None:
+    p, d, r = stack["p"], stack["d"], stack["r"]
+    _serves(r.url)
+    pid = 0
+
+    def stop() -> None:
+        nonlocal pid
+        pid = engine_signal(p.url, signal.SIGSTOP)
+
+    try:
+        _assert_failed(_fault_during_load(r.url, p.url, stop))
+        _assert_quiet([d.url], BOUND_S, stack["cluster"].logs())
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+    # the prefill drops its stale rooms (aborted by the router, or timed out) and serves again
+    _assert_quiet([p.url], TIMEOUTS["ready_timeout_s"] + SLACK_S)
+    _serves(r.url)
+
+
+def test_killed_prefill_fails_requests_decode_survives(stack: dict[str, Any]) -> None:
+    cluster: Cluster = stack["cluster"]
+    p, d, r = stack["p"], stack["d"], stack["r"]
+    _assert_failed(_fault_during_load(r.url, p.url, lambda: _kill(p)))
+    assert httpx.get(d.url + "/health", timeout=5).status_code == 200
+    _assert_quiet([d.url], BOUND_S, cluster.logs())
+    p2 = cluster.worker("prefill", SLOW_PREFILL)
+    cluster.launch([p2])
+    r2 = cluster.router([p2], [d])
+    cluster.launch([r2])
+    _serves(r2.url)
+    stack.update(p=p2, r=r2)
+
+
+def test_killed_decode_fails_requests_prefill_frees_kv(stack: dict[str, Any]) -> None:
+    cluster: Cluster = stack["cluster"]
+    p, d, r = stack["p"], stack["d"], stack["r"]
+    _assert_failed(_fault_during_load(r.url, p.url, lambda: _kill(d)))
+    # the prefill frees what it held for the dead decode: router abort, else its timeouts
+    bound = TIMEOUTS["ready_timeout_s"] + TIMEOUTS["kv_timeout_s"] + SLACK_S
+    _assert_quiet([p.url], bound, cluster.logs())
+    d2 = cluster.worker("decode")
+    cluster.launch([d2])
+    r3 = cluster.router([p], [d2])
+    cluster.launch([r3])
+    _serves(r3.url)
+
+
+def _kill(worker: Child) -> None:
+    engine_signal(worker.url, signal.SIGKILL)
