@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt bench venv clean
+.PHONY: demo test lint fmt bench bench-vllm venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,12 @@ fmt: $(STAMP)
 	$(BIN)/ruff format pdserve tests benchmarks
 	$(BIN)/ruff check --fix pdserve tests benchmarks
 
+BENCH_ARGS ?= --quick
 bench: $(STAMP)
-	$(BIN)/python benchmarks/compare.py
+	$(BIN)/python benchmarks/compare.py $(BENCH_ARGS)
+
+bench-vllm: $(STAMP)
+	$(BIN)/python benchmarks/compare.py --setup-vllm --vllm-venv .venv-vllm $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -153,8 +153,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-1500:]
-            raise RuntimeError(f"exited with {proc.returncode}; log {log}:\n{tail}")
+            lines = log.read_text(errors="replace").strip().splitlines() or ["(empty log)"]
+            raise RuntimeError(f"exited with {proc.returncode}: {lines[-1][:160]}")
         try:
             if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
                 return
@@ -195,7 +195,7 @@ def bench_server(name: str, argv: list[str], port: int, cfg: BenchConfig, args: 
     except (RuntimeError, ValueError, OSError) as e:
         return {
             "system": name,
-            "status": f"failed: {str(e).splitlines()[0][:200]}",
+            "status": f"failed: {str(e).splitlines()[0][:200]}".replace("|", "/"),
             "log": str(log),
         }
     finally:

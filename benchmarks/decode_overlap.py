@@ -47,8 +47,9 @@ def run_once(
         er = EngineRequest(rid=str(i), input_ids=ids, params=params, room=i + 1)
         prefill.add_request(er)
         decode.add_request(er)
-    while prefill.has_unfinished():
+    while prefill.has_unfinished() or len(decode.prebuilt) < conc:
         prefill.step()
+        decode.receive()  # the in-process handoff completes when the decode expects the KV
     decode.step()  # admit + merge the prebuilt batch outside the timed loop
     tokens = 0
     decode.busy_s, t0 = 0.0, time.perf_counter()

@@ -5,13 +5,10 @@ failed except the cancelled ones, and greedy samples taken under load equal tran
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.soak import Cluster, drive, greedy_mismatches, model_facts, wait_quiet  # noqa: E402
+from benchmarks.soak import Cluster, drive, greedy_mismatches, model_facts, wait_quiet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

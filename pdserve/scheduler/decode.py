@@ -109,8 +109,7 @@ class DecodeEngine:
     def step(self) -> list[TokenEvent]:
         """receive -> schedule -> launch -> process previous -> return."""
         self._release_deferred_pages()
-        self._admit()
-        self._receive()
+        self.receive()
         batch = self._schedule()
         launched = self._launch(batch) if batch else None
         previous, self.in_flight = self.in_flight, launched
@@ -136,6 +135,12 @@ class DecodeEngine:
         return alloc.pages_for(self.prealloc[0].reserved_tokens) <= alloc.free_pages
 
     # ---- 1. receive: prealloc -> transfer, transfer -> prebuilt -------------------
+    def receive(self) -> None:
+        """Admit waiting requests (reserve, send Ready), then take finished transfers.
+        Admission first, so a row freed by the last step can take prebuilt KV now."""
+        self._admit()
+        self._receive()
+
     def _admit(self) -> None:
         pool, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
         while self.prealloc and pool.free_rows:

@@ -131,7 +131,7 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             msg = f"request body larger than {state.cfg.max_body_bytes} bytes"
             return JSONResponse(error_body(msg, "invalid_request_error", 413), 413)
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_no_constant)
         except ValueError as e:
             return JSONResponse(error_body(f"invalid JSON body: {e}", "invalid_request_error"), 400)
         if not isinstance(body, dict):
@@ -164,6 +164,11 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             except httpx.HTTPError as e:
                 results.append({"url": w.url, "error": repr(e)})
         return JSONResponse({"workers": results})
+
+
+def _no_constant(name: str) -> Any:
+    # NaN/Infinity parse in Python but are not JSON: the legs could not re-encode the body
+    raise ValueError(f"{name} is not valid JSON")
 
 
 async def _read_limited(request: Request, limit: int) -> bytes | None:
