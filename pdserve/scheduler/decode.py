@@ -17,14 +17,15 @@ Beyond `max_queued_requests` waiting requests, new ones are refused.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import deque
 
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.admission import refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
+from pdserve.scheduler.engine_stats import TransferTotals, busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.kv_io import KVSource
 from pdserve.scheduler.pools import slots_of
@@ -57,12 +58,7 @@ class DecodeEngine:
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.steps = 0
-        self.transfer_totals = {
-            "kv_transfer_seconds_sum": 0.0,
-            "kv_transfer_seconds_count": 0.0,
-            "kv_transfer_bytes": 0.0,
-            "transfer_failed": 0.0,
-        }
+        self.transfer_totals = TransferTotals()
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -72,31 +68,14 @@ class DecodeEngine:
             self._emit_error(req, problem)
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = (
-            er.params.seed if er.params.seed is not None else random.getrandbits(62)
-        )
+        self.seeds[req.rid] = request_seed(er.params.seed)
         self.prealloc.append(req)
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:
             return f"duplicate request id {req.rid!r}"
-        try:
-            req.params.validate(self.runner.arch.vocab_size)
-        except ValueError as e:
-            return str(e)
-        if not req.prompt_ids:
-            return "the prompt is empty"
-        if req.reserved_tokens > self.runner.max_context:
-            return (
-                f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
-                f"exceeds the context length {self.runner.max_context}"
-            )
-        alloc = self.runner.kv_pool.allocator
-        if alloc.pages_for(req.reserved_tokens) > alloc.total_pages:
-            return "request needs more KV pages than the pool has"
-        if len(self.prealloc) >= self.cfg.scheduler.max_queued_requests:
-            return "server overloaded: decode queue is full"
-        return None
+        limit = self.cfg.scheduler.max_queued_requests
+        return refusal(req, self.runner, req.reserved_tokens, len(self.prealloc), limit)
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.reqs.get(rid)
@@ -161,7 +140,7 @@ class DecodeEngine:
             if req is None:
                 continue  # cancelled meanwhile
             if not ev.ok:
-                self.transfer_totals["transfer_failed"] += 1
+                self.transfer_totals.failed += 1
                 req.error = f"KV transfer failed: {ev.reason}"
                 self.transfer[req.rid] = req
                 self._end(req)
@@ -169,17 +148,9 @@ class DecodeEngine:
             req.first_token, req.first_logprob = ev.first_token, ev.first_logprob
             req.state = State.PREBUILT
             req.stages["kv_done"] = time.time()
-            self._count_transfer(req)
+            layout = self.runner.layout
+            self.transfer_totals.completed(req, layout.num_layers * layout.token_bytes_per_layer)
             self.prebuilt.append(req)
-
-    def _count_transfer(self, req: Req) -> None:
-        t = self.transfer_totals
-        t["kv_transfer_seconds_sum"] += req.stages["kv_done"] - req.stages["reserved"]
-        t["kv_transfer_seconds_count"] += 1
-        layout = self.runner.layout
-        t["kv_transfer_bytes"] += (
-            2 * layout.num_layers * layout.token_bytes_per_layer * req.prompt_len
-        )
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
@@ -304,24 +275,17 @@ class DecodeEngine:
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        rp, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
-        wall = max(time.perf_counter() - self.started, 1e-9)
-        used = alloc.total_pages - alloc.free_pages
         return {
-            "free_rows": rp.free_rows,
-            "total_rows": rp.total_rows,
-            "free_kv_pages": alloc.free_pages,
-            "total_kv_pages": alloc.total_pages,
+            **pool_stats(self.runner),
             "running": len([r for r in self.running if not r.finished]),
             "queued": len(self.prealloc) + len(self.transfer) + len(self.prebuilt),
             "prealloc": len(self.prealloc),
             "transfer": len(self.transfer),
             "prebuilt": len(self.prebuilt),
-            "token_usage": used / max(alloc.total_pages, 1),
-            "forward_busy_ratio": self.busy_s / wall,
+            "forward_busy_ratio": busy_ratio(self.busy_s, self.started),
             "decode_steps": self.steps,
-            **self.transfer_totals,
-            **{f"transfer_{k}": float(v) for k, v in _source_stats(self.source).items()},
+            **self.transfer_totals.as_stats(),
+            **channel_stats(self.source),
         }
 
     def drain(self) -> None:
@@ -338,8 +302,3 @@ class DecodeEngine:
         close = getattr(self.source, "close", None)
         if close is not None:
             close()
-
-
-def _source_stats(source: object) -> dict[str, int]:
-    stats = getattr(source, "stats", None)
-    return stats() if stats is not None else {}

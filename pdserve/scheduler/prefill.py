@@ -11,7 +11,6 @@ The prefill never decodes; it runs on the calling thread (no overlap needed).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import deque
 
@@ -21,6 +20,8 @@ from pdserve.config import EngineConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
+from pdserve.scheduler.admission import refusal, request_seed
+from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.kv_io import KVSink
 from pdserve.scheduler.pools import slots_of
 from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
@@ -56,33 +57,14 @@ class PrefillEngine:
             self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = (
-            er.params.seed if er.params.seed is not None else random.getrandbits(62)
-        )
+        self.seeds[req.rid] = request_seed(er.params.seed)
         self.waiting.append(req)
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:
             return f"duplicate request id {req.rid!r}"
-        try:
-            req.params.validate(self.runner.arch.vocab_size)
-        except ValueError as e:
-            return str(e)
-        if not req.prompt_ids:
-            return "the prompt is empty"
-        if any(not 0 <= t < self.runner.arch.vocab_size for t in req.prompt_ids):
-            return "prompt token ids outside the vocabulary"
-        if req.reserved_tokens > self.runner.max_context:
-            return (
-                f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
-                f"exceeds the context length {self.runner.max_context}"
-            )
-        alloc = self.runner.kv_pool.allocator
-        if alloc.pages_for(req.prompt_len) > alloc.total_pages:
-            return "prompt needs more KV pages than the prefill pool has"
-        if len(self.waiting) >= self.cfg.scheduler.max_queued_requests:
-            return "server overloaded: prefill queue is full"
-        return None
+        limit = self.cfg.scheduler.max_queued_requests
+        return refusal(req, self.runner, req.prompt_len, len(self.waiting), limit)
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.reqs.get(rid)
@@ -231,27 +213,16 @@ class PrefillEngine:
         )
 
     def stats(self) -> dict[str, float]:
-        rp, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
-        wall = max(time.perf_counter() - self.started, 1e-9)
         return {
-            "free_rows": rp.free_rows,
-            "total_rows": rp.total_rows,
-            "free_kv_pages": alloc.free_pages,
-            "total_kv_pages": alloc.total_pages,
+            **pool_stats(self.runner),
             "running": len(self.prefilling),
             "queued": len(self.waiting),
             "holding": len(self.holding),
-            "token_usage": (alloc.total_pages - alloc.free_pages) / max(alloc.total_pages, 1),
-            "forward_busy_ratio": self.busy_s / wall,
-            **{f"transfer_{k}": float(v) for k, v in _sink_stats(self.sink).items()},
+            "forward_busy_ratio": busy_ratio(self.busy_s, self.started),
+            **channel_stats(self.sink),
         }
 
     def close(self) -> None:
         close = getattr(self.sink, "close", None)
         if close is not None:
             close()
-
-
-def _sink_stats(sink: object) -> dict[str, int]:
-    stats = getattr(sink, "stats", None)
-    return stats() if stats is not None else {}

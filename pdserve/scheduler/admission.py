@@ -1,0 +1,43 @@
+"""Checks both engines run before queueing a request: refuse what can never be served."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.request import Req
+
+
+def refusal(
+    req: Req, runner: ModelRunner, kv_tokens: int, queued: int, max_queued: int
+) -> str | None:
+    """A user-facing reason to refuse `req` at once, or None to queue it.
+
+    `kv_tokens`: KV slots the engine will reserve for it; `queued`: requests already waiting.
+    """
+    try:
+        req.params.validate(runner.arch.vocab_size)
+    except ValueError as e:
+        return str(e)
+    if not req.prompt_ids:
+        return "the prompt is empty"
+    if any(not 0 <= t < runner.arch.vocab_size for t in req.prompt_ids):
+        return "prompt token ids outside the vocabulary"
+    if req.reserved_tokens > runner.max_context:
+        return (
+            f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
+            f"exceeds the context length {runner.max_context}"
+        )
+    alloc = runner.kv_pool.allocator
+    if alloc.pages_for(kv_tokens) > alloc.total_pages:
+        return (
+            f"request needs {alloc.pages_for(kv_tokens)} KV pages; the pool has {alloc.total_pages}"
+        )
+    if queued >= max_queued:
+        return "server overloaded: the queue is full"
+    return None
+
+
+def request_seed(seed: int | None) -> int:
+    """The user's seed, or a fresh random one (sampling is a function of seed and index)."""
+    return seed if seed is not None else random.getrandbits(62)
