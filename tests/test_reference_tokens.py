@@ -18,17 +18,20 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "preset,page_size,overlap",
+    "preset,page_size,overlap,kernels",
     [
-        ("tiny", 1, True),
-        ("tiny", 16, True),
-        ("tiny", 16, False),
-        ("tiny-qwen2", 16, True),
-        ("tiny-qwen3", 1, True),
-        ("tiny-llama3", 16, True),
+        ("tiny", 1, True, "torch"),
+        ("tiny", 16, True, "torch"),
+        ("tiny", 16, False, "torch"),
+        ("tiny", 16, True, "triton"),  # FutureMap kernels under the Triton interpreter on CPU
+        ("tiny-qwen2", 16, True, "torch"),
+        ("tiny-qwen3", 1, True, "torch"),
+        ("tiny-llama3", 16, True, "torch"),
     ],
 )
-def test_greedy_matches_transformers(preset: str, page_size: int, overlap: bool) -> None:
+def test_greedy_matches_transformers(
+    preset: str, page_size: int, overlap: bool, kernels: str
+) -> None:
     path = model_path(preset)
     prompts = _prompts(4096, [1, 7, 33, 70, 5], seed=page_size)
     llm = LLM(
@@ -39,6 +42,7 @@ def test_greedy_matches_transformers(preset: str, page_size: int, overlap: bool)
         max_total_tokens=2048,
         max_context=512,
         disable_overlap=not overlap,
+        kernel_backend=kernels,
     )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
