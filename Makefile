@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/pdserve demo
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pdserve demo
 
+# The venv's bin leads PATH so tests that start `pdserve ...` as a process find it.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -x --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks
