@@ -43,6 +43,7 @@ class EngineConfig:
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0
+    num_threads: int = 0  # torch intra-op threads of the engine process (0: torch's default)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -59,8 +60,10 @@ class TransferConfig:
     bootstrap_port: int = 8998  # prefill side
     advertise_host: str = "127.0.0.1"  # address peers connect to; "auto": this host's IP
     data_port: int = 0  # decode side: KV data socket port (0: any free port)
-    ready_timeout_s: float = 30.0  # prefill: wait this long for the decode's Ready
-    kv_timeout_s: float = 60.0  # decode: wait this long for a request's KV
+    # A live peer heartbeats, so a dead one is found within heartbeat_timeout_s; these
+    # two bound how long a *live but overloaded* peer may keep a request queued.
+    ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
+    kv_timeout_s: float = 300.0  # decode: wait this long for a request's KV
     heartbeat_s: float = 1.0  # prefill -> decode heartbeat period
     heartbeat_timeout_s: float = 5.0  # decode fails a prefill's rooms after this silence
     # One cluster CURVE keypair (a zmq.auth `.key_secret` file) encrypts and authenticates

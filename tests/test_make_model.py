@@ -168,7 +168,8 @@ def test_chat_template_renders_chatml(checkpoint: Callable[[str], Path]) -> None
 def test_default_model_path_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     first = make.default_model_path("tiny")
-    assert first.parent == tmp_path / "models" and (first / "model.safetensors").is_file()
+    versioned = tmp_path / "models" / f"v{make.FORMAT_VERSION}"
+    assert first == versioned / "tiny" and (first / "model.safetensors").is_file()
 
     def no_rebuild(*args: object, **kwargs: object) -> Path:
         raise AssertionError("rebuilt a cached model")
@@ -201,7 +202,8 @@ def test_default_model_path_race_builds_once(
         t.join(timeout=60)
     assert len(results) == 2 and results[0] == results[1]
     assert len(builds) == 1
-    assert [p.name for p in (tmp_path / "models").iterdir() if p.is_dir()] == [results[0].name]
+    versioned = tmp_path / "models" / f"v{make.FORMAT_VERSION}"
+    assert [p.name for p in versioned.iterdir() if p.is_dir()] == [results[0].name]
 
 
 def test_cli_make_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,6 +25,8 @@ class ModelRunner:
         if cfg.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
         self.cfg = cfg
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(

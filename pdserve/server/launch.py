@@ -78,17 +78,27 @@ def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[C
     return argv
 
 
+def _with_thread_share(engine_args: list[str], engines: int) -> list[str]:
+    """Give each engine its share of the host's cores unless --num-threads was given:
+    engines on one host that each use every core slow each other down badly."""
+    if any(a.startswith("--num-threads") for a in engine_args):
+        return engine_args
+    share = max(1, (os.cpu_count() or 1) // max(engines, 1))
+    return [*engine_args, "--num-threads", str(share)]
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
     model = args.model or _default_model()
+    engine_args = _with_thread_share(args.engine_args, args.num_prefill + args.num_decode)
     prefills, decodes = [], []
     for i in range(args.num_prefill):
         port, boot = free_port(args.host), free_port(args.host)
-        argv = worker_argv("prefill", model, args.host, port, boot, args.engine_args)
+        argv = worker_argv("prefill", model, args.host, port, boot, engine_args)
         prefills.append(Child(f"prefill{i}", argv, args.host, port, boot))
     for j in range(args.num_decode):
         port = free_port(args.host)
-        argv = worker_argv("decode", model, args.host, port, None, args.engine_args)
+        argv = worker_argv("decode", model, args.host, port, None, engine_args)
         decodes.append(Child(f"decode{j}", argv, args.host, port))
     router = Child("router", router_argv(args, prefills, decodes), args.host, args.port)
     return [*prefills, *decodes, router]
@@ -122,7 +132,7 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     stop = _Stop()
     children = plan(args)
     env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
-    log_dir = args.log_dir or _temp_log_dir()
+    log_dir = _log_dir(args.log_dir)
     try:
         for c in children:
             start(c, log_dir, env)
@@ -157,6 +167,13 @@ def _temp_log_dir() -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="pdserve-up-")
+
+
+def _log_dir(arg: str | None) -> str:
+    if not arg:
+        return _temp_log_dir()
+    os.makedirs(arg, exist_ok=True)
+    return arg
 
 
 def _base(args: argparse.Namespace) -> str:

@@ -44,6 +44,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(g, "--attention-backend", EngineConfig, "attention_backend", "auto | torch | triton")
     _flag(g, "--seed", EngineConfig, "seed", "engine seed")
+    _flag(
+        g,
+        "--num-threads",
+        EngineConfig,
+        "num_threads",
+        "torch threads of the engine (0: all cores)",
+    )
     _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
     _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
     _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
@@ -178,6 +185,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
         seed=args.seed,
+        num_threads=args.num_threads,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           max_context=args.max_context),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
