@@ -94,8 +94,17 @@ def _failed_cleanly(res: Result) -> bool:
     return status == 200 and bool(events) and all("error" in e for e in events)
 
 
+def _completed(res: Result) -> bool:
+    """A 200 without any error event: its KV was fully transferred and validated
+    before the fault (on a quiet machine a request can get through first)."""
+    status, lines, _ = res
+    return status == 200 and not any("error" in ln for ln in lines)
+
+
 def _assert_failed(results: list[Result]) -> None:
-    assert all(map(_failed_cleanly, results)), results
+    """Every request either fails cleanly or had completed its transfer; at least one fails."""
+    assert all(_failed_cleanly(r) or _completed(r) for r in results), results
+    assert any(map(_failed_cleanly, results)), f"the fault hit no request: {results}"
     assert max(s for *_, s in results) < BOUND_S, results
     print(f"slowest failed request: {max(s for *_, s in results):.2f}s")  # figures (pytest -s)
 

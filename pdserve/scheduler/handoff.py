@@ -83,6 +83,7 @@ class _Sink:
     def on_abort(self, req: Req, reason: str) -> None:
         self.where.pop(req.rid, None)
         self.h.prefilled.pop(req.room, None)
+        self.h.sink_events.append(SinkEvent(req.rid, ok=False, reason=reason))  # released
         exp = self.h.expected.pop(req.room, None)
         if exp is not None:
             self.h.source_events.append(SourceEvent(exp.rid, ok=False, reason=f"prefill: {reason}"))

@@ -54,7 +54,9 @@ class KVSink(Protocol):
         """The whole prompt is computed and the first token sampled."""
 
     def on_abort(self, req: Req, reason: str) -> None:
-        """The prefill gives up on the request (client gone, rejected); tell the decode."""
+        """The prefill gives up on the request (client gone, rejected); tell the decode.
+        For an admitted request, poll() later reports it released (ok=False) once
+        the sink no longer reads its KV; only then does the prefill free the pages."""
 
     def poll(self) -> list[SinkEvent]:
         """Requests whose KV the prefill may now free. Never blocks."""

@@ -68,11 +68,19 @@ class PrefillEngine:
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         req = self.reqs.get(rid)
-        if req is None:
+        if req is None or req.finish_reason == "abort":
             return
         req.finish_reason = "abort"
         self.sink.on_abort(req, reason)
-        self._finish(req)
+        if not req.row:
+            self._finish(req)  # never admitted: the sink holds nothing of it
+            return
+        # NOTE: deferred free. The sink may still be reading this request's KV (a chunk
+        # queued before the abort); its pages go back when poll() reports the release.
+        # Until then it is computed no further.
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self.holding[req.rid] = req
 
     def has_work(self) -> bool:
         if self.prefilling:
@@ -100,7 +108,7 @@ class PrefillEngine:
             req = self.holding.get(ev.rid) or self.reqs.get(ev.rid)
             if req is None:
                 continue
-            if not ev.ok:
+            if not ev.ok and req.finish_reason != "abort":
                 req.error = f"KV transfer failed: {ev.reason}"
             self._finish(req)
 
