@@ -1,0 +1,100 @@
+"""Prefill engine against a recording sink: chunk ranges, first token, and that an
+aborted request's KV stays allocated until the sink reports it released."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.model.runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.kv_io import SinkEvent
+from pdserve.scheduler.pools import KVPool
+from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.scheduler.request import EngineRequest, Req
+from tests.conftest import hf_greedy
+
+
+class RecordingSink:
+    """Records calls; releases only when the test says so."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[str, int, int]] = []
+        self.done: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.pending: list[SinkEvent] = []
+
+    def on_admit(self, req: Req) -> None:
+        pass
+
+    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+        self.chunks.append((req.rid, start, end))
+
+    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        self.done[req.rid] = first_token
+
+    def on_abort(self, req: Req, reason: str) -> None:
+        self.aborted.append(req.rid)
+
+    def poll(self) -> list[SinkEvent]:
+        out, self.pending = self.pending, []
+        return out
+
+
+def _engine(model, budget: int) -> tuple[PrefillEngine, RecordingSink]:
+    cfg = EngineConfig(
+        model_path=str(model),
+        cache=CacheConfig(page_size=4, max_total_tokens=256, max_context=128),
+        scheduler=SchedulerConfig(max_prefill_tokens=budget, max_running_requests=4),
+    )
+    sink = RecordingSink()
+    return PrefillEngine(cfg, ModelRunner(cfg), sink), sink
+
+
+def _req(rid: str, ids: list[int]) -> EngineRequest:
+    return EngineRequest(
+        rid=rid, input_ids=ids, params=SamplingParams(max_tokens=4, temperature=0.0), room=1
+    )
+
+
+def test_chunks_cover_the_prompt_once_and_first_token_is_greedy(tiny_model) -> None:
+    engine, sink = _engine(tiny_model, budget=16)
+    prompt = list(range(100, 140))  # 40 tokens: chunks of at most 16
+    engine.add_request(_req("a", prompt))
+    for _ in range(4):
+        engine.step()
+    assert sink.chunks == [("a", 0, 16), ("a", 16, 32), ("a", 32, 40)]
+    assert sink.done["a"] == hf_greedy(tiny_model, prompt, 1)[0]
+    held = engine.stats()
+    assert held["free_kv_pages"] < held["total_kv_pages"]  # KV held for the transfer
+    sink.pending.append(SinkEvent("a", ok=True))
+    (event,) = engine.step()
+    assert event.finished and event.error is None and event.token_ids == [sink.done["a"]]
+    s = engine.stats()
+    assert s["free_kv_pages"] == s["total_kv_pages"] and s["free_rows"] == s["total_rows"]
+
+
+def test_abort_keeps_kv_until_the_sink_releases_it(tiny_model) -> None:
+    engine, sink = _engine(tiny_model, budget=8)
+    engine.add_request(_req("a", list(range(10, 50))))
+    engine.step()  # first chunk computed and handed to the sink
+    engine.abort("a")
+    assert sink.aborted == ["a"]
+    for _ in range(3):
+        assert engine.step() == []  # no further chunks, no terminal event yet
+    assert sink.chunks == [("a", 0, 8)]
+    s = engine.stats()
+    assert s["free_kv_pages"] < s["total_kv_pages"], "freed while the sink may still read it"
+    sink.pending.append(SinkEvent("a", ok=False, reason="aborted"))
+    (event,) = engine.step()
+    assert event.finished and event.finish_reason == "abort" and event.error is None
+    s = engine.stats()
+    assert s["free_kv_pages"] == s["total_kv_pages"] and s["free_rows"] == s["total_rows"]
+
+
+def test_rejected_prompt_is_reported_to_the_sink(tiny_model) -> None:
+    engine, sink = _engine(tiny_model, budget=16)
+    engine.add_request(_req("long", list(range(3, 200))))  # longer than the context
+    (event,) = engine.step()
+    assert event.finished and event.error and "context length" in event.error
+    assert sink.aborted == ["long"]  # the decode must learn the room will never come
