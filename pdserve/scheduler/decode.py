@@ -50,7 +50,6 @@ class DecodeEngine:
         self.prebuilt: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}  # every live request by rid
-        self.seeds: dict[str, int] = {}
         self.in_flight: StepResult | None = None
         self.deferred_pages: list[tuple[Event, list[int]]] = []
         self.events: list[TokenEvent] = []
@@ -68,7 +67,7 @@ class DecodeEngine:
             self._emit_error(req, problem)
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = request_seed(er.params.seed)
+        req.seed = request_seed(er.params.seed)
         self.prealloc.append(req)
 
     def _refusal(self, req: Req) -> str | None:
@@ -190,9 +189,7 @@ class DecodeEngine:
     # ---- 3. launch -------------------------------------------------------------------
     def _launch(self, reqs: list[Req]) -> StepResult:
         self.steps += 1
-        return launch_step(
-            reqs, self.runner, self.future, self.forward_stream, self.seeds, self.forward_hook
-        )
+        return launch_step(reqs, self.runner, self.future, self.forward_stream, self.forward_hook)
 
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:
@@ -223,7 +220,6 @@ class DecodeEngine:
         was = req.state
         req.state = State.DONE
         self.reqs.pop(req.rid, None)
-        self.seeds.pop(req.rid, None)
         if was == State.PREALLOC:
             self.prealloc.remove(req)
         elif was == State.TRANSFER:

@@ -74,7 +74,6 @@ def launch_step(
     runner: ModelRunner,
     future: FutureMap,
     stream: Stream,
-    seeds: dict[str, int],
     hook: ForwardHook | None = None,
 ) -> StepResult:
     """Issue resolve -> forward -> sample -> publish -> host copy on `stream`."""
@@ -88,7 +87,7 @@ def launch_step(
         logprobs=torch.empty(n, dtype=torch.float32, pin_memory=pin),
     )
     params = [r.params for r in reqs]
-    req_seeds = [seeds[r.rid] for r in reqs]
+    req_seeds = [r.seed for r in reqs]
 
     def forward() -> None:
         result.timing["start"] = time.perf_counter()

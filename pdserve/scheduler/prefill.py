@@ -42,7 +42,6 @@ class PrefillEngine:
         self.reqs: dict[str, Req] = {}
         self.done_tokens: dict[str, int] = {}  # rid -> prompt tokens computed so far
         self.slots: dict[str, torch.Tensor] = {}
-        self.seeds: dict[str, int] = {}
         self.events: list[TokenEvent] = []
         self.busy_s = 0.0
         self.started = time.perf_counter()
@@ -57,7 +56,7 @@ class PrefillEngine:
             self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
             return
         self.reqs[req.rid] = req
-        self.seeds[req.rid] = request_seed(er.params.seed)
+        req.seed = request_seed(er.params.seed)
         self.waiting.append(req)
 
     def _refusal(self, req: Req) -> str | None:
@@ -154,7 +153,7 @@ class PrefillEngine:
             tokens, logprobs = sample(
                 logits[idx],
                 [r.params for r in reqs],
-                [self.seeds[r.rid] for r in reqs],
+                [r.seed for r in reqs],
                 [0] * len(reqs),
             )
         for req, start, end in plan:
@@ -200,7 +199,6 @@ class PrefillEngine:
         self.reqs.pop(req.rid, None)
         self.done_tokens.pop(req.rid, None)
         self.slots.pop(req.rid, None)
-        self.seeds.pop(req.rid, None)
         if req.row:
             self.runner.req_pool.free(req.row)
             req.row = 0

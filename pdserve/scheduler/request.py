@@ -64,6 +64,7 @@ class Req:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     state: State = State.PREALLOC
+    seed: int = 0  # sampling seed, filled by the engine at add_request (user's or random)
     # filled at admission (prealloc -> transfer) by the scheduler
     row: int = 0
     pages: list[int] = field(default_factory=list)

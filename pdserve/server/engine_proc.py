@@ -3,7 +3,7 @@
 Started by the frontend as
     python -m pdserve.server.engine_proc --ipc-dir DIR --parent-pid PID --config-json JSON
 where JSON is `{"role": ..., "engine": EngineConfig, "transfer": TransferConfig}`
-(plain JSON, never pickle). The loop:
+(plain JSON decoded into typed msgspec structs). The loop:
 
     drain frontend messages (non-blocking; blocking poll with a short timeout when idle)
       -> engine.add_request / engine.abort / stats

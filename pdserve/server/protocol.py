@@ -5,7 +5,7 @@
 
 Every message is a tagged Struct; the tag carries the protocol version, so a
 frontend and an engine of different versions refuse each other's messages
-(decode error) instead of misreading them. Never pickle.
+(decode error) instead of misreading them; only typed msgspec crosses the socket.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wire messages of the prefill <-> decode KV transfer (msgspec msgpack, never pickle).
+"""Wire messages of the prefill <-> decode KV transfer (typed msgspec msgpack structs).
 
 Channels (DESIGN §5):
     control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort
