@@ -16,10 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.hf_config import load_arch
 from tests.conftest import assert_pools_free, hf_greedy
 
 VOCAB = 512
@@ -98,7 +96,9 @@ SERVED: dict[str, tuple[str, dict[str, Any], Any]] = {
     # transformers-5 layout: rope_theta inside rope_parameters with rope_type "default"
     "llama-theta-tied": (
         "Llama",
-        dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0}, tie_word_embeddings=True),
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0}, tie_word_embeddings=True
+        ),
         None,
     ),
     "llama-old-linear": ("Llama", {}, _old_rope_layout({"type": "linear", "factor": 4.0}, 50.0)),
