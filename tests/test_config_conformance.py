@@ -166,3 +166,19 @@ def test_served_like_transformers(root: Path, case: str) -> None:
         assert got == want, f"{case}: page_size={page_size} overlap={overlap}"
         assert_pools_free(llm)
         llm.close()
+
+
+def test_triton_backend_honours_the_windows(root: Path) -> None:
+    """The Triton kernels (interpreted on CPU) serve the Qwen2 sliding layer like
+    transformers: a chunked prefill over a prefix, then decode steps past the window."""
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.model.runner import ModelRunner
+    from tests.test_triton_attention import _greedy
+
+    family, kw, edit = SERVED["qwen2-window"]
+    path = make_checkpoint(root, "qwen2-window-triton", family, edit, **kw)
+    cache = CacheConfig(page_size=4, max_total_tokens=64, max_context=32)
+    runner = ModelRunner(EngineConfig(str(path), attention_backend="triton", cache=cache))
+    assert runner.arch.layer_windows == (0, 6)
+    prompt = _prompts(1)[0][:14]
+    assert _greedy(runner, prompt, 5) == hf_greedy(path, prompt, 5)
