@@ -123,6 +123,18 @@ def test_unused_tensors_are_named(root: Path) -> None:
     assert "2 tensor(s)" in str(err.value)
 
 
+def test_tensor_shape_that_contradicts_the_config_is_named(root: Path) -> None:
+    """head_dim in config.json says 16 per head; the checkpoint was made with 24."""
+    path = make_checkpoint(root, "head-dim", "Llama", head_dim=24)
+    data = json.loads((path / "config.json").read_text())
+    data["head_dim"] = 16
+    (path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*\(64, 64\)"
+    ):
+        LLM(path, max_total_tokens=256, max_context=64)
+
+
 def test_tied_head_copy_that_differs_is_refused(root: Path) -> None:
     path = make_checkpoint(root, "tied-copy", "Llama", tie_word_embeddings=True)
     _rewrite_tensors(

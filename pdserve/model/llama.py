@@ -47,7 +47,7 @@ class LlamaModel:
         """`state`: Hugging Face tensor names -> tensors. Raises CheckpointMismatch when a
         tensor the config implies is missing or a tensor is left unused."""
         self.arch = arch
-        w = StateReader(state)
+        w = StateReader(state, tensor_shapes(arch))
         self.embed = w.take("model.embed_tokens.weight")
         dtype, device = self.embed.dtype, self.embed.device
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
@@ -128,6 +128,42 @@ class LlamaModel:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, w.down, w.down_bias)
+
+
+def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies -> its shape (lm_head only when untied)."""
+    h, inter, q, kv = a.hidden_size, a.intermediate_size, a.q_size, a.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (a.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (a.vocab_size, h),
+    }
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if a.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,)})
+            layer["self_attn.v_proj.bias"] = (kv,)
+        if a.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if a.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)})
+            layer["mlp.down_proj.bias"] = (h,)
+        if a.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (a.head_dim,)})
+            layer["self_attn.k_norm.weight"] = (a.head_dim,)
+        shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
 
 
 def _must(t: torch.Tensor | None) -> torch.Tensor:

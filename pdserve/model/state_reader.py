@@ -20,16 +20,26 @@ class CheckpointMismatch(ValueError):
 
 
 class StateReader:
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None
+    ) -> None:
+        """`shapes`: the shape the config implies for each tensor name (checked on take)."""
         self._state = state
+        self._shapes = shapes or {}
         self._used: set[str] = set()
 
     def take(self, name: str, why: str = "") -> torch.Tensor:
         if name not in self._state:
             reason = f" ({why})" if why else ""
             raise CheckpointMismatch(f"checkpoint is missing tensor {name!r}{reason}")
+        t = self._state[name]
+        want = self._shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointMismatch(
+                f"tensor {name!r} has shape {tuple(t.shape)}; the config implies {want}"
+            )
         self._used.add(name)
-        return self._state[name]
+        return t
 
     def take_optional(self, name: str) -> torch.Tensor | None:
         return self.take(name) if name in self._state else None
