@@ -88,7 +88,7 @@ def test_extend_matches_reference(kh: int, group: int, d: int, seed: int, dtype)
     assert out[sum(new) :].isnan().all(), "wrote outside the listed tokens"
 
 
-@pytest.mark.parametrize("window", [1, 5, 40])
+@pytest.mark.parametrize("window", [1, 40])
 def test_sliding_window_decode_and_extend_match_reference(window: int) -> None:
     """A window narrower than the context: keys before p - window + 1 are skipped,
     including blocks a whole BLOCK_N wide and chunks that start after a long prefix."""
