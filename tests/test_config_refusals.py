@@ -188,3 +188,9 @@ def test_arch_matches_transformers_config_object(root: Path) -> None:
     assert arch.layer_windows == want == (0, 9)
     assert arch.rope_theta == hf.rope_parameters["rope_theta"]
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_unknown_fields_are_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pdserve.model.hf_config"):
+        arch_from_config(_cfg(some_new_knob=3, use_cache=True))
+    assert "some_new_knob" in caplog.text and "use_cache" not in caplog.text

@@ -187,3 +187,25 @@ def refuse_foreign_fields(cfg: dict[str, Any]) -> None:
     for field, neutral in _NEUTRAL.items():
         if field in cfg and cfg[field] not in neutral:
             raise refuse(field, cfg[field], "not implemented for this architecture")
+
+
+# Fields read above, and fields that do not change inference.
+_READ = {
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "max_position_embeddings", "original_max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+    "layer_types", "eos_token_id", "torch_dtype", "dtype",
+}  # fmt: skip
+_INERT = {
+    "model_type", "transformers_version", "_name_or_path", "bos_token_id", "pad_token_id",
+    "initializer_range", "use_cache", "attention_dropout", "pretraining_tp", "is_llama_config",
+    "transformers.js_config", "output_attentions", "output_hidden_states", "return_dict",
+    "tokenizer_class", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+}  # fmt: skip
+
+
+def unread_fields(cfg: dict[str, Any]) -> list[str]:
+    """Fields pdserve neither reads, refuses, nor knows to be inert (logged at load)."""
+    return sorted(k for k in cfg if k not in _READ and k not in _INERT and k not in _NEUTRAL)

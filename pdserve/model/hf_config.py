@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.model import arch_rules as rules
 from pdserve.model.activations import ACTIVATIONS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -
     if arch not in rules.SUPPORTED:
         raise ValueError(f"architecture {arch} is not supported; supported: {rules.SUPPORTED}")
     rules.refuse_foreign_fields(cfg)
+    if unread := rules.unread_fields(cfg):
+        log.warning("config.json fields pdserve does not read: %s", ", ".join(unread))
     heads, hidden = int(_required(cfg, "num_attention_heads")), int(_required(cfg, "hidden_size"))
     layers = int(_required(cfg, "num_hidden_layers"))
     act = str(cfg.get("hidden_act", "silu"))
