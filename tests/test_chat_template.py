@@ -91,11 +91,12 @@ def _saved_by_transformers(root: Path, name: str, template: str) -> Path:
     return path
 
 
-def _hf(path: Path, chat: list[dict[str, Any]], **kw: Any) -> str:
+def _hf(path: Path, chat: list[dict[str, Any]], tokenize: bool = False, **kw: Any) -> Any:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kw)
+    out = tok.apply_chat_template(chat, tokenize=tokenize, add_generation_prompt=True, **kw)
+    return list(out["input_ids"]) if tokenize and not isinstance(out, list) else out
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
@@ -105,7 +106,12 @@ def test_renders_like_transformers(tmp_path: Path, name: str) -> None:
     for chat in CHATS:
         tools = TOOLS if name == "tools" else None
         want = _hf(path, chat, tools=tools)
-        assert ours.apply_chat_template(chat, tools=tools) == want
+        text = ours.apply_chat_template(chat, tools=tools)
+        assert text == want
+        # the server's prompt ids (pdserve.server.openai_routes.chat_prompt_ids)
+        assert ours.encode(text, add_special_tokens=False) == _hf(
+            path, chat, tokenize=True, tools=tools
+        )
     if name == "smollm2":
         assert SMOL_SYSTEM in ours.apply_chat_template(CHATS[0])
 
