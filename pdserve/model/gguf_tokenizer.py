@@ -45,9 +45,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_STYLE:
         return byte_level
     known = sorted([*_SPLITS, *_GPT2_STYLE])
@@ -83,9 +81,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFTokenizerError("GGUF tokenizer.ggml.tokens holds duplicate tokens")
-    bpe = models.BPE(
-        vocab, _merges(list(meta.get("tokenizer.ggml.merges", []))), fuse_unk=False
-    )
+    bpe = models.BPE(vocab, _merges(list(meta.get("tokenizer.ggml.merges", []))), fuse_unk=False)
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tok.decoder = decoders.ByteLevel()

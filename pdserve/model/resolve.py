@@ -88,6 +88,4 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
 def is_short_name(spec: str | None) -> bool:
     """True when `spec` names a built-in model rather than a path on disk."""
     text = spec or DEFAULT_MODEL
-    return not Path(text).expanduser().exists() and (
-        text == DEFAULT_MODEL or text in make.PRESETS
-    )
+    return not Path(text).expanduser().exists() and (text == DEFAULT_MODEL or text in make.PRESETS)
