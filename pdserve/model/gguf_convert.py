@@ -103,9 +103,8 @@ def _check_keys(meta: dict[str, Any], arch: str) -> None:
 
 
 def _head_dim(meta: dict[str, Any], arch: str) -> int:
-    key_length = meta.get(f"{arch}.attention.key_length") or meta.get(
-        f"{arch}.rope.dimension_count"
-    )
+    """llama.cpp's head size: attention.key_length, else embedding_length / head_count."""
+    key_length = meta.get(f"{arch}.attention.key_length")
     if key_length:
         return int(key_length)
     return int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"])

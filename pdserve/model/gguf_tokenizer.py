@@ -77,13 +77,17 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
             "byte-level BPE ('gpt2') tokenizers only; convert the model to a Hugging Face "
             "folder (with tokenizer.json) and serve that"
         )
+    pre = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFTokenizerError("GGUF tokenizer.ggml.tokens holds duplicate tokens")
-    bpe = models.BPE(vocab, _merges(list(meta.get("tokenizer.ggml.merges", []))), fuse_unk=False)
+    try:
+        bpe = models.BPE(vocab, _merges(list(meta.get("tokenizer.ggml.merges", []))))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge outside the vocab
+        raise GGUFTokenizerError(f"GGUF tokenizer.ggml.merges: {e}") from e
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+    tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
     tok.add_special_tokens(
