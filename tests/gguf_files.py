@@ -41,7 +41,13 @@ _BLOCK_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -97,8 +103,13 @@ def write_llama_gguf(
     tied: bool = False,
     odd_tensor: tuple[str, str] | None = None,  # (gguf name, type) of one tensor to override
 ) -> Path:
-    """A GGUF of PRESET (seed 0, untied unless `tied`) with matrices in `qtype`."""
-    p = dataclasses.replace(PRESET, tie_word_embeddings=tied)
+    """A GGUF of PRESET (seed 0, untied unless `tied`) with matrices in `qtype`.
+
+    `arch` other than llama/qwen2/qwen3 writes a Llama under that architecture name."""
+    arch_hf = _HF_ARCH.get(arch, "LlamaForCausalLM")
+    p = dataclasses.replace(PRESET, architecture=arch_hf, tie_word_embeddings=tied)
+    if arch == "qwen3":  # transformers reads no head size from a qwen3 GGUF: it assumes 128
+        p = dataclasses.replace(p, hidden_size=256, num_heads=2, num_kv_heads=1)
     weights = make.init_weights(p, seed=0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("pdserve test llama")
@@ -111,12 +122,16 @@ def write_llama_gguf(
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_norm_eps)
     w.add_rope_dimension_count(p.head_dim)
+    w.add_key_length(p.head_dim)  # as llama.cpp writes it
+    w.add_value_length(p.head_dim)
     w.add_vocab_size(p.vocab_size)
     _tokenizer_metadata(w, p.vocab_size)
     for hf, t in weights.items():
         name = gguf_name(hf)
         a = t.numpy()
-        if name.endswith("attn_q.weight"):
+        if arch != "llama":  # llama.cpp permutes Q/K rows of Llama only
+            pass
+        elif name.endswith("attn_q.weight"):
             a = llama_cpp_permute(a, p.num_heads)
         elif name.endswith("attn_k.weight"):
             a = llama_cpp_permute(a, p.num_kv_heads)

@@ -29,13 +29,16 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 
 @pytest.mark.parametrize(
-    "qtype, tied",
-    [("F32", False), ("F16", True), ("BF16", False), ("Q8_0", False), ("Q4_0", True),
-     ("Q4_1", False)],
+    "qtype, tied, arch",
+    [("F32", False, "llama"), ("F16", True, "llama"), ("BF16", False, "llama"),
+     ("Q8_0", False, "llama"), ("Q4_0", True, "llama"), ("Q4_1", False, "llama"),
+     ("Q8_0", True, "qwen2"), ("Q4_1", False, "qwen3")],
 )  # fmt: skip
-def test_greedy_tokens_equal_transformers_on_the_same_gguf(tmp_path, monkeypatch, qtype, tied):
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(
+    tmp_path, monkeypatch, qtype, tied, arch
+):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_llama_gguf(tmp_path / f"m-{qtype}.gguf", qtype, tied=tied)
+    path = write_llama_gguf(tmp_path / f"m-{qtype}.gguf", qtype, tied=tied, arch=arch)
     llm = LLM(str(path), page_size=4, max_total_tokens=512, max_context=128)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
@@ -45,7 +48,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(tmp_path, monkeypatch
     cfg = json.loads((Path(llm.cfg.model_path) / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is tied and cfg["rope_theta"] == PRESET.rope_theta
     for p, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy_gguf(path, p, NEW), (qtype, p)
+        assert out.token_ids == hf_greedy_gguf(path, p, NEW), (qtype, arch, p)
 
 
 def test_converted_folder_is_cached_and_tokenizer_matches_transformers(tmp_path, monkeypatch):
