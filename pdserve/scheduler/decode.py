@@ -65,6 +65,7 @@ class DecodeEngine:
         problem = self._refusal(req)
         if problem:
             self._emit_error(req, problem)
+            self.source.reject(req, problem)  # the prefill must not hold KV for it
             return
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
@@ -138,9 +139,12 @@ class DecodeEngine:
             req = self.transfer.pop(ev.rid, None)
             if req is None:
                 continue  # cancelled meanwhile
-            if not ev.ok:
+            bad = "" if ev.ok else ev.reason
+            if ev.ok and not 0 <= ev.first_token < self.runner.arch.vocab_size:
+                bad = f"first token {ev.first_token} outside the vocabulary"
+            if bad:
                 self.transfer_totals.failed += 1
-                req.error = f"KV transfer failed: {ev.reason}"
+                req.error = f"KV transfer failed: {bad}"
                 self.transfer[req.rid] = req
                 self._end(req)
                 continue
@@ -222,6 +226,7 @@ class DecodeEngine:
         self.reqs.pop(req.rid, None)
         if was == State.PREALLOC:
             self.prealloc.remove(req)
+            self.source.reject(req, detail or req.error or "aborted")
         elif was == State.TRANSFER:
             self.transfer.pop(req.rid, None)
             self.source.cancel(req, detail or req.error or "aborted")

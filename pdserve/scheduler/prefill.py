@@ -105,6 +105,8 @@ class PrefillEngine:
     def _poll_sink(self) -> None:
         for ev in self.sink.poll():
             req = self.holding.get(ev.rid) or self.reqs.get(ev.rid)
+            if not ev.rid and ev.room:  # the decode refused a room not admitted here
+                req = next((r for r in self.waiting if r.room == ev.room), None)
             if req is None:
                 continue
             if not ev.ok and req.finish_reason != "abort":
