@@ -1,0 +1,179 @@
+"""Every refusal and abort reaches the other side at once (DESIGN §5), over real ZeroMQ.
+
+Each case: one refusal/abort cause, on one side, while the request is in one state on
+the other side. Afterwards both engines must hold no row, page, request or room within
+2 s, and each side's client sees exactly one terminal event: an error naming the cause
+(or finish_reason "abort" on the side that aborted it).
+
+    prefill pool: 64 tokens (4 pages), 8-token prefill chunks     decode pool: 512 tokens
+    PREFILL_TOO_LONG  80-token prompt: only the prefill refuses it
+    DECODE_TOO_LONG   20-token prompt + 600 tokens: only the decode refuses it
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+from engine_pair import Pair, engine_cfg
+
+from tests.conftest import model_path
+
+BOUND_S = 2.0
+_rooms = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    model = model_path("tiny")
+    p = Pair(engine_cfg(model, 64, max_prefill=8), engine_cfg(model, 512))
+    yield p
+    p.close()
+
+
+def _steps(pair: Pair, n: int) -> None:
+    for _ in range(n):
+        pair.step_prefill()
+
+
+def _prefill_holding(pair: Pair, rid: str) -> None:
+    assert pair.pump_until(lambda: rid in pair.prefill.holding, 10), "prefill never finished"
+
+
+# ---- the cases: run(pair, rid, room) -> the side that aborted ("" for a refusal)
+Case = Callable[[Pair, str, int], str]
+
+
+def prefill_refuses_decode_queued(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 80))  # decode: prealloc, no Ready yet
+    p.prefill.add_request(p.request(rid, room, 80))
+    return ""
+
+
+def prefill_refuses_decode_admitted(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 80))
+    p.step_decode()  # reserved + Ready sent
+    p.prefill.add_request(p.request(rid, room, 80))
+    return ""
+
+
+def prefill_aborts_queued(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 40))
+    p.step_decode()
+    p.prefill.add_request(p.request(rid, room, 40))  # not admitted until it steps
+    p.prefill.abort(rid, "client gone")
+    return "prefill"
+
+
+def prefill_aborts_kv_in_flight(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 40))
+    p.step_decode()
+    p.prefill.add_request(p.request(rid, room, 40))
+    _steps(p, 2)  # 2 of 5 chunks computed and pushed
+    assert rid in p.decode.transfer
+    p.prefill.abort(rid, "client gone")
+    return "prefill"
+
+
+def prefill_aborts_holding_decode_not_there(p: Pair, rid: str, room: int) -> str:
+    p.prefill.add_request(p.request(rid, room, 40))
+    _prefill_holding(p, rid)
+    p.prefill.abort(rid, "client gone")
+    p.decode.add_request(p.request(rid, room, 40))  # its Ready is answered with Abort
+    return "prefill"
+
+
+def decode_refuses_prefill_queued(p: Pair, rid: str, room: int) -> str:
+    p.prefill.add_request(p.request(rid, room, 20, max_tokens=600))
+    p.decode.add_request(p.request(rid, room, 20, max_tokens=600))
+    return ""
+
+
+def decode_refuses_prefill_in_flight(p: Pair, rid: str, room: int) -> str:
+    p.prefill.add_request(p.request(rid, room, 20, max_tokens=600))
+    _steps(p, 1)
+    p.decode.add_request(p.request(rid, room, 20, max_tokens=600))
+    return ""
+
+
+def decode_refuses_prefill_holding(p: Pair, rid: str, room: int) -> str:
+    p.prefill.add_request(p.request(rid, room, 20, max_tokens=600))
+    _prefill_holding(p, rid)
+    p.decode.add_request(p.request(rid, room, 20, max_tokens=600))
+    return ""
+
+
+def decode_refuses_prefill_not_there(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 20, max_tokens=600))
+    p.step_decode()
+    p.prefill.add_request(p.request(rid, room, 20, max_tokens=600))
+    return ""
+
+
+def decode_aborts_queued(p: Pair, rid: str, room: int) -> str:
+    p.prefill.add_request(p.request(rid, room, 40))
+    _steps(p, 1)
+    p.decode.add_request(p.request(rid, room, 40))  # prealloc: no Ready yet
+    p.decode.abort(rid, "client gone")
+    return "decode"
+
+
+def decode_aborts_kv_in_flight(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 40))
+    p.step_decode()
+    p.prefill.add_request(p.request(rid, room, 40))
+    _steps(p, 2)
+    assert rid in p.decode.transfer
+    p.decode.abort(rid, "client gone")
+    return "decode"
+
+
+def decode_aborts_prebuilt(p: Pair, rid: str, room: int) -> str:
+    p.decode.add_request(p.request(rid, room, 40))
+    p.step_decode()
+    p.prefill.add_request(p.request(rid, room, 40))
+
+    def prebuilt() -> bool:
+        p.decode.receive()  # stage 1 of a step only: the request stays prebuilt
+        return any(r.rid == rid for r in p.decode.prebuilt)
+
+    for _ in range(5000):
+        p.step_prefill()
+        if prebuilt():
+            break
+    else:
+        raise AssertionError("KV never arrived")
+    p.decode.abort(rid, "client gone")
+    return "decode after transfer"  # the prefill's part ended fine (Ack) before the abort
+
+
+CASES: list[Case] = [
+    prefill_refuses_decode_queued, prefill_refuses_decode_admitted, prefill_aborts_queued,
+    prefill_aborts_kv_in_flight, prefill_aborts_holding_decode_not_there,
+    decode_refuses_prefill_queued, decode_refuses_prefill_in_flight,
+    decode_refuses_prefill_holding, decode_refuses_prefill_not_there, decode_aborts_queued,
+    decode_aborts_kv_in_flight, decode_aborts_prebuilt,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_refusal_reaches_the_other_side(pair: Pair, case: Case) -> None:
+    rid, room = case.__name__, next(_rooms)
+    aborted_by = case(pair, rid, room)
+
+    def settled() -> bool:
+        ended = all(pair.finished(side, rid) for side in ("prefill", "decode"))
+        return ended and not pair.holdings()
+
+    assert pair.pump_until(settled, BOUND_S), (pair.holdings(), dict(pair.events))
+    for side in ("prefill", "decode"):
+        [end] = pair.finished(side, rid)  # exactly one terminal event
+        if aborted_by.startswith(side):
+            assert end.finish_reason == "abort" or end.error, end
+        elif aborted_by == "decode after transfer":
+            assert end.error is None and len(end.token_ids) == 1, end
+        else:
+            assert end.error and not end.token_ids, (side, end)
+            cause = "client gone" if aborted_by else "KV pages"
+            assert cause in end.error, (side, end.error)
