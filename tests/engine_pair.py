@@ -33,10 +33,16 @@ def engine_cfg(model: Path, tokens: int, max_prefill: int = 2048) -> EngineConfi
 
 class Pair:
     def __init__(
-        self, prefill_cfg: EngineConfig, decode_cfg: EngineConfig, timeout_s: float = 60.0
+        self,
+        prefill_cfg: EngineConfig,
+        decode_cfg: EngineConfig,
+        timeout_s: float = 60.0,
+        weights: object = None,
     ) -> None:
-        p_runner = ModelRunner(prefill_cfg)
-        d_runner = ModelRunner(decode_cfg, model=p_runner.model)
+        """`weights`: a loaded model to share (both configs must name the same model)."""
+        p_runner = ModelRunner(prefill_cfg, model=weights)  # type: ignore[arg-type]
+        same = prefill_cfg.model_path == decode_cfg.model_path
+        d_runner = ModelRunner(decode_cfg, model=p_runner.model if same else None)
         self.sender = KVSender(
             "127.0.0.1", 0, p_runner.layout, ready_timeout_s=timeout_s, ack_timeout_s=timeout_s,
             heartbeat_s=0.2, peer_timeout_s=2.0,

@@ -12,22 +12,27 @@ the other side. Afterwards both engines must hold no row, page, request or room 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 
 import pytest
 from engine_pair import Pair, engine_cfg
 
+from pdserve.model.runner import ModelRunner
+
 from tests.conftest import model_path
 
 BOUND_S = 2.0
-_rooms = itertools.count(1000)
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
+def weights() -> object:
+    return ModelRunner(engine_cfg(model_path("tiny"), 64)).model
+
+
+@pytest.fixture
+def pair(weights: object) -> Iterator[Pair]:
     model = model_path("tiny")
-    p = Pair(engine_cfg(model, 64, max_prefill=8), engine_cfg(model, 512))
+    p = Pair(engine_cfg(model, 64, max_prefill=8), engine_cfg(model, 512), weights=weights)
     yield p
     p.close()
 
@@ -159,7 +164,7 @@ CASES: list[Case] = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_refusal_reaches_the_other_side(pair: Pair, case: Case) -> None:
-    rid, room = case.__name__, next(_rooms)
+    rid, room = case.__name__, 1000 + CASES.index(case)
     aborted_by = case(pair, rid, room)
 
     def settled() -> bool:
