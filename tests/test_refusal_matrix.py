@@ -12,6 +12,7 @@ the other side. Afterwards both engines must hold no row, page, request or room 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -182,3 +183,41 @@ def test_refusal_reaches_the_other_side(pair: Pair, case: Case) -> None:
             assert end.error and not end.token_ids, (side, end)
             cause = "client gone" if aborted_by else "KV pages"
             assert cause in end.error, (side, end.error)
+
+
+def test_dead_decode_found_by_heartbeat_and_prefill_frees_its_rooms(pair: Pair) -> None:
+    """The decode dies mid-transfer (its I/O thread stops without a word): the prefill notices
+    the missing heartbeats after peer_timeout_s (2 s here; its own timeouts are 60 s) and frees
+    every row and page it held for it."""
+    rids = ["dead-0", "dead-1"]
+    for i, rid in enumerate(rids):
+        pair.decode.add_request(pair.request(rid, 3000 + i, 40))
+    pair.step_decode()
+    for i, rid in enumerate(rids):
+        pair.prefill.add_request(pair.request(rid, 3000 + i, 40))
+    _steps(pair, 2)
+    assert pair.sender.active_rooms() == {3000, 3001}
+    pair.receiver._io.stop(kill=True)  # kill -9 of the decode, as far as the prefill can tell
+    t0 = time.monotonic()
+
+    def prefill_free() -> bool:
+        pair.step_prefill()
+        return all(pair.finished("prefill", r) for r in rids) and not pair.sender.active_rooms()
+
+    assert _wait(prefill_free, 2.0 + 3.0), pair.sender.room_phases()
+    took = time.monotonic() - t0
+    pool, alloc = pair.prefill.runner.req_pool, pair.prefill.runner.kv_pool.allocator
+    assert (pool.free_rows, alloc.free_pages) == (pool.total_rows, alloc.total_pages)
+    for rid in rids:
+        [end] = pair.finished("prefill", rid)
+        assert end.error and "silent" in end.error, end
+    print(f"prefill freed a dead decode's rooms after {took:.2f}s")
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
