@@ -56,9 +56,7 @@ class Pair:
         self.decode = DecodeEngine(decode_cfg, d_runner, self.receiver)
         self.events: dict[tuple[str, str], list[TokenEvent]] = defaultdict(list)
 
-    def request(
-        self, rid: str, room: int, prompt_len: int, max_tokens: int = 4
-    ) -> EngineRequest:
+    def request(self, rid: str, room: int, prompt_len: int, max_tokens: int = 4) -> EngineRequest:
         ids = [5 + (i * 7) % 500 for i in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return EngineRequest(rid=rid, input_ids=ids, params=params, room=room,

@@ -22,7 +22,12 @@ def sp_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )  # the Llama-2 / Mistral SentencePiece decoder chain
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS + byte_tokens)

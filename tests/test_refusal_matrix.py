@@ -19,7 +19,6 @@ import pytest
 from engine_pair import Pair, engine_cfg
 
 from pdserve.model.runner import ModelRunner
-
 from tests.conftest import model_path
 
 BOUND_S = 2.0

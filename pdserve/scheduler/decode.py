@@ -23,7 +23,7 @@ from collections import deque
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.admission import refusal, request_seed
+from pdserve.scheduler.admission import arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
 from pdserve.scheduler.engine_stats import TransferTotals, busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.future_map import FutureMap
@@ -139,9 +139,7 @@ class DecodeEngine:
             req = self.transfer.pop(ev.rid, None)
             if req is None:
                 continue  # cancelled meanwhile
-            bad = "" if ev.ok else ev.reason
-            if ev.ok and not 0 <= ev.first_token < self.runner.arch.vocab_size:
-                bad = f"first token {ev.first_token} outside the vocabulary"
+            bad = arrival_problem(ev, self.runner.arch.vocab_size)  # checked before use
             if bad:
                 self.transfer_totals.failed += 1
                 req.error = f"KV transfer failed: {bad}"

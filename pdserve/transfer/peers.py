@@ -7,6 +7,8 @@ one side before the other side showed up is remembered for `ttl_s`, so the late 
 `PeerClock`: when each decode (a ROUTER identity) was last heard from. A live decode
 heartbeats every `heartbeat_s`; a peer silent past the timeout is presumed dead and
 every room held for it is failed.
+
+`ready_mismatch` / `timeout_reason`: why a room must fail (user-facing reasons).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 
 import zmq
 
+from pdserve.scheduler.identity import describe_mismatch
 from pdserve.transfer.messages import Decoder
+from pdserve.transfer.push import Room
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, make_socket
 
 
@@ -87,3 +91,23 @@ class DataSockets:
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
+
+
+def ready_mismatch(st: Room, layout: str, model: str) -> str:
+    """Why the decode's Ready of `st` cannot be served by this prefill ("" if it can)."""
+    assert st.ready is not None
+    if st.ready.layout != layout:
+        return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {layout!r}"
+    if st.ready.model != model:
+        return f"model mismatch: {describe_mismatch(st.ready.model, model)}"
+    if st.req is not None and st.ready.num_tokens != st.req.prompt_len:
+        return f"prompt length mismatch: decode reserved {st.ready.num_tokens}, prefill has {st.req.prompt_len}"
+    return ""
+
+
+def timeout_reason(st: Room, ready_timeout_s: float, ack_timeout_s: float) -> str:
+    if st.req is None:
+        return f"prefill never admitted room {st.room} within {ready_timeout_s}s"
+    if st.ready is None:
+        return f"no Ready from the decode within {ready_timeout_s}s"
+    return f"no Ack from the decode within {ack_timeout_s}s"

@@ -26,20 +26,19 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.scheduler.identity import describe_mismatch
 from pdserve.scheduler.kv_io import SinkEvent
 from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import (
-    Abort,
-    Ack,
-    Decoder,
-    Heartbeat,
-    Ready,
+from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
+from pdserve.transfer.peers import (
+    DataSockets,
+    PeerClock,
+    Refusals,
+    ready_mismatch,
+    timeout_reason,
 )
-from pdserve.transfer.peers import DataSockets, PeerClock, Refusals
 from pdserve.transfer.push import Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
@@ -235,23 +234,13 @@ class KVSender:
 
     def _check_ready(self, st: Room) -> None:
         assert st.ready is not None
-        reason = self._ready_mismatch(st)
+        reason = ready_mismatch(st, self.fingerprint, self.model)
         if reason:
             self._fail(st, reason)
             return
         if st.req is not None:
             st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
         self._flush(st)
-
-    def _ready_mismatch(self, st: Room) -> str:
-        assert st.ready is not None
-        if st.ready.layout != self.fingerprint:
-            return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {self.fingerprint!r}"
-        if st.ready.model != self.model:
-            return f"model mismatch: {describe_mismatch(st.ready.model, self.model)}"
-        if st.req is not None and st.ready.num_tokens != st.req.prompt_len:
-            return f"prompt length mismatch: decode reserved {st.ready.num_tokens}, prefill has {st.req.prompt_len}"
-        return ""
 
     def _on_ack_or_abort(self, msg: Ack | Abort) -> None:
         st = self._rooms.get(msg.room)
@@ -298,7 +287,7 @@ class KVSender:
     def _tick(self) -> None:
         now = time.monotonic()
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
-            self._fail(st, self._timeout_reason(st))
+            self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s))
         self._fail_silent_peers(now)
         self._refused.expire(now)
         if now >= self._next_hb:
@@ -314,13 +303,6 @@ class KVSender:
             if silent > self._peers.timeout_s:
                 self._fail(st, f"decode silent for {silent:.1f}s (dead?)", notify=False)
         self._peers.forget_except({s.peer for s in self._rooms.values() if s.peer})
-
-    def _timeout_reason(self, st: Room) -> str:
-        if st.req is None:
-            return f"prefill never admitted room {st.room} within {self.ready_timeout_s}s"
-        if st.ready is None:
-            return f"no Ready from the decode within {self.ready_timeout_s}s"
-        return f"no Ack from the decode within {self.ack_timeout_s}s"
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
