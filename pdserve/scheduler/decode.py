@@ -65,7 +65,8 @@ class DecodeEngine:
         problem = self._refusal(req)
         if problem:
             self._emit_error(req, problem)
-            self.source.reject(req, problem)  # the prefill must not hold KV for it
+            if all(r.room != req.room for r in self.reqs.values()):  # not a live one's room
+                self.source.reject(req, problem)  # the prefill must not hold KV for it
             return
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)

@@ -52,7 +52,8 @@ class PrefillEngine:
         if problem:
             req.error = problem
             req.state = State.DONE
-            self.sink.on_abort(req, problem)  # the decode must not wait for this room
+            if all(r.room != req.room for r in self.reqs.values()):  # not a live one's room
+                self.sink.on_abort(req, problem)  # the decode must not wait for this room
             self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
             return
         self.reqs[req.rid] = req
