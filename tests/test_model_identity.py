@@ -5,6 +5,7 @@ Two pairs over real ZeroMQ: A = prefill `tiny` + decode `tiny-llama3`, B = prefi
 `tiny-llama3` + decode `tiny` (same architecture, vocab and KV layout; only the rope
 config differs, so only the config hash tells them apart). Crossing them (A's prefill
 with B's decode and B's prefill with A's decode) pairs the same models again.
+A first token outside the vocabulary is refused before the decode uses it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from collections.abc import Iterator
 import pytest
 from engine_pair import Pair, engine_cfg
 
+from pdserve.model.runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.identity import config_hash, describe_mismatch, model_fingerprint
+from pdserve.scheduler.kv_io import SourceEvent
 from pdserve.scheduler.pools import KVLayout
+from pdserve.scheduler.request import EngineRequest
 from tests.conftest import hf_greedy, model_path
 
 
@@ -91,3 +97,41 @@ def test_fingerprint_covers_every_computation_field_but_not_eos() -> None:
     assert config_hash(smaller) != config_hash(arch)
     msg = describe_mismatch(model_fingerprint(smaller, layout), base)
     assert f"vocab: decode {arch.vocab_size // 2}, prefill {arch.vocab_size}" in msg, msg
+
+
+class _LyingSource:
+    """A KVSource whose transfers all 'succeed' with a first token the model does not have."""
+
+    def __init__(self, first_token: int) -> None:
+        self.first_token = first_token
+        self.pending: list[SourceEvent] = []
+
+    def expect(self, req, pool, slots) -> None:  # type: ignore[no-untyped-def]
+        self.pending.append(SourceEvent(req.rid, True, first_token=self.first_token))
+
+    def cancel(self, req, reason: str) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def reject(self, req, reason: str) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def poll(self) -> list[SourceEvent]:
+        out, self.pending = self.pending, []
+        return out
+
+
+@pytest.mark.parametrize("first_token", [-1, "vocab", 2**40])
+def test_first_token_outside_the_vocabulary_is_refused_before_use(first_token) -> None:  # type: ignore[no-untyped-def]
+    cfg = engine_cfg(model_path("tiny"), 512)
+    runner = ModelRunner(cfg)
+    token = runner.arch.vocab_size if first_token == "vocab" else first_token
+    engine = DecodeEngine(cfg, runner, _LyingSource(token))
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    engine.add_request(EngineRequest(rid="liar", input_ids=[5, 6, 7], params=params, room=9))
+    events = [ev for _ in range(5) for ev in engine.step()]
+    engine.drain()
+    [end] = [e for e in events if e.finished]
+    assert end.error and "outside the vocabulary" in end.error and not end.token_ids, end
+    assert runner.req_pool.free_rows == runner.req_pool.total_rows
+    assert runner.kv_pool.allocator.free_pages == runner.kv_pool.allocator.total_pages
+    engine.close()
