@@ -181,3 +181,5 @@ def test_out_of_bounds_numbers_are_4xx_and_release(targets, target: str, path: s
     run()
     for name in ("worker", "pre", "dec"):
         assert _in_flight(targets[name]) == 0, (name, server_info(targets[name]))
+    workers = httpx.get(targets["router"] + "/health", timeout=5).json()["workers"]
+    assert all(w["in_flight"] == 0 for w in workers), workers  # the router's own leases

@@ -26,7 +26,7 @@ import pytest
 
 from benchmarks.soak import Cluster, engine_signal, server_info, wait_quiet
 from pdserve.server.launch_children import Child
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 # kv_timeout (10 s) outlasts a slow prefill of the faulted load on a loaded CPU. What must fire
@@ -133,9 +133,15 @@ def _assert_quiet(urls: list[str], bound_s: float, logs: str = "") -> None:
     print(f"pools free after {time.monotonic() - t0:.2f}s: {urls}")
 
 
-def _serves(url: str) -> None:
+def _serves(url: str, model: str = "") -> None:
+    """Two requests answered 200 with the reference tokens of `model` (default: the stack's)."""
     results = asyncio.run(_load(url, 2, 20))
-    assert all(map(_completed, results)), results  # 200s with the reference tokens
+    served = _MODEL["path"]
+    try:
+        _MODEL["path"] = model or served
+        assert all(map(_completed, results)), results
+    finally:
+        _MODEL["path"] = served
 
 
 def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> None:
@@ -183,6 +189,30 @@ def test_killed_decode_fails_requests_prefill_frees_kv(stack: dict[str, Any]) ->
     r3 = cluster.router([p], [d2])
     cluster.launch([r3])
     _serves(r3.url)
+    stack.update(d=d2, r=r3)
+
+
+def test_different_models_refuse_each_other_and_both_serve_their_own(stack) -> None:  # type: ignore[no-untyped-def]
+    """A decode serving another model (same architecture, vocab and KV layout as the
+    stack's tiny model; only the rope config differs) behind the stack's prefill: the
+    request fails naming the mismatch, and both engines then serve their own model."""
+    cluster: Cluster = stack["cluster"]
+    p, r = stack["p"], stack["r"]
+    other = str(model_path("tiny-llama3"))
+    pm, dm = (cluster.worker(role, ["--model", other]) for role in ("prefill", "decode"))
+    cluster.launch([pm, dm])
+    r_bad, r_own = cluster.router([p], [dm]), cluster.router([pm], [dm])
+    cluster.launch([r_bad, r_own])
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    bad = httpx.post(r_bad.url + "/generate", json=body, timeout=BOUND_S + 30)
+    assert bad.status_code >= 500 and "model mismatch" in bad.text and "config" in bad.text, (
+        bad.text
+    )
+    for w in (p, dm):
+        assert httpx.get(w.url + "/health", timeout=5).status_code == 200, w.name
+    _serves(r.url)  # the stack's prefill with its own decode
+    _serves(r_own.url, other)  # the other decode with a prefill of its model
+    _assert_quiet([p.url, dm.url, pm.url], BOUND_S, cluster.logs())
 
 
 def _kill(worker: Child) -> None:
