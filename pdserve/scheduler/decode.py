@@ -25,7 +25,7 @@ from pdserve.kernels.stream import Event, make_streams
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
-from pdserve.scheduler.engine_stats import TransferTotals, busy_ratio, channel_stats, pool_stats
+from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.kv_io import KVSource
 from pdserve.scheduler.pools import slots_of
@@ -275,18 +275,7 @@ class DecodeEngine:
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        return {
-            **pool_stats(self.runner),
-            "running": len([r for r in self.running if not r.finished]),
-            "queued": len(self.prealloc) + len(self.transfer) + len(self.prebuilt),
-            "prealloc": len(self.prealloc),
-            "transfer": len(self.transfer),
-            "prebuilt": len(self.prebuilt),
-            "forward_busy_ratio": busy_ratio(self.busy_s, self.started),
-            "decode_steps": self.steps,
-            **self.transfer_totals.as_stats(),
-            **channel_stats(self.source),
-        }
+        return decode_stats(self)
 
     def drain(self) -> None:
         """Finish in-flight work and return deferred pages (idle, tests, shutdown)."""

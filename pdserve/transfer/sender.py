@@ -3,10 +3,9 @@
 Per room:   (on_admit, Ready) in either order ─▶ push chunks ─▶ KVDone ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
 
-Refusals travel both ways: a room the prefill refuses or aborts before the decode is
-known is answered with Abort when its Ready comes; an Abort from the decode for a room
-the prefill has not admitted yet is reported at once as a room-only SinkEvent (so a
-queued request is dropped) and refuses a later on_admit of that room.
+Refusals go both ways: a room the prefill refused before the decode was known gets an
+Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
+room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
 
 Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
@@ -32,13 +31,7 @@ from pdserve.scheduler.request import Req
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
-from pdserve.transfer.peers import (
-    DataSockets,
-    PeerClock,
-    Refusals,
-    ready_mismatch,
-    timeout_reason,
-)
+from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
 from pdserve.transfer.push import Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
@@ -119,7 +112,7 @@ class KVSender:
         return set(self._rooms)
 
     def room_phases(self) -> dict[int, str]:
-        """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, for tests/metrics)."""
+        """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, tests/metrics)."""
         return {r: phase(st) for r, st in list(self._rooms.items())}
 
     def close(self) -> None:
@@ -221,10 +214,8 @@ class KVSender:
             return
         if st is not None and st.ready is not None:
             if st.ready.session != ready.session:  # a second decode claims an active room
-                self._ctrl.send(
-                    Abort(room=ready.room, session=ready.session, reason="duplicate active room"),
-                    to=peer,
-                )
+                dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
+                self._ctrl.send(dup, to=peer)
             return
         st = st or self._rooms.setdefault(ready.room, Room(ready.room))
         st.ready, st.peer = ready, peer
