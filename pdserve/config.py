@@ -64,8 +64,8 @@ class TransferConfig:
     # two bound how long a *live but overloaded* peer may keep a request queued.
     ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
     kv_timeout_s: float = 300.0  # decode: wait this long for a request's KV
-    heartbeat_s: float = 1.0  # prefill -> decode heartbeat period
-    heartbeat_timeout_s: float = 5.0  # decode fails a prefill's rooms after this silence
+    heartbeat_s: float = 1.0  # heartbeat period, both ways (prefill <-> decode)
+    heartbeat_timeout_s: float = 5.0  # either side fails the other's rooms after this silence
     # One cluster CURVE keypair (a zmq.auth `.key_secret` file) encrypts and authenticates
     # the channel; None falls back to PDSERVE_CURVE_PUBLIC/SECRET, else no CURVE.
     curve_secret_key_file: str | None = None

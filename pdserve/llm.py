@@ -92,6 +92,8 @@ class LLM:
                 if ev.error and ev.rid in pending:
                     self.decode.abort(ev.rid, ev.error)
             for ev in self.decode.step():
+                if ev.error:  # a decode refusal ends the prefill's side too
+                    self.prefill.abort(ev.rid, ev.error)
                 if self._apply(outs[ev.rid], ev):
                     pending.discard(ev.rid)
         self.decode.drain()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -26,6 +28,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a user-facing message on invalid values."""
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fake_engine import ServerProc, free_port, make_model_dir
 from fake_workers import Served
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.soak import leaks, server_info
@@ -136,3 +136,50 @@ def test_servers_healthy_and_idle_afterwards(targets: dict[str, str]) -> None:
     ok = httpx.post(targets["router"] + "/generate", timeout=CLIENT_TIMEOUT_S,
                     json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}})  # fmt: skip
     assert ok.status_code == 200 and ok.json()["output_ids"] == [5, 6, 7], ok.text
+
+
+# ---- numeric bounds (pdserve/server/bounds.py): one bad value in an otherwise valid body ----
+BAD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", str(2**63), str(2**64),
+               str(-(2**63) - 1), str(10**30)]  # fmt: skip
+VALID = {
+    "/generate": '{"input_ids": [5, 6, 7], "rid": "%(rid)s", "sampling_params": '
+    '{"max_new_tokens": 2, "temperature": %(temperature)s, "top_k": %(top_k)s, '
+    '"top_p": %(top_p)s, "seed": %(seed)s}, "bootstrap_room": %(bootstrap_room)s}',
+    "/v1/completions": '{"prompt": [5, 6, 7], "max_tokens": 2, "temperature": %(temperature)s, '
+    '"top_k": %(top_k)s, "top_p": %(top_p)s, "seed": %(seed)s, "bootstrap_room": %(bootstrap_room)s}',
+    "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+    '"temperature": %(temperature)s, "top_k": %(top_k)s, "top_p": %(top_p)s, "seed": %(seed)s, '
+    '"bootstrap_room": %(bootstrap_room)s}',
+}  # fmt: skip
+DEFAULTS = {"temperature": "0", "top_k": "-1", "top_p": "1.0", "seed": "1",
+            "bootstrap_room": "12345"}  # fmt: skip
+
+
+def _in_flight(url: str) -> int:
+    return int(server_info(url).get("in_flight", 0))
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
+@pytest.mark.parametrize("path", PATHS)
+def test_out_of_bounds_numbers_are_4xx_and_release(targets, target: str, path: str) -> None:
+    @settings(max_examples=25, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @given(field=st.sampled_from(sorted(DEFAULTS)),
+           bad=st.sampled_from([*BAD_NUMBERS, '"x"', "{}"]))  # fmt: skip
+    def run(field: str, bad: str) -> None:
+        # the router replaces the bootstrap fields with its own; only the numbers are its concern
+        assume(not (target == "router" and field == "bootstrap_room" and bad not in BAD_NUMBERS))
+        rid = f"bounds-{field}-{BAD_NUMBERS.index(bad) if bad in BAD_NUMBERS else len(bad)}"
+        raw = (VALID[path] % {**DEFAULTS, field: bad, "rid": rid}).encode()
+        r = _post(targets[target] + path, raw)
+        assert 400 <= r.status_code < 500, (raw, r.status_code, r.text[:300])
+        assert "error" in r.json(), r.text[:300]
+        # the same rid is not stuck "in flight": a valid request with it is served
+        ok = _post(targets[target] + path, (VALID[path] % {**DEFAULTS, "rid": rid}).encode())
+        assert ok.status_code == 200, (raw, ok.text[:300])
+
+    run()
+    for name in ("worker", "pre", "dec"):
+        assert _in_flight(targets[name]) == 0, (name, server_info(targets[name]))
+    workers = httpx.get(targets["router"] + "/health", timeout=5).json()["workers"]
+    assert all(w["in_flight"] == 0 for w in workers), workers  # the router's own leases

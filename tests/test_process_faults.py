@@ -7,6 +7,8 @@ order and each leaves a serving stack behind for the next:
 
 The first prefill runs 16-token prefill chunks so that prompts of a few hundred tokens are
 still being prefilled when the fault lands; every test checks that before faulting.
+Requests are greedy: every 200 must carry exactly transformers' tokens (a 200 built from
+damaged KV would not), every other outcome must be an error.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 
 from benchmarks.soak import Cluster, engine_signal, server_info, wait_quiet
 from pdserve.server.launch_children import Child
+from tests.conftest import hf_greedy, model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 # kv_timeout (10 s) outlasts a slow prefill of the faulted load on a loaded CPU. What must fire
@@ -33,7 +36,8 @@ TIMEOUTS = {"ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_s": 0.25,
 SLACK_S = 8.0  # HTTP hops, process polls and a loaded 2-core box
 BOUND_S = TIMEOUTS["heartbeat_timeout_s"] + SLACK_S
 SLOW_PREFILL = ["--max-prefill-tokens", "16"]
-Result = tuple[int, list[str], float]  # (status, body lines, seconds)
+NEW_TOKENS = 6
+Result = tuple[int, list[str], float, list[int]]  # (status, body lines, seconds, prompt ids)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +48,7 @@ def stack() -> Iterator[dict[str, Any]]:
         cluster.launch([p, d])
         r = cluster.router([p], [d])
         cluster.launch([r])
+        _MODEL["path"] = httpx.get(p.url + "/model_info", timeout=5).json()["model_path"]
         yield {"cluster": cluster, "p": p, "d": d, "r": r}
     finally:
         cluster.stop()
@@ -51,12 +56,12 @@ def stack() -> Iterator[dict[str, Any]]:
 
 async def _one(c: httpx.AsyncClient, url: str, i: int, plen: int, stream: bool) -> Result:
     ids = [5 + (j * 7 + i * 13) % 3000 for j in range(plen)]
-    body = {"input_ids": ids, "stream": stream,
-            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    body = {"input_ids": ids, "stream": stream, "sampling_params": {
+        "max_new_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}}  # fmt: skip
     t0 = time.monotonic()
     async with c.stream("POST", url + "/generate", json=body) as r:
         lines = [ln async for ln in r.aiter_lines() if ln]
-    return r.status_code, lines, time.monotonic() - t0
+    return r.status_code, lines, time.monotonic() - t0, ids
 
 
 async def _load(url: str, n: int, plen: int) -> list[Result]:
@@ -87,7 +92,7 @@ def _fault_during_load(url: str, busy_url: str, fault: Callable[[], None]) -> li
 
 def _failed_cleanly(res: Result) -> bool:
     """An HTTP error with an error body, or a stream whose every event is an error."""
-    status, lines, _ = res
+    status, lines, *_ = res
     if status >= 500:
         return "error" in "".join(lines)
     events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
@@ -95,18 +100,31 @@ def _failed_cleanly(res: Result) -> bool:
 
 
 def _completed(res: Result) -> bool:
-    """A 200 without any error event: its KV was fully transferred and validated
-    before the fault (on a quiet machine a request can get through first)."""
-    status, lines, _ = res
-    return status == 200 and not any("error" in ln for ln in lines)
+    """A 200 without any error event whose tokens are the reference's: its KV was fully
+    transferred and validated before the fault (on a quiet machine one can get through)."""
+    status, lines, _, ids = res
+    if status != 200 or any("error" in ln for ln in lines):
+        return False
+    return _output_ids(lines) == hf_greedy(_MODEL["path"], ids, NEW_TOKENS)
+
+
+_MODEL: dict[str, str] = {}  # the served checkpoint (filled by the fixture from /model_info)
+
+
+def _output_ids(lines: list[str]) -> list[int]:
+    """Tokens of a non-streamed body, or of a stream's last event (they are cumulative)."""
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    body = events[-1] if events else json.loads("".join(lines))
+    return list(body.get("output_ids", []))
 
 
 def _assert_failed(results: list[Result]) -> None:
     """Every request either fails cleanly or had completed its transfer; at least one fails."""
     assert all(_failed_cleanly(r) or _completed(r) for r in results), results
     assert any(map(_failed_cleanly, results)), f"the fault hit no request: {results}"
-    assert max(s for *_, s in results) < BOUND_S, results
-    print(f"slowest failed request: {max(s for *_, s in results):.2f}s")  # figures (pytest -s)
+    slowest = max(r[2] for r in results)
+    assert slowest < BOUND_S, results
+    print(f"slowest failed request: {slowest:.2f}s")  # figures (pytest -s)
 
 
 def _assert_quiet(urls: list[str], bound_s: float, logs: str = "") -> None:
@@ -115,10 +133,15 @@ def _assert_quiet(urls: list[str], bound_s: float, logs: str = "") -> None:
     print(f"pools free after {time.monotonic() - t0:.2f}s: {urls}")
 
 
-def _serves(url: str) -> None:
+def _serves(url: str, model: str = "") -> None:
+    """Two requests answered 200 with the reference tokens of `model` (default: the stack's)."""
     results = asyncio.run(_load(url, 2, 20))
-    assert [s for s, *_ in results] == [200, 200], results
-    assert not any("error" in ln for _, lines, _ in results for ln in lines), results
+    served = _MODEL["path"]
+    try:
+        _MODEL["path"] = model or served
+        assert all(map(_completed, results)), results
+    finally:
+        _MODEL["path"] = served
 
 
 def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> None:
@@ -159,14 +182,37 @@ def test_killed_decode_fails_requests_prefill_frees_kv(stack: dict[str, Any]) ->
     cluster: Cluster = stack["cluster"]
     p, d, r = stack["p"], stack["d"], stack["r"]
     _assert_failed(_fault_during_load(r.url, p.url, lambda: _kill(d)))
-    # the prefill frees what it held for the dead decode: router abort, else its timeouts
-    bound = TIMEOUTS["ready_timeout_s"] + TIMEOUTS["kv_timeout_s"] + SLACK_S
-    _assert_quiet([p.url], bound, cluster.logs())
+    # the prefill finds the dead decode by its missing heartbeats and frees what it held
+    _assert_quiet([p.url], BOUND_S, cluster.logs())
     d2 = cluster.worker("decode")
     cluster.launch([d2])
     r3 = cluster.router([p], [d2])
     cluster.launch([r3])
     _serves(r3.url)
+    stack.update(d=d2, r=r3)
+
+
+def test_different_models_refuse_each_other_and_both_serve_their_own(stack) -> None:  # type: ignore[no-untyped-def]
+    """A decode serving another model (same architecture, vocab and KV layout as the
+    stack's tiny model; only the rope config differs) behind the stack's prefill: the
+    request fails naming the mismatch, and both engines then serve their own model."""
+    cluster: Cluster = stack["cluster"]
+    p, r = stack["p"], stack["r"]
+    other = str(model_path("tiny-llama3"))
+    pm, dm = (cluster.worker(role, ["--model", other]) for role in ("prefill", "decode"))
+    cluster.launch([pm, dm])
+    r_bad, r_own = cluster.router([p], [dm]), cluster.router([pm], [dm])
+    cluster.launch([r_bad, r_own])
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    bad = httpx.post(r_bad.url + "/generate", json=body, timeout=BOUND_S + 30)
+    assert bad.status_code >= 500 and "model mismatch" in bad.text and "config" in bad.text, (
+        bad.text
+    )
+    for w in (p, dm):
+        assert httpx.get(w.url + "/health", timeout=5).status_code == 200, w.name
+    _serves(r.url)  # the stack's prefill with its own decode
+    _serves(r_own.url, other)  # the other decode with a prefill of its model
+    _assert_quiet([p.url, dm.url, pm.url], BOUND_S, cluster.logs())
 
 
 def _kill(worker: Child) -> None:

@@ -38,8 +38,12 @@ class FakePrefill:
         self.push: MsgSocket | None = None
 
     def recv(self, timeout_ms: int = 3000):
-        assert self.router.sock.poll(timeout_ms), "nothing arrived at the fake prefill"
-        return self.router.recv()
+        """The next message other than the decode's heartbeats."""
+        while True:
+            assert self.router.sock.poll(timeout_ms), "nothing arrived at the fake prefill"
+            got = self.router.recv()
+            if not isinstance(got[1], Heartbeat):
+                return got
 
     def accept_ready(self) -> Ready:
         _, ready, _ = self.recv()

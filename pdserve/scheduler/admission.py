@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.kv_io import SourceEvent
 from pdserve.scheduler.request import Req
 
 
@@ -41,3 +43,15 @@ def refusal(
 def request_seed(seed: int | None) -> int:
     """The user's seed, or a fresh random one (sampling is a function of seed and index)."""
     return seed if seed is not None else random.getrandbits(62)
+
+
+def arrival_problem(ev: SourceEvent, vocab_size: int) -> str:
+    """Why a finished transfer cannot be used ("" if it can): it failed, or its first
+    token (sampled by a peer) is no token of this model."""
+    if not ev.ok:
+        return ev.reason
+    if not 0 <= ev.first_token < vocab_size:
+        return f"first token {ev.first_token} outside the vocabulary (size {vocab_size})"
+    if not math.isfinite(ev.first_logprob):
+        return f"first token logprob {ev.first_logprob} is not finite"
+    return ""

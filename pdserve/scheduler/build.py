@@ -6,6 +6,7 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.engine_api import Engine
+from pdserve.scheduler.identity import model_fingerprint
 from pdserve.scheduler.prefill import PrefillEngine
 
 
@@ -17,6 +18,7 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
 
     runner = ModelRunner(cfg)
     curve = load_keys(transfer.curve_secret_key_file)
+    model = model_fingerprint(runner.arch, runner.layout)
     if role == "prefill":
         sink = KVSender(
             transfer.host,
@@ -25,6 +27,8 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             ready_timeout_s=transfer.ready_timeout_s,
             ack_timeout_s=transfer.kv_timeout_s,
             heartbeat_s=transfer.heartbeat_s,
+            peer_timeout_s=transfer.heartbeat_timeout_s,
+            model=model,
             curve=curve,
         )
         return PrefillEngine(cfg, runner, sink)
@@ -36,6 +40,8 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             advertise_host=_advertise_host(transfer.advertise_host),
             kv_timeout_s=transfer.kv_timeout_s,
             heartbeat_timeout_s=transfer.heartbeat_timeout_s,
+            heartbeat_s=transfer.heartbeat_s,
+            model=model,
             curve=curve,
         )
         return DecodeEngine(cfg, runner, source)

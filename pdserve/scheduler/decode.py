@@ -23,9 +23,9 @@ from collections import deque
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.admission import refusal, request_seed
+from pdserve.scheduler.admission import arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
-from pdserve.scheduler.engine_stats import TransferTotals, busy_ratio, channel_stats, pool_stats
+from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.kv_io import KVSource
 from pdserve.scheduler.pools import slots_of
@@ -65,6 +65,8 @@ class DecodeEngine:
         problem = self._refusal(req)
         if problem:
             self._emit_error(req, problem)
+            if all(r.room != req.room for r in self.reqs.values()):  # not a live one's room
+                self.source.reject(req, problem)  # the prefill must not hold KV for it
             return
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
@@ -138,9 +140,10 @@ class DecodeEngine:
             req = self.transfer.pop(ev.rid, None)
             if req is None:
                 continue  # cancelled meanwhile
-            if not ev.ok:
+            bad = arrival_problem(ev, self.runner.arch.vocab_size)  # checked before use
+            if bad:
                 self.transfer_totals.failed += 1
-                req.error = f"KV transfer failed: {ev.reason}"
+                req.error = f"KV transfer failed: {bad}"
                 self.transfer[req.rid] = req
                 self._end(req)
                 continue
@@ -222,6 +225,7 @@ class DecodeEngine:
         self.reqs.pop(req.rid, None)
         if was == State.PREALLOC:
             self.prealloc.remove(req)
+            self.source.reject(req, detail or req.error or "aborted")
         elif was == State.TRANSFER:
             self.transfer.pop(req.rid, None)
             self.source.cancel(req, detail or req.error or "aborted")
@@ -271,18 +275,7 @@ class DecodeEngine:
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        return {
-            **pool_stats(self.runner),
-            "running": len([r for r in self.running if not r.finished]),
-            "queued": len(self.prealloc) + len(self.transfer) + len(self.prebuilt),
-            "prealloc": len(self.prealloc),
-            "transfer": len(self.transfer),
-            "prebuilt": len(self.prebuilt),
-            "forward_busy_ratio": busy_ratio(self.busy_s, self.started),
-            "decode_steps": self.steps,
-            **self.transfer_totals.as_stats(),
-            **channel_stats(self.source),
-        }
+        return decode_stats(self)
 
     def drain(self) -> None:
         """Finish in-flight work and return deferred pages (idle, tests, shutdown)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.request import Req
@@ -50,3 +51,19 @@ class TransferTotals:
             "kv_transfer_bytes": self.bytes,
             "transfer_failed": self.failed,
         }
+
+
+def decode_stats(eng: Any) -> dict[str, float]:
+    """A DecodeEngine's counters: pools, its queues, busy ratio, transfers."""
+    return {
+        **pool_stats(eng.runner),
+        "running": len([r for r in eng.running if not r.finished]),
+        "queued": len(eng.prealloc) + len(eng.transfer) + len(eng.prebuilt),
+        "prealloc": len(eng.prealloc),
+        "transfer": len(eng.transfer),
+        "prebuilt": len(eng.prebuilt),
+        "forward_busy_ratio": busy_ratio(eng.busy_s, eng.started),
+        "decode_steps": eng.steps,
+        **eng.transfer_totals.as_stats(),
+        **channel_stats(eng.source),
+    }

@@ -4,6 +4,10 @@ the ZeroMQ transfer (pdserve.transfer) instead.
 
 Requests pair up by `room`. Whichever side arrives second triggers the copy:
     sink.on_done(room)  +  source.expect(room)  ->  copy KV, source event, sink event
+
+A refusal or abort on either side ends the room on the other side too:
+    sink.on_abort(room)                    ->  source event (failed), now or at expect
+    source.reject / source.cancel(room)    ->  sink event (released, failed), now or at on_admit
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class InProcessHandoff:
     def __init__(self) -> None:
         self.prefilled: dict[int, _Prefilled] = {}
         self.expected: dict[int, _Expected] = {}
-        self.failed_rooms: dict[int, str] = {}
+        self.failed_rooms: dict[int, str] = {}  # refused by the prefill, decode not here yet
+        self.cancelled_rooms: dict[int, str] = {}  # refused by the decode
+        self.admitted: dict[int, str] = {}  # room -> prefill rid, from on_admit
         self.sink = _Sink(self)
         self.source = _Source(self)
         self.sink_events: list[SinkEvent] = []
@@ -48,6 +54,7 @@ class InProcessHandoff:
         if src is None or dst is None:
             return
         del self.prefilled[room], self.expected[room]
+        self.admitted.pop(room, None)
         if len(src.slots) != len(dst.slots):
             reason = f"prompt length mismatch: prefill {len(src.slots)}, decode {len(dst.slots)}"
             self.sink_events.append(SinkEvent(src.rid, ok=False, reason=reason))
@@ -70,12 +77,19 @@ class _Sink:
         self.where: dict[str, tuple[KVPool, torch.Tensor]] = {}  # rid -> prefill pool, slots
 
     def on_admit(self, req: Req) -> None:
-        pass
+        reason = self.h.cancelled_rooms.pop(req.room, None)
+        if reason is not None:
+            self.h.sink_events.append(SinkEvent(req.rid, ok=False, reason=reason))
+            return
+        self.h.admitted[req.room] = req.rid
 
     def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
-        self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining in memory
+        if self.h.admitted.get(req.room) == req.rid:  # not refused meanwhile
+            self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining
 
     def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        if req.rid not in self.where:
+            return  # the decode refused it; the release event is already out
         pool, slots = self.where.pop(req.rid)
         self.h.prefilled[req.room] = _Prefilled(req.rid, pool, slots, first_token, first_logprob)
         self.h._try_copy(req.room)
@@ -83,7 +97,8 @@ class _Sink:
     def on_abort(self, req: Req, reason: str) -> None:
         self.where.pop(req.rid, None)
         self.h.prefilled.pop(req.room, None)
-        self.h.sink_events.append(SinkEvent(req.rid, ok=False, reason=reason))  # released
+        if self.h.admitted.pop(req.room, None) == req.rid:
+            self.h.sink_events.append(SinkEvent(req.rid, ok=False, reason=reason))  # released
         exp = self.h.expected.pop(req.room, None)
         if exp is not None:
             self.h.source_events.append(SourceEvent(exp.rid, ok=False, reason=f"prefill: {reason}"))
@@ -108,7 +123,20 @@ class _Source:
         self.h._try_copy(req.room)
 
     def cancel(self, req: Req, reason: str) -> None:
-        self.h.expected.pop(req.room, None)
+        if self.h.expected.pop(req.room, None) is not None:
+            self.reject(req, reason)
+
+    def reject(self, req: Req, reason: str) -> None:
+        """The decode gave up on the room: release the prefill's side of it."""
+        reason = f"decode refused: {reason}"
+        self.h.prefilled.pop(req.room, None)
+        rid = self.h.admitted.pop(req.room, None)
+        if rid is not None:
+            self.h.sink.where.pop(rid, None)
+            self.h.sink_events.append(SinkEvent(rid, ok=False, reason=reason))
+        else:  # queued in the prefill (or not there yet)
+            self.h.cancelled_rooms[req.room] = reason
+            self.h.sink_events.append(SinkEvent("", ok=False, reason=reason, room=req.room))
 
     def poll(self) -> list[SourceEvent]:
         out, self.h.source_events = self.h.source_events, []

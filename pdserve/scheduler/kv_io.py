@@ -21,11 +21,15 @@ from pdserve.scheduler.request import Req
 
 
 class SinkEvent(msgspec.Struct, frozen=True):
-    """Prefill side: the KV of `rid` may be freed (`ok`: the decode has it)."""
+    """Prefill side: the KV of `rid` may be freed (`ok`: the decode has it).
+
+    rid "" with a `room`: the decode refused that room before the prefill admitted a
+    request for it; a queued request of that room is dropped with `reason`."""
 
     rid: str
     ok: bool
     reason: str = ""
+    room: int = 0
 
 
 class SourceEvent(msgspec.Struct, frozen=True):
@@ -70,6 +74,10 @@ class KVSource(Protocol):
 
     def cancel(self, req: Req, reason: str) -> None:
         """Stop waiting for `req`; after this returns nothing writes into its slots."""
+
+    def reject(self, req: Req, reason: str) -> None:
+        """`req` was refused or aborted before expect(): tell its prefill (by room), so
+        the prefill drops the request instead of holding it for a decode that never comes."""
 
     def poll(self) -> list[SourceEvent]:
         """Transfers that ended since the last call. Never blocks."""

@@ -52,7 +52,8 @@ class PrefillEngine:
         if problem:
             req.error = problem
             req.state = State.DONE
-            self.sink.on_abort(req, problem)  # the decode must not wait for this room
+            if all(r.room != req.room for r in self.reqs.values()):  # not a live one's room
+                self.sink.on_abort(req, problem)  # the decode must not wait for this room
             self.events.append(TokenEvent(rid=req.rid, finished=True, error=problem))
             return
         self.reqs[req.rid] = req
@@ -105,6 +106,8 @@ class PrefillEngine:
     def _poll_sink(self) -> None:
         for ev in self.sink.poll():
             req = self.holding.get(ev.rid) or self.reqs.get(ev.rid)
+            if not ev.rid and ev.room:  # the decode refused a room not admitted here
+                req = next((r for r in self.waiting if r.room == ev.room), None)
             if req is None:
                 continue
             if not ev.ok and req.finish_reason != "abort":

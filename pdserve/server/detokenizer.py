@@ -10,6 +10,8 @@ character; decoding then yields U+FFFD. We decode a small window twice,
 
 and emit the new suffix except a trailing run of U+FFFD (an incomplete
 character: its bytes are held back until the tokens completing it arrive).
+The emitted context (prefix_offset..read_offset) always decodes to some text, so
+tokens decoded after it are never treated as the start of the sequence.
 `flush()` emits whatever is left at the end of the request.
 
 StopMatcher: text is held back while its tail could be the start of a stop
@@ -44,7 +46,13 @@ class IncrementalDetokenizer:
         start = n_prefix + self._emitted
         new = full[start:stable] if stable > start else ""
         if stable == len(full):  # all complete: the unread part becomes the next context
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            # NOTE: only a context that decodes to text moves the window. A context of
+            # skipped special tokens alone decodes to "", and a SentencePiece decoder then
+            # treats the next token as the first one and drops its leading space
+            # ([▁hello, <s>, ▁world] would stream "helloworld").
+            if len(full) > n_prefix:
+                self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
             self._emitted = 0
         else:
             self._emitted += len(new)

@@ -145,9 +145,12 @@ class EngineClient:
             raise EngineDead(self.error or "engine not started")
         if req.rid in self._queues:
             raise ValueError(f"request id {req.rid!r} is already in flight")
+        # NOTE: register only once encoded and sent: a request that fails here (one
+        # bounds.py should have refused) must not stay "in flight" forever. No event can
+        # arrive in between: the read loop runs on this event loop.
+        self._push.send(P.encode(P.GenerateReq(req=req)))
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[req.rid] = q
-        self._send(P.GenerateReq(req=req))
         return q
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:

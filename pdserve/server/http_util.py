@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -14,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from pdserve.server import bounds
 from pdserve.server.generation import RequestError
 from pdserve.server.openai_api import error_body
 
@@ -33,7 +33,8 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body; RequestError 413 past `limit` bytes, 400 if not JSON."""
+    """The JSON body; RequestError 413 past `limit` bytes, 400 if not JSON or a number
+    is out of bounds (bounds.py: the same rules as the router's)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body larger than {limit} bytes", status=413)
@@ -44,7 +45,9 @@ async def read_json(request: Request, limit: int) -> Any:
             raise RequestError(f"request body larger than {limit} bytes", status=413)
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        return bounds.loads(b"".join(chunks))
+    except bounds.BoundsError as e:
+        raise RequestError(str(e), e.param) from e
     except ValueError as e:
         raise RequestError(f"malformed JSON body: {e}") from e
 

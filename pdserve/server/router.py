@@ -8,7 +8,6 @@ added (router_proxy.py); the rest of the API is answered from the workers.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdserve.server import bounds
 from pdserve.server.router_body import error_body, num_sequences
 from pdserve.server.router_proxy import PDProxy
 from pdserve.server.router_workers import Worker, WorkerPool
@@ -131,7 +131,9 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             msg = f"request body larger than {state.cfg.max_body_bytes} bytes"
             return JSONResponse(error_body(msg, "invalid_request_error", 413), 413)
         try:
-            body = json.loads(raw, parse_constant=_no_constant)
+            body = bounds.loads(raw)  # the frontends' rules: finite floats, int64, rooms
+        except bounds.BoundsError as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
         except ValueError as e:
             return JSONResponse(error_body(f"invalid JSON body: {e}", "invalid_request_error"), 400)
         if not isinstance(body, dict):
@@ -168,11 +170,6 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             except httpx.HTTPError as e:
                 results.append({"url": w.url, "error": repr(e)})
         return JSONResponse({"workers": results})
-
-
-def _no_constant(name: str) -> Any:
-    # NaN/Infinity parse in Python but are not JSON: the legs could not re-encode the body
-    raise ValueError(f"{name} is not valid JSON")
 
 
 async def _read_limited(request: Request, limit: int) -> bytes | None:

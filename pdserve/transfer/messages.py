@@ -1,7 +1,7 @@
 """Wire messages of the prefill <-> decode KV transfer (typed msgspec msgpack structs).
 
 Channels (DESIGN §5):
-    control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort
+    control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort, Heartbeat
              prefill ROUTER ──▶ decode DEALER:                    Abort, Heartbeat
     data     prefill PUSH   ──▶ decode PULL (data_endpoint):      KVChunk + raw frames, KVDone
 
@@ -40,6 +40,7 @@ class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     layout: str  # KVLayout.fingerprint()
     num_tokens: int
     decode_id: str
+    model: str = ""  # scheduler.identity.model_fingerprint(): what the decode serves
 
 
 class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):

@@ -2,6 +2,9 @@
 
 Per request:  expect ─▶ Ready ─▶ KVChunk* (validated, then written) ─▶ KVDone ─▶ ok + Ack
               anything wrong, a timeout, a silent prefill or an Abort ─▶ failed (+ Abort)
+Refused before expect (reject) ─▶ Abort(room, session 0) so the prefill drops it too.
+Every `heartbeat_s` the receiver sends a Heartbeat to each prefill it has transfers
+with, so a prefill finds a dead decode in seconds.
 
 Invariants:
 - The I/O thread writes into a request's slots only while holding that transfer's
@@ -44,11 +47,17 @@ class KVReceiver:
         advertise_host: str | None = None,
         kv_timeout_s: float = 60.0,
         heartbeat_timeout_s: float = 5.0,
+        heartbeat_s: float = 1.0,
+        model: str = "",
         curve: CurveKeys | None = None,
     ) -> None:
         self.layout = layout
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.model = model  # identity.model_fingerprint(); sent in Ready
+        self._next_hb = 0.0
+        self._hb_seq = 0
         self.decode_id = f"decode-{random.getrandbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
@@ -91,6 +100,7 @@ class KVReceiver:
             layout=self.layout.fingerprint(),
             num_tokens=req.prompt_len,
             decode_id=self.decode_id,
+            model=self.model,
         )
         self._io.submit(lambda: self._control(endpoint).send(ready))
 
@@ -105,6 +115,14 @@ class KVReceiver:
             x.open = False
         abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
         self._io.submit(lambda: self._control(x.endpoint).send(abort))
+
+    def reject(self, req: Req, reason: str) -> None:
+        """Tell `req`'s prefill that this decode refused the room (no Ready was sent)."""
+        if not req.room or not req.bootstrap_host or not req.bootstrap_port:
+            return
+        endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
+        abort = Abort(room=req.room, session=0, reason=reason)
+        self._io.submit(lambda: self._control(endpoint).send(abort))
 
     def poll(self) -> list[SourceEvent]:
         return self._io.drain()
@@ -236,6 +254,15 @@ class KVReceiver:
                 self._fail(x, f"KV transfer timed out after {self.kv_timeout_s}s")
             elif silent > self.heartbeat_timeout_s:
                 self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
+        if now >= self._next_hb:
+            self._next_hb = now + self.heartbeat_s
+            self._heartbeat({x.endpoint for x in xfers})
+
+    def _heartbeat(self, endpoints: set[str]) -> None:
+        """I/O thread: tell each prefill with a live transfer that this decode is alive."""
+        self._hb_seq += 1
+        for endpoint in endpoints:
+            self._control(endpoint).send(Heartbeat(sender=self.decode_id, seq=self._hb_seq))
 
     def _on_exit(self, killed: bool) -> None:
         self._data.close()

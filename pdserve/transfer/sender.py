@@ -1,7 +1,11 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
 Per room:   (on_admit, Ready) in either order ─▶ push chunks ─▶ KVDone ─▶ Ack ─▶ released ok
-            any timeout / Abort / layout mismatch ─▶ released with ok=False
+            any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
+
+Refusals go both ways: a room the prefill refused before the decode was known gets an
+Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
+room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
 
 Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
@@ -26,13 +30,8 @@ from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import (
-    Abort,
-    Ack,
-    Decoder,
-    Heartbeat,
-    Ready,
-)
+from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
+from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
 from pdserve.transfer.push import Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
@@ -54,6 +53,8 @@ class KVSender:
         ready_timeout_s: float = 30.0,
         ack_timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
+        peer_timeout_s: float = 5.0,
+        model: str = "",
         curve: CurveKeys | None = None,
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
@@ -63,14 +64,14 @@ class KVSender:
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
-        self._curve = curve
-        self._hook = fault_hook
+        self.model = model  # identity.model_fingerprint() of the served model
         self._pusher = Pusher(layout, max_frame_bytes)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
-        self._refused: dict[int, tuple[str, float]] = {}  # room -> (reason, expiry)
-        self._data: dict[str, MsgSocket] = {}  # decode data endpoint -> PUSH
+        self._refused = Refusals(ready_timeout_s)
+        self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
+        self._data = DataSockets(self._decoder, curve, fault_hook)  # decode endpoint -> PUSH
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -111,7 +112,7 @@ class KVSender:
         return set(self._rooms)
 
     def room_phases(self) -> dict[int, str]:
-        """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, for tests/metrics)."""
+        """room -> wait_admit | wait_ready | pushing | wait_ack (racy snapshot, tests/metrics)."""
         return {r: phase(st) for r, st in list(self._rooms.items())}
 
     def close(self) -> None:
@@ -127,9 +128,9 @@ class KVSender:
         if st is not None and st.req is not None:
             self._io.emit(SinkEvent(req.rid, False, f"duplicate active room {req.room}"))
             return
-        refused = self._refused.pop(req.room, None)
+        refused = self._refused.pop(req.room)
         if refused is not None:
-            self._io.emit(SinkEvent(req.rid, False, refused[0]))
+            self._io.emit(SinkEvent(req.rid, False, refused))
             return
         st = st or self._rooms.setdefault(req.room, Room(req.room))
         st.req = req
@@ -157,9 +158,14 @@ class KVSender:
         self._flush(st)
 
     def _abort_local(self, req: Req, reason: str) -> None:
+        """The prefill refused or aborted `req` (admitted or not): tell the decode."""
+        if not req.room:
+            return
         st = self._rooms.get(req.room)
-        if st is not None and st.req is req:
-            self._fail(st, f"prefill aborted: {reason}")
+        if st is None:  # decode not known yet: its Ready gets an Abort
+            self._refused.add(req.room, f"prefill refused: {reason}")
+        elif st.req is req or st.req is None:  # (None: Ready came, never admitted)
+            self._fail(st, f"prefill aborted: {reason}", tell_engine=False)
 
     # ---- pushing KV -----------------------------------------------------------------
     def _flush(self, st: Room) -> None:
@@ -174,7 +180,7 @@ class KVSender:
 
     def _push(self, st: Room) -> None:
         assert st.ready is not None
-        sock = self._data_socket(st.ready.data_endpoint)
+        sock = self._data.get(st.ready.data_endpoint)
         if st.pending:  # one piece per turn; the rest is resubmitted behind other work
             pool, slots, start, end = st.pending.pop(0)
             self._pusher.send_chunk(sock, st, pool, slots[start:end], start)
@@ -185,35 +191,16 @@ class KVSender:
             self._pusher.send_done(sock, st)
             st.deadline = time.monotonic() + self.ack_timeout_s
 
-    def _data_socket(self, endpoint: str) -> MsgSocket:
-        sock = self._data.get(endpoint)
-        if sock is None:
-            raw = make_socket(zmq.PUSH, self._curve_client())
-            raw.connect(endpoint)
-            sock = self._data[endpoint] = MsgSocket(raw, self._decoder, self._hook)
-        return sock
-
     def _drop_idle_endpoint(self, endpoint: str) -> None:
-        """After a failure: close the PUSH to a decode no live room uses, so KV queued
-        for a dead or refusing decode is discarded instead of held forever."""
-        if any(
-            s.ready is not None and s.ready.data_endpoint == endpoint for s in self._rooms.values()
-        ):
-            return
-        sock = self._data.pop(endpoint, None)
-        if sock is not None:
-            sock.close()
-
-    def _curve_client(self) -> CurveKeys | None:
-        # NOTE: with CURVE the decode's data socket is a CURVE server using the same
-        # keypair as this bootstrap server (one cluster keypair; see curve.py).
-        return None if self._curve is None else self._curve.for_server(self._curve.public)
+        if not any(s.ready and s.ready.data_endpoint == endpoint for s in self._rooms.values()):
+            self._data.drop(endpoint)
 
     # ---- control channel (I/O thread) -----------------------------------------------
     def _on_control(self) -> None:
         peer, msg, _ = self._ctrl.recv()
         if peer is None or msg is None:
             return
+        self._peers.heard(peer)
         if isinstance(msg, Ready):
             self._on_ready(peer, msg)
         elif isinstance(msg, Ack | Abort):
@@ -223,16 +210,12 @@ class KVSender:
         st = self._rooms.get(ready.room)
         refused = self._refused.get(ready.room)
         if st is None and refused is not None:  # failed before the decode was known
-            self._ctrl.send(
-                Abort(room=ready.room, session=ready.session, reason=refused[0]), to=peer
-            )
+            self._ctrl.send(Abort(room=ready.room, session=ready.session, reason=refused), to=peer)
             return
         if st is not None and st.ready is not None:
             if st.ready.session != ready.session:  # a second decode claims an active room
-                self._ctrl.send(
-                    Abort(room=ready.room, session=ready.session, reason="duplicate active room"),
-                    to=peer,
-                )
+                dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
+                self._ctrl.send(dup, to=peer)
             return
         st = st or self._rooms.setdefault(ready.room, Room(ready.room))
         st.ready, st.peer = ready, peer
@@ -242,7 +225,7 @@ class KVSender:
 
     def _check_ready(self, st: Room) -> None:
         assert st.ready is not None
-        reason = self._ready_mismatch(st)
+        reason = ready_mismatch(st, self.fingerprint, self.model)
         if reason:
             self._fail(st, reason)
             return
@@ -250,16 +233,11 @@ class KVSender:
             st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
         self._flush(st)
 
-    def _ready_mismatch(self, st: Room) -> str:
-        assert st.ready is not None
-        if st.ready.layout != self.fingerprint:
-            return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {self.fingerprint!r}"
-        if st.req is not None and st.ready.num_tokens != st.req.prompt_len:
-            return f"prompt length mismatch: decode reserved {st.ready.num_tokens}, prefill has {st.req.prompt_len}"
-        return ""
-
     def _on_ack_or_abort(self, msg: Ack | Abort) -> None:
         st = self._rooms.get(msg.room)
+        if isinstance(msg, Abort) and msg.session == 0 and (st is None or st.ready is None):
+            self._on_early_abort(msg, st)
+            return
         if st is None or st.ready is None or msg.session not in (0, st.ready.session):
             return  # stale
         if isinstance(msg, Abort):
@@ -269,7 +247,17 @@ class KVSender:
             if st.req is not None:
                 self._io.emit(SinkEvent(st.req.rid, True))
 
-    def _fail(self, st: Room, reason: str, notify: bool = True) -> None:
+    def _on_early_abort(self, msg: Abort, st: Room | None) -> None:
+        """The decode refused a room before sending Ready (or before the prefill admitted
+        it): drop what is held now, and refuse the room when the prefill gets to it."""
+        reason = f"decode refused: {msg.reason}"
+        if st is not None:
+            self._fail(st, reason, notify=False)
+            return
+        self._refused.add(msg.room, reason)
+        self._io.emit(SinkEvent("", False, reason, room=msg.room))  # a queued request
+
+    def _fail(self, st: Room, reason: str, notify: bool = True, tell_engine: bool = True) -> None:
         self._rooms.pop(st.room, None)
         if notify and st.ready is not None:
             self._ctrl.send(
@@ -277,35 +265,36 @@ class KVSender:
             )
         if st.req is not None:
             self._io.emit(SinkEvent(st.req.rid, False, reason))
+        elif tell_engine:  # the request may be queued in the prefill, not admitted yet
+            self._io.emit(SinkEvent("", False, reason, room=st.room))
         if st.ready is not None:
             self._drop_idle_endpoint(st.ready.data_endpoint)
         if st.req is None or st.ready is None:
             # NOTE: one side not known yet: a later on_admit / Ready of this room is
             # refused with the same reason (a prefill rejection must reach the decode)
-            self._refused[st.room] = (reason, time.monotonic() + self.ready_timeout_s)
+            self._refused.add(st.room, reason)
 
     # ---- timers (I/O thread) --------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
-            self._fail(st, self._timeout_reason(st))
-        for room in [r for r, (_, exp) in self._refused.items() if exp <= now]:
-            del self._refused[room]
+            self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s))
+        self._fail_silent_peers(now)
+        self._refused.expire(now)
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_s
             hb = Heartbeat(sender=f"prefill:{self.bootstrap_port}", seq=next(self._seq))
             for peer in {s.peer for s in self._rooms.values() if s.peer}:
                 self._ctrl.send(hb, to=peer)
 
-    def _timeout_reason(self, st: Room) -> str:
-        if st.req is None:
-            return f"prefill never admitted room {st.room} within {self.ready_timeout_s}s"
-        if st.ready is None:
-            return f"no Ready from the decode within {self.ready_timeout_s}s"
-        return f"no Ack from the decode within {self.ack_timeout_s}s"
+    def _fail_silent_peers(self, now: float) -> None:
+        """A decode that stopped heartbeating is dead: fail every room held for it."""
+        for st in [s for s in self._rooms.values() if s.peer]:
+            silent = self._peers.silent_for(st.peer, now)
+            if silent > self._peers.timeout_s:
+                self._fail(st, f"decode silent for {silent:.1f}s (dead?)", notify=False)
+        self._peers.forget_except({s.peer for s in self._rooms.values() if s.peer})
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
-        for sock in self._data.values():
-            sock.close()
-        self._data.clear()
+        self._data.close()

@@ -1,0 +1,113 @@
+"""Bookkeeping shared by the sender's control channel (I/O thread only).
+
+`Refusals`: rooms that ended before one side was known. A room refused or aborted by
+one side before the other side showed up is remembered for `ttl_s`, so the late side
+(an on_admit, or the decode's Ready) is refused at once instead of waiting for a timeout.
+
+`PeerClock`: when each decode (a ROUTER identity) was last heard from. A live decode
+heartbeats every `heartbeat_s`; a peer silent past the timeout is presumed dead and
+every room held for it is failed.
+
+`ready_mismatch` / `timeout_reason`: why a room must fail (user-facing reasons).
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from pdserve.scheduler.identity import describe_mismatch
+from pdserve.transfer.messages import Decoder
+from pdserve.transfer.push import Room
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, make_socket
+
+
+class Refusals:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._rooms: dict[int, tuple[str, float]] = {}  # room -> (reason, expiry)
+
+    def add(self, room: int, reason: str) -> None:
+        self._rooms[room] = (reason, time.monotonic() + self.ttl_s)
+
+    def get(self, room: int) -> str | None:
+        got = self._rooms.get(room)
+        return None if got is None else got[0]
+
+    def pop(self, room: int) -> str | None:
+        got = self._rooms.pop(room, None)
+        return None if got is None else got[0]
+
+    def expire(self, now: float) -> None:
+        for room in [r for r, (_, exp) in self._rooms.items() if exp <= now]:
+            del self._rooms[room]
+
+
+class PeerClock:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._seen: dict[bytes, float] = {}
+
+    def heard(self, peer: bytes) -> None:
+        self._seen[peer] = time.monotonic()
+
+    def silent_for(self, peer: bytes, now: float) -> float:
+        """Seconds since `peer` was last heard from (0 for a peer never heard: a Ready
+        always marks its sender heard, so that only happens for peerless rooms)."""
+        return now - self._seen.get(peer, now)
+
+    def forget_except(self, live: set[bytes]) -> None:
+        for peer in [p for p in self._seen if p not in live]:
+            del self._seen[peer]
+
+
+class DataSockets:
+    """One PUSH per decode data endpoint (I/O thread only)."""
+
+    def __init__(self, decoder: Decoder, curve: CurveKeys | None, hook: SendHook | None) -> None:
+        self._decoder, self._curve, self._hook = decoder, curve, hook
+        self._socks: dict[str, MsgSocket] = {}
+
+    def get(self, endpoint: str) -> MsgSocket:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            # NOTE: with CURVE the decode's data socket is a CURVE server using the same
+            # keypair as the bootstrap server (one cluster keypair; see curve.py).
+            curve = None if self._curve is None else self._curve.for_server(self._curve.public)
+            raw = make_socket(zmq.PUSH, curve)
+            raw.connect(endpoint)
+            sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook)
+        return sock
+
+    def drop(self, endpoint: str) -> None:
+        """Close the PUSH to `endpoint` (no live room uses it), so KV queued for a dead
+        or refusing decode is discarded instead of held forever."""
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()
+
+
+def ready_mismatch(st: Room, layout: str, model: str) -> str:
+    """Why the decode's Ready of `st` cannot be served by this prefill ("" if it can)."""
+    assert st.ready is not None
+    if st.ready.layout != layout:
+        return f"KV layout mismatch: decode {st.ready.layout!r} != prefill {layout!r}"
+    if st.ready.model != model:
+        return f"model mismatch: {describe_mismatch(st.ready.model, model)}"
+    if st.req is not None and st.ready.num_tokens != st.req.prompt_len:
+        return f"prompt length mismatch: decode reserved {st.ready.num_tokens}, prefill has {st.req.prompt_len}"
+    return ""
+
+
+def timeout_reason(st: Room, ready_timeout_s: float, ack_timeout_s: float) -> str:
+    if st.req is None:
+        return f"prefill never admitted room {st.room} within {ready_timeout_s}s"
+    if st.ready is None:
+        return f"no Ready from the decode within {ready_timeout_s}s"
+    return f"no Ack from the decode within {ack_timeout_s}s"
