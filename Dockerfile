@@ -32,14 +32,17 @@ COPY deploy/requirements.lock deploy/model.lock ./deploy/
 RUN pip install --no-cache-dir --no-deps --require-hashes \
         -r deploy/requirements.lock -r deploy/model.lock \
     && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# Bytecode is compiled here, once, with hashes that need no source mtime: the venv
+# is root-owned and read-only for the runtime user, who could not write a .pyc.
+# (-x: torch ships test helpers in newer Python syntax, never imported.)
+RUN python -m compileall -q -f -j 2 --invalidation-mode unchecked-hash -x 'py31[2-9]' /opt/venv
 COPY deploy/pip_check.py ./deploy/
 COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
-# bytecode compiled here, once, with hashes that need no source mtime: the venv is
-# root-owned and read-only for the runtime user, who could not write a .pyc
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && python deploy/pip_check.py \
-    && python -m compileall -q -f -j 2 --invalidation-mode unchecked-hash /opt/venv
+    && python -m compileall -q -f --invalidation-mode unchecked-hash \
+        /opt/venv/lib/python3*/site-packages/pdserve
 
 FROM ${BASE_IMAGE} AS runtime
 ENV PATH=/opt/venv/bin:$PATH \
@@ -71,9 +74,9 @@ ARG PIP_INDEX_URL
 ARG PIP_CERT
 COPY deploy/sglang-router.lock deploy/pip_check.py /tmp/
 USER 0
+# (pip compiles the bytecode of what it installs, here as root)
 RUN pip install --no-cache-dir --no-deps --require-hashes -r /tmp/sglang-router.lock \
     && python /tmp/pip_check.py \
-    && python -m compileall -q -j 2 --invalidation-mode unchecked-hash /opt/venv \
     && rm /tmp/sglang-router.lock /tmp/pip_check.py
 USER 10001:10001
 ENV PDSERVE_HEALTH_PORT=8000

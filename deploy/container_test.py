@@ -88,6 +88,9 @@ def up(eng: Engine, services: list[compose_run.Service], env: dict[str, str]) ->
             wait_condition(eng, dep, cond)
         log(f"start {svc.name}: {' '.join(svc.command)}")
         eng.run(*compose_run.run_argv(eng.name, PROJECT, svc, env)[1:])
+    for svc in services:  # what `up --wait` waits for: every service with a healthcheck
+        if svc.healthcheck:
+            wait_healthy(eng, f"{PROJECT}_{svc.name}")
 
 
 def wait_condition(eng: Engine, svc: str, cond: str) -> None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,10 +91,12 @@ def build_image(eng: Engine, root: Path, env: dict[str, str], log: Callable[[str
         ca = env.get("PDSERVE_BUILD_CA", "/etc/ssl/certs/ca-certificates.crt")
         if ca and Path(ca).is_file():
             argv += ["-v", f"{ca}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
-    log(f"build: {eng.name} {' '.join(argv)} .")
-    r = subprocess.run([eng.name, *argv, str(root)], env=eng.env, text=True, capture_output=True)
-    tail = "\n".join((r.stdout + r.stderr).splitlines()[-25:])
+    build_log = Path(tempfile.gettempdir()) / "pdserve-container-test-build.log"
+    log(f"build: {eng.name} {' '.join(argv)} .  (log: {build_log})")
+    with build_log.open("w") as out:
+        r = subprocess.run([eng.name, *argv, str(root)], env=eng.env, stdout=out, stderr=out)
     if r.returncode != 0:
+        tail = "\n".join(build_log.read_text().splitlines()[-25:])
         raise RuntimeError(f"image build failed (exit {r.returncode}):\n{tail}")
     log(
         "build: done; " + eng.lines("image", "ls", "--format", "{{.Size}}", env["PDSERVE_IMAGE"])[0]
