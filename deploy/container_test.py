@@ -69,6 +69,10 @@ def main() -> int:
     try:
         up(eng, services, env)
         check(eng, services, env)
+        made = set(eng.lines("volume", "ls", "--format", "{{.Name}}")) - volumes_before
+        named = {f"{PROJECT}_{v}" for v in compose_run.named_volumes(COMPOSE)}
+        assert made == named, f"volumes while up: {sorted(made)}, expected only {sorted(named)}"
+        log(f"volumes while up: {sorted(made)} (no anonymous volume)")
     finally:
         down(eng, services)
     left = set(eng.lines("volume", "ls", "--format", "{{.Name}}")) - volumes_before
@@ -130,7 +134,7 @@ def check(eng: Engine, services: list[compose_run.Service], env: dict[str, str])
             assert host == publish_host, f"{svc.name} publishes {line}, not on {publish_host}"
             log(f"{svc.name}: published {line}")
         if svc.name in ("prefill", "decode", "router"):
-            check_logs(eng.logs(name), svc.name)
+            check_logs(eng.logs(name), svc.name, access_log=svc.name != "router")
     check_bytecode(eng, f"{PROJECT}_router")
 
 
@@ -155,9 +159,11 @@ def chat(port: int) -> str:
     return str(out["choices"][0]["message"]["content"])
 
 
-def check_logs(text: str, svc: str) -> None:
+def check_logs(text: str, svc: str, access_log: bool) -> None:
     polls = [ln for ln in text.splitlines() if '"GET /health' in ln or '"GET /metrics' in ln]
     assert not polls, f"{svc} logged health polls: {polls[:3]}"
+    if access_log:  # the workers log access at INFO: the router's request is there
+        assert '"POST /generate' in text, f"{svc}: no access line for the request"
     assert "WITHOUT an API key" in text, f"{svc} bound 0.0.0.0 without a key but did not warn"
     log(f"{svc}: no health-poll access lines; exposure warning logged")
 
