@@ -163,7 +163,7 @@ def check_logs(text: str, svc: str, access_log: bool) -> None:
     polls = [ln for ln in text.splitlines() if '"GET /health' in ln or '"GET /metrics' in ln]
     assert not polls, f"{svc} logged health polls: {polls[:3]}"
     if access_log:  # the workers log access at INFO: the router's request is there
-        assert '"POST /generate' in text, f"{svc}: no access line for the request"
+        assert '"POST /v1/chat/completions' in text, f"{svc}: no access line for the request"
     assert "WITHOUT an API key" in text, f"{svc} bound 0.0.0.0 without a key but did not warn"
     log(f"{svc}: no health-poll access lines; exposure warning logged")
 
