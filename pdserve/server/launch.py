@@ -278,12 +278,13 @@ def _add_router(sub: Any) -> None:
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from pdserve.server.listen import serve
     from pdserve.server.router import config_from_args, create_app
 
     cfg = config_from_args(args)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per worker health poll
+    serve(create_app(cfg), host=cfg.host, port=cfg.port, api_key=cfg.api_key,
+          what="pdserve router", log_level="warning")  # fmt: skip
     return 0
 
 

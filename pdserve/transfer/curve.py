@@ -18,6 +18,7 @@ import threading
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from pdserve.transfer.zmq_io import CurveKeys, context
@@ -30,19 +31,66 @@ _auth: ThreadAuthenticator | None = None
 _allowed: set[bytes] = set()
 
 
+class CurveKeyError(ValueError):
+    """A CURVE key or key file that cannot be used; the message names the problem."""
+
+
+Z85_KEY_CHARS = 40  # a 32-byte key in Z85 text
+
+
 def load_keys(secret_file: str | None = None) -> CurveKeys | None:
-    """The cluster keypair from `secret_file`, else from the environment, else None (off)."""
+    """The cluster keypair from `secret_file`, else from the environment, else None (off).
+
+    Raises CurveKeyError naming the file or variable and what is wrong with it, so a
+    bad key fails at start rather than as a bare ZMQError at the first bind."""
     if secret_file:
-        public, secret = zmq.auth.load_certificate(secret_file)
-        if secret is None:
-            raise ValueError(f"{secret_file} holds no secret key")
-        return CurveKeys(public, secret)
+        return _from_file(secret_file)
     env_public, env_secret = os.environ.get(ENV_PUBLIC), os.environ.get(ENV_SECRET)
     if not env_public and not env_secret:
         return None
     if not (env_public and env_secret):
-        raise ValueError(f"set both {ENV_PUBLIC} and {ENV_SECRET}, or neither")
-    return CurveKeys(env_public.encode(), env_secret.encode())
+        raise CurveKeyError(f"set both {ENV_PUBLIC} and {ENV_SECRET}, or neither")
+    public = check_key(env_public.strip().encode(), ENV_PUBLIC)
+    secret = check_key(env_secret.strip().encode(), ENV_SECRET)
+    return _pair(public, secret, f"{ENV_PUBLIC} and {ENV_SECRET}")
+
+
+def _from_file(path: str) -> CurveKeys:
+    if not os.path.isfile(path):
+        raise CurveKeyError(f"CURVE key file {path}: no such file")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CurveKeyError(f"CURVE key file {path}: unreadable ({e})") from e
+    if not public:
+        raise CurveKeyError(f"CURVE key file {path}: no public-key line")
+    if secret is None:
+        raise CurveKeyError(
+            f"CURVE key file {path}: holds no secret key (use the .key_secret file)"
+        )
+    where = f"CURVE key file {path}"
+    return _pair(
+        check_key(public, f"{where} public-key"), check_key(secret, f"{where} secret-key"), where
+    )
+
+
+def check_key(key: bytes, name: str) -> bytes:
+    """`key` if it is a Z85 CURVE key (40 characters decoding to 32 bytes), else CurveKeyError."""
+    if len(key) != Z85_KEY_CHARS:
+        raise CurveKeyError(
+            f"{name}: a CURVE key is {Z85_KEY_CHARS} Z85 characters, got {len(key)}"
+        )
+    try:
+        zmq.utils.z85.decode(key)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CurveKeyError(f"{name}: not Z85 text (a character outside the Z85 alphabet)") from e
+    return key
+
+
+def _pair(public: bytes, secret: bytes, where: str) -> CurveKeys:
+    if zmq.curve_public(secret) != public:
+        raise CurveKeyError(f"{where}: the public key is not the secret key's public half")
+    return CurveKeys(public, secret)
 
 
 class _Allowed:

@@ -1,0 +1,115 @@
+"""Every listener: a loud warning when exposed without a key; health polls not logged."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from pdserve.server import listen
+from pdserve.server.listen import QuietPolls, exposure_warning, is_loopback
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("[::1]", True),
+     ("localhost", True), ("0.0.0.0", False), ("::", False), ("", False),
+     ("10.1.2.3", False), ("prefill", False)],
+)  # fmt: skip
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_exposure_warning_only_beyond_loopback_without_key():
+    assert exposure_warning("127.0.0.1", None, "x") is None
+    assert exposure_warning("0.0.0.0", "secret", "x") is None
+    text = exposure_warning("0.0.0.0", None, "pdserve router")
+    assert text and "pdserve router listens on 0.0.0.0 WITHOUT an API key" in text
+    assert "PDSERVE_API_KEY" in text
+
+
+def access_record(path: str, status: int) -> logging.LogRecord:
+    """A record as uvicorn's access logger makes it."""
+    args = ("10.0.0.9:5123", "GET", path, "1.1", status)
+    return logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None
+    )
+
+
+def test_quiet_polls_drops_successful_polls_only():
+    f = QuietPolls()
+    assert not f.filter(access_record("/health", 200))
+    assert not f.filter(access_record("/health_generate", 200))
+    assert not f.filter(access_record("/metrics?x=1", 200))
+    assert f.filter(access_record("/health", 503)), "a failing poll is news"
+    assert f.filter(access_record("/v1/chat/completions", 200))
+    assert f.filter(access_record("/healthz", 200))
+    access = logging.getLogger(listen.ACCESS_LOGGER)
+    old = access.level
+    access.setLevel(logging.DEBUG)
+    try:
+        assert f.filter(access_record("/health", 200)), "at DEBUG every poll is logged"
+    finally:
+        access.setLevel(old)
+
+
+def test_serve_warns_and_installs_the_filter(monkeypatch, caplog):
+    """serve() is the one way pdserve listens: check what it does before uvicorn runs."""
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(kw))
+    with caplog.at_level(logging.WARNING, logger="pdserve.listen"):
+        listen.serve(FastAPI(), host="0.0.0.0", port=1, api_key=None, what="pdserve decode",
+                     log_level="info")  # fmt: skip
+    assert "pdserve decode listens on 0.0.0.0 WITHOUT an API key" in caplog.text
+    assert seen == {"host": "0.0.0.0", "port": 1, "log_level": "info"}
+    assert any(isinstance(f, QuietPolls) for f in logging.getLogger("uvicorn.access").filters)
+    caplog.clear()
+    listen.serve(FastAPI(), host="127.0.0.1", port=1, api_key=None, what="x")
+    listen.serve(FastAPI(), host="0.0.0.0", port=1, api_key="k", what="x")
+    assert "WITHOUT" not in caplog.text
+
+
+def test_frontend_and_router_start_through_serve():
+    """Both uvicorn entry points go through listen.serve (no second, unchecked listener)."""
+    import inspect
+
+    from pdserve.server import launch, serve_cli
+
+    for fn in (serve_cli.run_server, launch._run_router):
+        src = inspect.getsource(fn)
+        assert "serve(" in src and "uvicorn.run" not in src, fn.__name__
+
+
+def test_access_log_of_a_real_server_skips_polls(capfd):
+    """A real uvicorn server on loopback: /health leaves no line, a 404 does."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    app = FastAPI()
+    app.get("/health")(lambda: {"ok": True})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listen.quiet_polls()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        assert httpx.get(base + "/nothing-here", timeout=5).status_code == 404
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+    cap = capfd.readouterr()
+    logged = cap.out + cap.err  # uvicorn's access lines go to stdout
+    assert '"GET /nothing-here HTTP/1.1" 404' in logged
+    assert '"GET /health HTTP/1.1"' not in logged
