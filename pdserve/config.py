@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
+ROUTER_POLICIES = ("round_robin", "least_load")
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -33,11 +33,11 @@ class _Registry:
     CURVE_SECRET = EnvVar(
         "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
     )
-    FAKE_ENGINE = EnvVar(
-        "PDSERVE_FAKE_ENGINE",
-        "tests only: load a fake engine from this .py path (1: tests/fake_engine.py)",
+    ENGINE_ENTRY = EnvVar(
+        "PDSERVE_ENGINE_ENTRY",
+        "a Python file a frontend runs as its engine process instead of "
+        "`python -m pdserve.scheduler.engine_proc` (same arguments; the tests' fake engine)",
     )
-    FAKE_STEP_S = EnvVar("PDSERVE_FAKE_STEP_S", "tests only: seconds per fake engine step")
 
     def all(self) -> list[EnvVar]:
         return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.scheduler.pools import PageAllocator, PoolError, ReqToTokenPool, slots_of
+from pdserve.kvcache.pools import PageAllocator, PoolError, ReqToTokenPool, slots_of
 
 
 def test_rows_exact_accounting_and_generation() -> None:

@@ -8,14 +8,13 @@ positions <= p (causal); a decode token sees the whole sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.kvcache.pools import KVPool
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.scheduler.pools import KVPool
 
 
 class AttentionBackend(Protocol):
@@ -114,19 +113,3 @@ class _Plan:
         slots = req_to_token[dec_rows, :lmax].long()
         plan.decode_slots = slots.masked_fill(plan.decode_pad, 0)
         return plan
-
-
-BackendFactory = Callable[[KVPool, torch.Tensor, float], AttentionBackend]
-ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention}
-
-
-def make_attention(name: str, pool: KVPool, req_to_token: torch.Tensor, scale: float):
-    """`auto` picks triton on CUDA, torch otherwise."""
-    import pdserve.model.attention_triton  # noqa: F401  (registers "triton"; imports this module)
-
-    if name == "auto":
-        on_cuda = pool.k.is_cuda
-        name = "triton" if on_cuda and "triton" in ATTENTION_BACKENDS else "torch"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](pool, req_to_token, scale)

@@ -1,7 +1,6 @@
 """The Triton attention backend: paged decode and extend kernels over the KV pool.
 
-Importing this module registers it as "triton" in ATTENTION_BACKENDS, so that
-`make_attention("auto", ...)` picks it on CUDA. Without CUDA the kernels run under
+Registered as "triton" in `attention_registry`, where "auto" picks it on CUDA. Without CUDA the kernels run under
 the Triton interpreter (pdserve.kernels sets TRITON_INTERPRET): correct, but slow,
 which is why "auto" keeps the torch backend on CPU.
 
@@ -18,9 +17,8 @@ import torch
 
 import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
 from pdserve.kernels.attention_triton import decode_attention, extend_attention
-from pdserve.model.attention import ATTENTION_BACKENDS
+from pdserve.kvcache.pools import KVPool
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.scheduler.pools import KVPool
 
 
 @dataclass(slots=True)
@@ -94,6 +92,3 @@ class TritonAttention:
                 plan.ext_starts, plan.max_extend, scale,
             )  # fmt: skip
         return out.reshape(q.shape[0], -1)
-
-
-ATTENTION_BACKENDS["triton"] = TritonAttention

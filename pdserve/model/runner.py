@@ -7,12 +7,12 @@ import logging
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.attention import make_attention
+from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
+from pdserve.model.attention_registry import make_attention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
-from pdserve.scheduler.pools import KVLayout, KVPool, ReqToTokenPool
 
 log = logging.getLogger(__name__)
 

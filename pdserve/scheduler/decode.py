@@ -22,15 +22,16 @@ from collections import deque
 
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
+from pdserve.kvcache.pools import slots_of
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler.admission import refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
 from pdserve.scheduler.engine_stats import TransferTotals, busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.future_map import FutureMap
-from pdserve.scheduler.kv_io import KVSource
-from pdserve.scheduler.pools import slots_of
-from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
+from pdserve.scheduler.request import Req, State
 from pdserve.scheduler.stop import check_stop
+from pdserve.transfer.base import KVSource
 
 log = logging.getLogger(__name__)
 

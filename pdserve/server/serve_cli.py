@@ -178,7 +178,7 @@ def _model_path(arg: str | None) -> str:
 
 def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig, Any]:
     """(ServerConfig, EngineSpec) from parsed flags."""
-    from pdserve.server.engine_proc import EngineSpec
+    from pdserve.protocol import EngineSpec
 
     model = _model_path(args.model)
     engine = EngineConfig(

@@ -19,9 +19,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pdserve.server.router_body import error_body, num_sequences
-from pdserve.server.router_proxy import PDProxy
-from pdserve.server.router_workers import Worker, WorkerPool
+from pdserve.router.body import error_body, num_sequences
+from pdserve.router.proxy import PDProxy
+from pdserve.router.workers import Worker, WorkerPool
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -246,7 +246,7 @@ def _prometheus(state: RouterState) -> str:
 
 
 def config_from_args(args: Any) -> RouterConfig:
-    from pdserve.server.router_workers import parse_prefill_args
+    from pdserve.router.workers import parse_prefill_args
 
     return RouterConfig(
         prefill=tuple(parse_prefill_args(args.prefill or [])),
