@@ -32,7 +32,6 @@ import zmq
 
 from pdserve import protocol as P
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.scheduler.build import build_engine
 from pdserve.scheduler.engine_api import Engine
 
 log = logging.getLogger("pdserve.engine_proc")
@@ -122,7 +121,15 @@ def _report_error(ctx: zmq.Context, ipc_dir: str, message: str) -> None:
     push.close()
 
 
-def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder = build_engine) -> int:
+def _default_builder() -> EngineBuilder:
+    # lazy: torch, the model and the transfer load only in a real engine process
+    from pdserve.scheduler.build import build_engine
+
+    return build_engine
+
+
+def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) -> int:
+    build = build or _default_builder()
     ctx = zmq.Context()
     try:
         engine = build(spec.role, spec.engine, spec.transfer)
@@ -146,7 +153,7 @@ def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder = build_engine)
     return 0
 
 
-def main(argv: list[str] | None = None, build: EngineBuilder = build_engine) -> int:
+def main(argv: list[str] | None = None, build: EngineBuilder | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve.scheduler.engine_proc")
     ap.add_argument("--ipc-dir", required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
