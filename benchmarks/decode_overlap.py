@@ -22,8 +22,8 @@ from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.transfer.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.transfer.handoff import InProcessHandoff
 
 
 def run_once(

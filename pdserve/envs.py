@@ -1,7 +1,8 @@
 """Every environment variable pdserve reads, in one typed registry (prefix PDSERVE_).
 
 Read them through `ENV.<name>.get()`, never `os.environ` directly, so `pdserve
---help`, the docs and the code agree on what exists.
+--help`, the docs and the code agree on what exists. (The one other variable pdserve
+touches is Triton's own `TRITON_INTERPRET`, set in `pdserve.kernels` without CUDA.)
 """
 
 from __future__ import annotations

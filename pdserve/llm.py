@@ -16,8 +16,8 @@ from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.transfer.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.transfer.handoff import InProcessHandoff
 
 
 @dataclass

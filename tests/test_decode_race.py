@@ -25,8 +25,8 @@ from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.decode_step import StepResult
-from pdserve.transfer.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.transfer.handoff import InProcessHandoff
 from tests.conftest import hf_greedy
 
 X_PROMPT, X_TOKENS = [17, 29, 333, 41, 5], 4

@@ -42,7 +42,7 @@ class Req:
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0
-    # filled by process_result, one token per finished step
+    # filled by the decode engine when it processes a finished step, one token each
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # host-side count of decode steps launched; lets the scheduler place KV without tokens

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from pdserve.config import ROUTER_POLICIES
+from pdserve.envs import ENV
 from pdserve.server.launch_children import (
     Child,
     free_port,
@@ -131,7 +132,7 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
     stop = _Stop()
     children = plan(args)
-    env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
+    env = os.environ | ({ENV.API_KEY.name: args.api_key} if args.api_key else {})
     log_dir = _log_dir(args.log_dir)
     try:
         for c in children:
@@ -242,7 +243,9 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--policy", choices=ROUTER_POLICIES, default="round_robin")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument(
+        "--api-key", default=ENV.API_KEY.get(), help=f"bearer key (else ${ENV.API_KEY.name})"
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")

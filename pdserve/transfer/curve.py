@@ -13,17 +13,14 @@ file holds both) or from the environment:
 
 from __future__ import annotations
 
-import os
 import threading
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from pdserve.envs import ENV
 from pdserve.transfer.zmq_io import CurveKeys, context
-
-ENV_PUBLIC = "PDSERVE_CURVE_PUBLIC"
-ENV_SECRET = "PDSERVE_CURVE_SECRET"
 
 _lock = threading.Lock()
 _auth: ThreadAuthenticator | None = None
@@ -37,11 +34,13 @@ def load_keys(secret_file: str | None = None) -> CurveKeys | None:
         if secret is None:
             raise ValueError(f"{secret_file} holds no secret key")
         return CurveKeys(public, secret)
-    env_public, env_secret = os.environ.get(ENV_PUBLIC), os.environ.get(ENV_SECRET)
+    env_public, env_secret = ENV.CURVE_PUBLIC.get(), ENV.CURVE_SECRET.get()
     if not env_public and not env_secret:
         return None
     if not (env_public and env_secret):
-        raise ValueError(f"set both {ENV_PUBLIC} and {ENV_SECRET}, or neither")
+        raise ValueError(
+            f"set both {ENV.CURVE_PUBLIC.name} and {ENV.CURVE_SECRET.name}, or neither"
+        )
     return CurveKeys(env_public.encode(), env_secret.encode())
 
 

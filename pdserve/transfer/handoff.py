@@ -71,7 +71,9 @@ class _Sink:
     def on_admit(self, req: Ticket) -> None:
         pass
 
-    def on_chunk(self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+    def on_chunk(
+        self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int
+    ) -> None:
         self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining in memory
 
     def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
