@@ -89,6 +89,33 @@ def test_extend_matches_reference(kh: int, group: int, d: int, seed: int, dtype)
     assert out[sum(new) :].isnan().all(), "wrote outside the listed tokens"
 
 
+@pytest.mark.parametrize("window", [1, 40])
+def test_sliding_window_decode_and_extend_match_reference(window: int) -> None:
+    """A window narrower than the context: keys before p - window + 1 are skipped,
+    including blocks a whole BLOCK_N wide and chunks that start after a long prefix."""
+    kh, group, d, seed = 2, 2, 16, 3
+    r2t = _table(seed, 6, 96, 6 * 96)
+    k, v = _pool(seed, 6 * 96, kh, d, torch.float32)
+    scale = d**-0.5
+    lens, rows, tok = _ivec([1, 70, 9, 96]), _ivec([5, 0, 3, 1]), _ivec([2, 0, 3, 1])
+    q = torch.randn(4, kh * group, d, generator=_gen(seed)).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    at.decode_attention(q, k, v, out, r2t, rows, lens, tok, scale, window)
+    want = at.decode_attention_ref(q, k, v, r2t, rows, lens, tok, scale, window)
+    torch.testing.assert_close(out[tok.long()], want, atol=2e-5, rtol=2e-5)
+    reqs = [(0, 45), (50, 9), (6, 1), (30, 40)]  # (prefix, new)
+    new, total = [n for _, n in reqs], [p + n for p, n in reqs]
+    starts = [sum(new[:i]) for i in range(len(new))]
+    q = torch.randn(sum(new), kh * group, d, generator=_gen(seed + 1)).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    args = (r2t, _ivec([2, 4, 1, 3]), _ivec(total), _ivec(new), _ivec(starts))
+    at.extend_attention(q, k, v, out, *args, max(new), scale, window)
+    want = torch.cat(at.extend_attention_ref(q, k, v, *args, scale, window))
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    full = torch.cat(at.extend_attention_ref(q, k, v, *args, scale))
+    assert not torch.allclose(want, full), "the window must change the result"
+
+
 def test_wrappers_reject_bad_inputs() -> None:
     k, v = _pool(0, 32, 2, 16, torch.float32)
     q = torch.zeros(2, 4, 16, device=DEVICE)
@@ -127,7 +154,8 @@ def _mixed_batch(pool: KVPool, r2t: torch.Tensor) -> ForwardBatch:
     )
 
 
-def test_backend_matches_torch_backend_on_a_mixed_batch() -> None:
+@pytest.mark.parametrize("windows", [(), (3, 0)])
+def test_backend_matches_torch_backend_on_a_mixed_batch(windows: tuple[int, ...]) -> None:
     kh, group, d = 2, 3, 16
     layout = KVLayout(num_layers=2, num_kv_heads=kh, head_dim=d, dtype="float32", page_size=4)
     pools = [KVPool(layout, 16) for _ in range(2)]
@@ -138,9 +166,9 @@ def test_backend_matches_torch_backend_on_a_mixed_batch() -> None:
         pool.k.copy_(k0)
         pool.v.copy_(k0.flip(1))
         batches.append(_mixed_batch(pool, r2t))
-    triton_be = make_attention("triton", pools[0], tables[0], d**-0.5)
+    triton_be = make_attention("triton", pools[0], tables[0], d**-0.5, windows)
     assert isinstance(triton_be, TritonAttention)
-    torch_be = TorchAttention(pools[1], tables[1], d**-0.5)
+    torch_be = TorchAttention(pools[1], tables[1], d**-0.5, windows)
     for be, b in ((triton_be, batches[0]), (torch_be, batches[1])):
         be.prepare(b)
     for layer in range(2):

@@ -3,7 +3,9 @@
 Each backend writes the step's K/V into the pool (at `batch.out_cache_loc`) and
 attends every query token to its request's KV, read through
 `req_to_token[row, :seq_len]`. Queries of an extend request at position p see
-positions <= p (causal); a decode token sees the whole sequence.
+positions <= p (causal); a decode token sees the whole sequence. A layer with a
+sliding window W (`windows[layer]` > 0) narrows that to positions p-W+1 .. p, as
+transformers' sliding-window mask does; older positions stay in the pool.
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     """The CPU backend: decode tokens batched with padding, extend requests one by one."""
 
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, scale: float) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        req_to_token: torch.Tensor,
+        scale: float,
+        windows: tuple[int, ...] = (),
+    ) -> None:
+        """`windows[layer]`: 0 (or absent) for full causal attention, W for a sliding window."""
         self.pool = pool
         self.req_to_token = req_to_token
         self.scale = scale
+        self.windows = windows
         self._plan: _Plan | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -48,14 +58,15 @@ class TorchAttention:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q)
         plan = self._plan
+        window = self.windows[layer] if layer < len(self.windows) else 0
         if plan.decode_tok.numel():
-            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan)
+            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan, window)
         for tok, slots in plan.extends:
-            out[tok] = self._extend(q[tok], kc[slots], vc[slots])
+            out[tok] = self._extend(q[tok], kc[slots], vc[slots], window)
         return out.reshape(q.shape[0], -1)
 
     def _decode(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan, window: int
     ) -> torch.Tensor:
         b, h, d = q.shape
         kh = kc.shape[1]
@@ -63,14 +74,19 @@ class TorchAttention:
         vals = vc[p.decode_slots].transpose(1, 2)  # [B, KH, L, D]
         qg = q.view(b, kh, h // kh, d)  # query heads grouped by their KV head
         scores = torch.matmul(qg, keys) * self.scale  # [B, KH, G, L]
-        scores.masked_fill_(p.decode_pad[:, None, None, :], float("-inf"))
+        scores.masked_fill_(p.hidden(window)[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return torch.matmul(probs, vals).reshape(b, h, d)
 
-    def _extend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    def _extend(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, window: int
+    ) -> torch.Tensor:
         n, total = q.shape[0], keys.shape[0]
-        # query i sits at position total - n + i and sees keys 0 .. total - n + i
+        # query i sits at position total - n + i and sees keys 0 .. total - n + i,
+        # with a window only keys total - n + i - window + 1 .. total - n + i
         mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        if window:
+            mask = mask.triu(total - n - window + 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys.transpose(0, 1),
@@ -88,6 +104,8 @@ class _Plan:
     decode_tok: torch.Tensor  # [Bd] token indices of decode requests
     decode_slots: torch.Tensor  # [Bd, Lmax] KV slots (padding -> slot 0)
     decode_pad: torch.Tensor  # [Bd, Lmax] True where padded
+    decode_lens: torch.Tensor  # [Bd] seq_lens of decode requests
+    _hidden: dict[int, torch.Tensor]  # window -> [Bd, Lmax] True where not attended
     extends: list[tuple[slice, torch.Tensor]]  # (token range, KV slots) per extend request
 
     @classmethod
@@ -112,4 +130,16 @@ class _Plan:
         dec_rows = torch.tensor([rows[i] for i in dec], dtype=torch.int64, device=device)
         slots = req_to_token[dec_rows, :lmax].long()
         plan.decode_slots = slots.masked_fill(plan.decode_pad, 0)
+        plan.decode_lens = lens
+        plan._hidden = {0: plan.decode_pad}
         return plan
+
+    def hidden(self, window: int) -> torch.Tensor:
+        """[Bd, Lmax]: True at the keys a decode token does not attend to (padding, and
+        with a window the positions below seq_len - window)."""
+        if window not in self._hidden:
+            ar = torch.arange(self.decode_pad.shape[1], device=self.decode_pad.device)
+            below = ar[None, :] < (self.decode_lens - window)[:, None]
+            self._hidden[window] = self.decode_pad | below
+        return self._hidden[window]
+

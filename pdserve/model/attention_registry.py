@@ -11,14 +11,21 @@ from pdserve.kvcache.pools import KVPool
 from pdserve.model.attention import AttentionBackend, TorchAttention
 from pdserve.model.attention_triton import TritonAttention
 
-BackendFactory = Callable[[KVPool, torch.Tensor, float], AttentionBackend]
+BackendFactory = Callable[[KVPool, torch.Tensor, float, tuple[int, ...]], AttentionBackend]
 ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention, "triton": TritonAttention}
 
 
-def make_attention(name: str, pool: KVPool, req_to_token: torch.Tensor, scale: float):
-    """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU)."""
+def make_attention(
+    name: str,
+    pool: KVPool,
+    req_to_token: torch.Tensor,
+    scale: float,
+    windows: tuple[int, ...] = (),
+):
+    """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU).
+    `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys."""
     if name == "auto":
         name = "triton" if pool.k.is_cuda else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](pool, req_to_token, scale)
+    return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

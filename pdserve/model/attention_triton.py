@@ -63,10 +63,17 @@ class _TritonPlan:
 class TritonAttention:
     """Same contract as TorchAttention (see pdserve.model.attention.AttentionBackend)."""
 
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, scale: float) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        req_to_token: torch.Tensor,
+        scale: float,
+        windows: tuple[int, ...] = (),
+    ) -> None:
         self.pool = pool
         self.req_to_token = req_to_token
         self.scale = scale
+        self.windows = windows  # per layer: 0 = full causal, W = sliding window
         self._plan: _TritonPlan | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -84,11 +91,14 @@ class TritonAttention:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         r2t, scale = self.req_to_token, self.scale
+        window = self.windows[layer] if layer < len(self.windows) else 0
         if plan.dec_rows.numel():
-            decode_attention(q, kc, vc, out, r2t, plan.dec_rows, plan.dec_lens, plan.dec_tok, scale)
+            decode_attention(
+                q, kc, vc, out, r2t, plan.dec_rows, plan.dec_lens, plan.dec_tok, scale, window
+            )  # fmt: skip
         if plan.ext_rows.numel():
             extend_attention(
                 q, kc, vc, out, r2t, plan.ext_rows, plan.ext_lens, plan.ext_new,
-                plan.ext_starts, plan.max_extend, scale,
+                plan.ext_starts, plan.max_extend, scale, window,
             )  # fmt: skip
         return out.reshape(q.shape[0], -1)

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.model import arch_rules as rules
+from pdserve.model.activations import ACTIVATIONS
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ModelArch:
+    """Every config value that changes the computation (fingerprinted as a whole)."""
+
     architecture: str  # e.g. "LlamaForCausalLM"
     vocab_size: int
     hidden_size: int
@@ -19,12 +27,17 @@ class ModelArch:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
+    hidden_act: str  # a name in pdserve.model.activations.ACTIVATIONS
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # None: default rope; else rope_type + its parameters
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2
+    qkv_bias: bool  # q/k/v projections (Qwen2; Llama/Qwen3 with attention_bias)
+    o_bias: bool  # o_proj (Llama/Qwen3 with attention_bias)
+    mlp_bias: bool  # gate/up/down projections (Llama with mlp_bias)
     qk_norm: bool  # Qwen3
+    # per layer: 0 = full causal attention; W = the query at p sees keys p-W+1 .. p
+    layer_windows: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
 
@@ -57,35 +70,60 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_arch(model_dir: str | Path) -> ModelArch:
-    """Parse `config.json`; raises ValueError for a family pdserve does not serve."""
+    """Parse `config.json` as transformers 5 does; raises ValueError for a family pdserve
+    does not serve and UnsupportedConfig (naming the field) for a computation it does not
+    implement."""
     model_dir = Path(model_dir)
     cfg = _read_json(model_dir / "config.json")
     if not cfg:
         raise ValueError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    arch = archs[0]
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-        rope_scaling = None
-    rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+    try:
+        return arch_from_config(cfg, _eos_ids(cfg, model_dir))
+    except rules.UnsupportedConfig as e:
+        raise rules.UnsupportedConfig(f"{model_dir}: {e}") from None
+
+
+def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in rules.SUPPORTED:
+        raise ValueError(f"architecture {arch} is not supported; supported: {rules.SUPPORTED}")
+    rules.refuse_foreign_fields(cfg)
+    if unread := rules.unread_fields(cfg):
+        log.warning("config.json fields pdserve does not read: %s", ", ".join(unread))
+    heads, hidden = int(_required(cfg, "num_attention_heads")), int(_required(cfg, "hidden_size"))
+    layers = int(_required(cfg, "num_hidden_layers"))
+    act = str(cfg.get("hidden_act", "silu"))
+    if act not in ACTIVATIONS:
+        raise rules.refuse("hidden_act", act, f"implemented: {', '.join(sorted(ACTIVATIONS))}")
+    max_pos = int(cfg.get("max_position_embeddings") or rules.MAX_POSITIONS_DEFAULT[arch])
+    rope_theta, rope_scaling = rules.rope(cfg, max_pos)
+    bias = rules.biases(cfg, arch)
     return ModelArch(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=int(_required(cfg, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        intermediate_size=int(_required(cfg, "intermediate_size")),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=rules.kv_heads(cfg, arch, heads),
+        head_dim=rules.head_dim(cfg, arch, hidden, heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
+        hidden_act=act,
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        eos_token_ids=_eos_ids(cfg, model_dir),
+        qkv_bias=bias.qkv,
+        o_bias=bias.o,
+        mlp_bias=bias.mlp,
+        qk_norm=arch == rules.QWEN3,
+        layer_windows=rules.layer_windows(cfg, arch, layers),
+        eos_token_ids=eos_token_ids,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
+
+
+def _required(cfg: dict[str, Any], field: str) -> Any:
+    if cfg.get(field) is None:
+        raise rules.refuse(field, None, "required")
+    return cfg[field]

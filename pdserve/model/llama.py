@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
 
 Weights are plain tensors (no nn.Module): q/k/v and gate/up are fused at load
 time so each layer runs four matmuls.
@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.activations import ACTIVATIONS
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.state_reader import CheckpointMismatch, StateReader
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,42 +34,66 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: torch.Tensor
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
     down: torch.Tensor
+    down_bias: torch.Tensor | None
 
 
 class LlamaModel:
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], max_positions: int) -> None:
+        """`state`: Hugging Face tensor names -> tensors. Raises CheckpointMismatch when a
+        tensor the config implies is missing or a tensor is left unused."""
         self.arch = arch
-        dtype, device = (
-            state["model.embed_tokens.weight"].dtype,
-            state["model.embed_tokens.weight"].device,
-        )
-        self.embed = state["model.embed_tokens.weight"]
-        self.norm = state["model.norm.weight"]
-        self.lm_head = self.embed if arch.tie_word_embeddings else state["lm_head.weight"]
-        self.layers = [self._layer(state, i) for i in range(arch.num_layers)]
+        w = StateReader(state, tensor_shapes(arch))
+        self.embed = w.take("model.embed_tokens.weight")
+        dtype, device = self.embed.dtype, self.embed.device
+        self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
+        self.norm = w.take("model.norm.weight")
+        self.lm_head = self._lm_head(w)
+        w.check_all_used()
+        self.act = ACTIVATIONS[arch.hidden_act]
         self.rope = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, dtype, str(device)
         )
 
-    def _layer(self, s: dict[str, torch.Tensor], i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = None
-        if self.arch.qkv_bias:
-            bias = torch.cat([s[a + "q_proj.bias"], s[a + "k_proj.bias"], s[a + "v_proj.bias"]])
+    def _lm_head(self, w: StateReader) -> torch.Tensor:
+        if not self.arch.tie_word_embeddings:
+            return w.take("lm_head.weight", why="tie_word_embeddings is false")
+        # transformers ties the head to the embedding and ignores a stored copy; one that
+        # differs would be silently dropped, so it is refused
+        head = w.take_optional("lm_head.weight")
+        if head is not None and not torch.equal(head, self.embed):
+            raise CheckpointMismatch(
+                "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings "
+                "is true (transformers would ignore lm_head.weight)"
+            )
+        return self.embed
+
+    def _layer(self, w: StateReader, i: int) -> LayerWeights:
+        a, p = self.arch, f"model.layers.{i}."
+        att, mlp = p + "self_attn.", p + "mlp."
+
+        def cat(names: list[str], on: bool = True) -> torch.Tensor | None:
+            return torch.cat([w.take(n) for n in names]) if on else None
+
+        qkv = [att + f"{x}_proj." for x in "qkv"]
+        gate_up = [mlp + "gate_proj.", mlp + "up_proj."]
         return LayerWeights(
-            input_norm=s[p + "input_layernorm.weight"],
-            qkv=torch.cat([s[a + "q_proj.weight"], s[a + "k_proj.weight"], s[a + "v_proj.weight"]]),
-            qkv_bias=bias,
-            q_norm=s.get(a + "q_norm.weight") if self.arch.qk_norm else None,
-            k_norm=s.get(a + "k_norm.weight") if self.arch.qk_norm else None,
-            o=s[a + "o_proj.weight"],
-            post_norm=s[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]]),
-            down=s[p + "mlp.down_proj.weight"],
+            input_norm=w.take(p + "input_layernorm.weight"),
+            qkv=_must(cat([n + "weight" for n in qkv])),
+            qkv_bias=cat([n + "bias" for n in qkv], a.qkv_bias),
+            q_norm=w.take(att + "q_norm.weight") if a.qk_norm else None,
+            k_norm=w.take(att + "k_norm.weight") if a.qk_norm else None,
+            o=w.take(att + "o_proj.weight"),
+            o_bias=w.take(att + "o_proj.bias") if a.o_bias else None,
+            post_norm=w.take(p + "post_attention_layernorm.weight"),
+            gate_up=_must(cat([n + "weight" for n in gate_up])),
+            gate_up_bias=cat([n + "bias" for n in gate_up], a.mlp_bias),
+            down=w.take(mlp + "down_proj.weight"),
+            down_bias=w.take(mlp + "down_proj.bias") if a.mlp_bias else None,
         )
 
     @torch.inference_mode()
@@ -97,11 +123,52 @@ class LlamaModel:
             k = rms_norm(k, w.k_norm, a.rms_norm_eps)
         q, k = self.rope.apply(q, k, batch.positions)
         out = attn.forward(i, q, k.contiguous(), v.contiguous(), batch)
-        return F.linear(out, w.o)
+        return F.linear(out, w.o, w.o_bias)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.down)
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, w.down, w.down_bias)
+
+
+def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the config implies -> its shape (lm_head only when untied)."""
+    h, inter, q, kv = a.hidden_size, a.intermediate_size, a.q_size, a.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (a.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (a.vocab_size, h),
+    }
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if a.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,)})
+            layer["self_attn.v_proj.bias"] = (kv,)
+        if a.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if a.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,)})
+            layer["mlp.down_proj.bias"] = (h,)
+        if a.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (a.head_dim,)})
+            layer["self_attn.k_norm.weight"] = (a.head_dim,)
+        shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
+
+
+def _must(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None
+    return t
 
 
 # Hugging Face architecture name -> model class (all share the Llama layout)

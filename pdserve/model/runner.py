@@ -54,6 +54,7 @@ class ModelRunner:
             self.kv_pool,
             self.req_pool.req_to_token,
             self.arch.head_dim**-0.5,
+            self.arch.layer_windows,
         )
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",

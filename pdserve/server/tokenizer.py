@@ -1,25 +1,43 @@
 """Tokenizer and chat template of a Hugging Face model folder (no `transformers` needed).
 
 Reads `tokenizer.json` (the `tokenizers` library), `tokenizer_config.json`
-(chat template, special tokens), `config.json` and `generation_config.json`
+(special tokens), the chat template wherever transformers would find it
+(pdserve.server.chat_template), `config.json` and `generation_config.json`
 (context length, end-of-sequence ids).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-# Used when the model ships no chat template: ChatML.
+from pdserve.server.chat_template import (
+    ChatTemplateError,
+    Templates,
+    compile_template,
+    load_chat_template,
+    plain_messages,
+    select_template,
+)
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplateError", "Tokenizer"]
+
+log = logging.getLogger(__name__)
+
+# Used when the model ships no chat template (transformers would refuse): ChatML.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# the named special tokens transformers passes to every template (when set)
+SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -39,18 +57,6 @@ def _as_id_list(v: object) -> list[int]:
     return [int(x) for x in v] if isinstance(v, list) else []
 
 
-def _chat_template(cfg: dict[str, Any]) -> str:
-    tpl = cfg.get("chat_template")
-    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default") or next(iter(named.values()), None)
-    return tpl if isinstance(tpl, str) else DEFAULT_CHAT_TEMPLATE
-
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered with the model's chat template."""
-
-
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
@@ -59,14 +65,23 @@ class Tokenizer:
         mcfg = _read_json(d / "config.json")
         gcfg = _read_json(d / "generation_config.json")
         self.model_config = mcfg  # config.json as read (architectures, model_type, ...)
-        self.bos_token = _token_content(tcfg.get("bos_token")) or ""
-        self.eos_token = _token_content(tcfg.get("eos_token")) or ""
+        legacy = _read_json(d / "special_tokens_map.json")
+        self.special_tokens = {
+            name: tok
+            for name in SPECIAL_TOKEN_NAMES
+            if (tok := _token_content(tcfg.get(name, legacy.get(name)))) is not None
+        }
+        self.bos_token = self.special_tokens.get("bos_token", "")
+        self.eos_token = self.special_tokens.get("eos_token", "")
         self.vocab_size: int = int(mcfg.get("vocab_size") or self.hf.get_vocab_size())
         self.max_position_embeddings: int | None = mcfg.get("max_position_embeddings")
         self.eos_token_ids = self._eos_ids(mcfg, gcfg)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._template = env.from_string(_chat_template(tcfg))
+        templates = load_chat_template(d)
+        if templates is None:
+            log.warning("%s has no chat template; chat requests use ChatML", d)
+            templates = DEFAULT_CHAT_TEMPLATE
+        self.chat_templates: Templates = templates
+        self._compiled = {t: compile_template(t) for t in _all_templates(templates)}
 
     def _eos_ids(self, mcfg: dict[str, Any], gcfg: dict[str, Any]) -> list[int]:
         ids = _as_id_list(gcfg.get("eos_token_id")) + _as_id_list(mcfg.get("eos_token_id"))
@@ -81,18 +96,27 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render messages (each with "role" and "content") ending in the assistant prompt."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages (each with "role" and "content") as transformers'
+        `apply_chat_template(..., tokenize=False)` does; `kwargs` reach the template."""
+        template = self._compiled[select_template(self.chat_templates, tools is not None)]
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+            return template.render(
+                messages=plain_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **kwargs},
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
-def _raise_template_error(message: str) -> None:
-    raise ChatTemplateError(message)
+def _all_templates(templates: Templates) -> list[str]:
+    return [templates] if isinstance(templates, str) else list(templates.values())
