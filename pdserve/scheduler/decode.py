@@ -190,7 +190,14 @@ class DecodeEngine:
     # ---- 3. launch -------------------------------------------------------------------
     def _launch(self, reqs: list[Req]) -> StepResult:
         self.steps += 1
-        return launch_step(reqs, self.runner, self.future, self.forward_stream, self.forward_hook)
+        return launch_step(
+            reqs,
+            self.runner,
+            self.future,
+            self.forward_stream,
+            self.forward_hook,
+            schedule=self.schedule_stream,
+        )
 
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:
