@@ -19,11 +19,11 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.make import default_model_path
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.scheduler.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest
+from pdserve.transfer.handoff import InProcessHandoff
 
 
 def run_once(

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, on a CUDA machine
 #
 # 1. kernel tests compiled natively (TRITON_INTERPRET unset): attention, KV copy, FutureMap
-# 2. the row-reuse race test on CUDA streams (tests/test_decode_race_cuda.py)
+# 2. the row-reuse race test on CUDA streams (tests/test_decode_race_cuda.py), and the
+#    decode forward under torch.cuda.set_sync_debug_mode("error") (test_forward_sync_cuda.py)
 # 3. benchmarks/decode_overlap.py, overlap on vs off
 # 4. benchmarks/kv_transfer.py (ZeroMQ vs raw TCP)
 # Each step has its own timeout; the whole run stays under 8 minutes. Exit status: 0 if
@@ -40,7 +41,7 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD, logs it, appends a table row
 
 summary() {  # the one-line result of a step, from its log
     case $1 in
-    kernel-tests | race-test-cuda) tail -n 1 "$LOG/$1.log" | tr -d '=' | sed 's/^ *//' ;;
+    kernel-tests | race-test-cuda | sync-free-forward) tail -n 1 "$LOG/$1.log" | tr -d '=' | sed 's/^ *//' ;;
     decode-overlap) "$PY" - "$LOG/$1.log" <<'EOF'
 import json, sys
 try:
@@ -68,6 +69,7 @@ EOF
 step kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_kv_copy.py tests/test_future_map.py
 step race-test-cuda 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_decode_race_cuda.py
+step sync-free-forward 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_forward_sync_cuda.py
 
 OVERLAP_ARGS=(--concurrency 16 64 --prompt-len 128 --output-len 64 --json)
 if "$PY" benchmarks/decode_overlap.py --help 2>/dev/null | grep -q -- '--device'; then

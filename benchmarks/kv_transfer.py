@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender

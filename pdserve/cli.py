@@ -12,6 +12,7 @@ import sys
 _COMMANDS = [
     "pdserve.model.make",
     "pdserve.server.serve_cli",
+    "pdserve.router.cli",
     "pdserve.server.launch",
     "pdserve.bench.cli",
 ]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
+ROUTER_POLICIES = ("round_robin", "least_load")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -42,7 +45,6 @@ class EngineConfig:
     device: str = "cpu"  # cpu | cuda
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
-    seed: int = 0
     num_threads: int = 0  # torch intra-op threads of the engine process (0: torch's default)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

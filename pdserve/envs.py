@@ -1,7 +1,8 @@
 """Every environment variable pdserve reads, in one typed registry (prefix PDSERVE_).
 
 Read them through `ENV.<name>.get()`, never `os.environ` directly, so `pdserve
---help`, the docs and the code agree on what exists.
+--help`, the docs and the code agree on what exists. (The one other variable pdserve
+touches is Triton's own `TRITON_INTERPRET`, set in `pdserve.kernels` without CUDA.)
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ class _Registry:
     CURVE_SECRET = EnvVar(
         "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
     )
-    FAKE_ENGINE = EnvVar(
-        "PDSERVE_FAKE_ENGINE",
-        "tests only: load a fake engine from this .py path (1: tests/fake_engine.py)",
+    ENGINE_ENTRY = EnvVar(
+        "PDSERVE_ENGINE_ENTRY",
+        "a Python file a frontend runs as its engine process instead of "
+        "`python -m pdserve.scheduler.engine_proc` (same arguments; the tests' fake engine)",
     )
-    FAKE_STEP_S = EnvVar("PDSERVE_FAKE_STEP_S", "tests only: seconds per fake engine step")
 
     def all(self) -> list[EnvVar]:
         return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]

@@ -16,11 +16,11 @@ from pathlib import Path
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.resolve import resolve_model
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.scheduler.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest, TokenEvent
+from pdserve.transfer.handoff import InProcessHandoff
 
 
 @dataclass

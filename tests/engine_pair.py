@@ -14,11 +14,11 @@ from pathlib import Path
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.scheduler.identity import model_fingerprint
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest, TokenEvent
+from pdserve.transfer.identity import model_fingerprint
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVSender
 

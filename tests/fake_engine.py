@@ -1,7 +1,7 @@
 """A deterministic fake engine and a tiny model folder, for the server tests.
 
-The engine process loads this file by path when `PDSERVE_FAKE_ENGINE=1`; the
-product never imports it. The fake echoes the prompt: output token i is
+A frontend runs this file as its engine process when `PDSERVE_ENGINE_ENTRY`
+names it (`ServerProc` does that); the product never imports it. The fake echoes the prompt: output token i is
 `input_ids[i % len(input_ids)]` with logprob `-(i + 1) / 10`, so a test knows
 the exact expected output. It keeps row/page accounting like a real engine and
 counts what it saw (`added`, `aborted`, `finished`) in `stats()`.
@@ -28,7 +28,7 @@ import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.scheduler.request import EngineRequest, TokenEvent
+from pdserve.protocol import EngineRequest, TokenEvent
 
 FAIL_SEED = 4242
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -175,7 +175,7 @@ class ServerProc:
                "--port", str(self.port), "--log-level", "warning", *args]  # fmt: skip
         if role == "prefill" and "--bootstrap-port" not in args:
             cmd += ["--bootstrap-port", str(free_port())]
-        full_env = {**os.environ, "PDSERVE_FAKE_ENGINE": "1", **env}
+        full_env = {**os.environ, "PDSERVE_ENGINE_ENTRY": str(Path(__file__).resolve()), **env}
         self.proc = subprocess.Popen(cmd, env=full_env)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -200,3 +200,9 @@ class ServerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+if __name__ == "__main__":  # the engine process of a frontend under test
+    from pdserve.scheduler.engine_proc import main
+
+    sys.exit(main(build=build_engine))

@@ -12,11 +12,11 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.scheduler.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest
+from pdserve.transfer.handoff import InProcessHandoff
 
 N_REQUESTS = 200
 
@@ -102,7 +102,7 @@ def test_churn_matches_reference(tiny_model, hf_model, overlap: bool) -> None:
     assert s["free_rows"] == s["total_rows"] and s["free_kv_pages"] == s["total_kv_pages"]
     assert pstats["free_rows"] == pstats["total_rows"]
     assert pstats["free_kv_pages"] == pstats["total_kv_pages"]
-    assert decode.runner.req_pool.generation[1] > 10  # rows really were reused
+    assert decode.runner.req_pool.handouts[1] > 10  # rows really were reused
     decode.close()
 
 

@@ -21,12 +21,12 @@ import threading
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.decode_step import StepResult
-from pdserve.scheduler.handoff import InProcessHandoff
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest
+from pdserve.transfer.handoff import InProcessHandoff
 from tests.conftest import hf_greedy
 
 X_PROMPT, X_TOKENS = [17, 29, 333, 41, 5], 4

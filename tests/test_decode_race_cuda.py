@@ -17,9 +17,9 @@ import torch
 
 import tests.test_decode_race as race
 from pdserve.config import EngineConfig
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode_step import StepResult
-from pdserve.scheduler.request import EngineRequest
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(

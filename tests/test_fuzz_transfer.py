@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import (
     MAX_HEADER_BYTES,

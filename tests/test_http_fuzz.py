@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.soak import leaks, server_info
-from pdserve.server.router import RouterConfig, create_app
+from pdserve.router.app import RouterConfig, create_app
 
 pytestmark = pytest.mark.timeout(180)
 LIMIT = 64 * 1024  # --max-body-bytes of the worker, max_body_bytes of the router

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pdserve.server import listen
-from pdserve.server.listen import QuietPolls, exposure_warning, is_loopback
+from pdserve.edge import listen
+from pdserve.edge.listen import QuietPolls, exposure_warning, is_loopback
 
 
 @pytest.mark.parametrize(
@@ -75,9 +75,10 @@ def test_frontend_and_router_start_through_serve():
     """Both uvicorn entry points go through listen.serve (no second, unchecked listener)."""
     import inspect
 
-    from pdserve.server import launch, serve_cli
+    from pdserve.router import cli as router_cli
+    from pdserve.server import serve_cli
 
-    for fn in (serve_cli.run_server, launch._run_router):
+    for fn in (serve_cli.run_server, router_cli._run_router):
         src = inspect.getsource(fn)
         assert "serve(" in src and "uvicorn.run" not in src, fn.__name__
 

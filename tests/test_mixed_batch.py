@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig
+from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.pools import slots_of
 
 
 def _runner(model) -> ModelRunner:

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 import pytest
 from engine_pair import Pair, engine_cfg
 
+from pdserve.kvcache.pools import KVLayout
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
-from pdserve.scheduler.identity import config_hash, describe_mismatch, model_fingerprint
-from pdserve.scheduler.kv_io import SourceEvent
-from pdserve.scheduler.pools import KVLayout
-from pdserve.scheduler.request import EngineRequest
+from pdserve.transfer.base import SourceEvent
+from pdserve.transfer.identity import config_hash, describe_mismatch, model_fingerprint
 from tests.conftest import hf_greedy, model_path
 
 

@@ -67,6 +67,6 @@ def test_sockets_bind_loopback_by_default() -> None:
 
 
 def _router_config() -> type:
-    from pdserve.server.router import RouterConfig
+    from pdserve.router.app import RouterConfig
 
     return RouterConfig

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.scheduler.pools import PageAllocator, PoolError, ReqToTokenPool, slots_of
+from pdserve.kvcache.pools import PageAllocator, PoolError, ReqToTokenPool, slots_of
 
 
 def test_rows_exact_accounting_and_generation() -> None:
@@ -13,7 +13,7 @@ def test_rows_exact_accounting_and_generation() -> None:
     assert pool.alloc() is None
     pool.free(rows[0])
     again = pool.alloc()
-    assert again == rows[0] and pool.generation[again] == 2
+    assert again == rows[0] and pool.handouts[again] == 2
     for r in [again, rows[1], rows[2]]:
         pool.free(r)
     assert pool.free_rows == pool.total_rows

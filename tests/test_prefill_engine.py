@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.kvcache.pools import KVPool
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.kv_io import SinkEvent
-from pdserve.scheduler.pools import KVPool
 from pdserve.scheduler.prefill import PrefillEngine
-from pdserve.scheduler.request import EngineRequest, Req
+from pdserve.scheduler.request import Req
+from pdserve.transfer.base import SinkEvent
 from tests.conftest import hf_greedy
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fake_workers import FakeWorker, Served, free_port
 
-from pdserve.server.router import RouterConfig, create_app
+from pdserve.router.app import RouterConfig, create_app
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:

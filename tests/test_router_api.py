@@ -8,9 +8,9 @@ import httpx
 import pytest
 from fake_workers import FakeWorker, Served, free_port
 
-from pdserve.server.router import RouterConfig, create_app
-from pdserve.server.router_body import with_bootstrap
-from pdserve.server.router_workers import Worker, parse_prefill_args
+from pdserve.router.app import RouterConfig, create_app
+from pdserve.router.body import with_bootstrap
+from pdserve.router.workers import Worker, parse_prefill_args
 
 
 def start_router(prefills: list[FakeWorker], decodes: list[FakeWorker], **kw) -> Served:

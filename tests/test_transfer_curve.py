@@ -6,7 +6,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.curve import load_keys
 from pdserve.transfer.loopback import (
     Side,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.faults import Fault, FaultInjector, kill_peer
 from pdserve.transfer.loopback import (
     Side,

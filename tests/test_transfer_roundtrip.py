@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import (
     Side,
     gather,

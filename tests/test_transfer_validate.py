@@ -7,7 +7,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve, wait_for, wait_until
 from pdserve.transfer.messages import (
     Abort,

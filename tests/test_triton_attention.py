@@ -12,11 +12,12 @@ import torch
 import pdserve.kernels  # noqa: F401  (TRITON_INTERPRET before any kernel is defined)
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.kernels import attention_triton as at
-from pdserve.model.attention import TorchAttention, make_attention
+from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
+from pdserve.model.attention import TorchAttention
+from pdserve.model.attention_registry import make_attention
 from pdserve.model.attention_triton import TritonAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.pools import KVLayout, KVPool, slots_of
 from tests.conftest import model_path
 
 CUDA = torch.cuda.is_available()

@@ -63,16 +63,19 @@ def gather_tokens(
     rows: torch.Tensor,
     out: torch.Tensor | None = None,
     backend: str = "torch",
+    rows_checked: bool = False,
 ) -> torch.Tensor:
     """out[i] = src[rows[i]]. Issues work on the current stream; returns `out`
-    (allocated on src's device when None)."""
+    (allocated on src's device when None). `rows_checked`: the caller validated the
+    row values on the host already, so none are read here (a forward stream must not)."""
     _check_backend(backend)
     _check_vector("src", src, (torch.int64,), src.device)
     _check_vector("rows", rows, _ROW_DTYPES, src.device)
     if out is None:
         out = torch.empty(rows.shape[0], dtype=torch.int64, device=src.device)
     _check_vector("out", out, (torch.int64,), src.device, length=rows.shape[0])
-    _check_bounds(rows, src.shape[0])
+    if not rows_checked:
+        _check_bounds(rows, src.shape[0])
     if rows.shape[0] == 0:
         return out
     if backend == "torch":
@@ -89,13 +92,16 @@ def scatter_tokens(
     rows: torch.Tensor,
     values: torch.Tensor,
     backend: str = "torch",
+    rows_checked: bool = False,
 ) -> None:
-    """dst[rows[i]] = values[i]. Issues work on the current stream."""
+    """dst[rows[i]] = values[i]. Issues work on the current stream; `rows_checked` as in
+    gather_tokens."""
     _check_backend(backend)
     _check_vector("dst", dst, (torch.int64,), dst.device)
     _check_vector("rows", rows, _ROW_DTYPES, dst.device)
     _check_vector("values", values, (torch.int64,), dst.device, length=rows.shape[0])
-    _check_bounds(rows, dst.shape[0])
+    if not rows_checked:
+        _check_bounds(rows, dst.shape[0])
     if rows.shape[0] == 0:
         return
     if backend == "torch":

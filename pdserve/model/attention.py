@@ -10,19 +10,20 @@ transformers' sliding-window mask does; older positions stay in the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.forward_batch import ForwardBatch
-from pdserve.scheduler.pools import KVPool
+from pdserve.kvcache.pools import KVPool
+from pdserve.model.forward_batch import ForwardBatch, device_tensor
 
 
 class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> None:
-        """Called once per forward before any layer; may precompute gather indices."""
+        """Called once per forward, on the schedule side, before the forward is issued:
+        stores the forward's index vectors in `batch.attn_plan` (never on the backend,
+        since step N+1 is prepared while step N still runs)."""
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
@@ -46,19 +47,18 @@ class TorchAttention:
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = windows
-        self._plan: _Plan | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self._plan = _Plan.build(batch, self.req_to_token)
+        batch.attn_plan = _Plan.build(batch, self.req_to_token)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        assert self._plan is not None, "prepare() must run before forward()"
+        plan = batch.attn_plan
+        assert isinstance(plan, _Plan), "prepare() must run before forward()"
         self.pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q)
-        plan = self._plan
         window = self.windows[layer] if layer < len(self.windows) else 0
         if plan.decode_tok.numel():
             out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan, window)
@@ -112,7 +112,7 @@ class _Plan:
     @classmethod
     def build(cls, batch: ForwardBatch, req_to_token: torch.Tensor) -> _Plan:
         plan = cls()
-        rows = batch.rows.tolist()
+        rows = batch.rows_on_host()
         starts = [0]
         for n in batch.extend_lens:
             starts.append(starts[-1] + n)
@@ -123,12 +123,12 @@ class _Plan:
             if n != 1
         ]
         device = req_to_token.device
-        plan.decode_tok = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
-        lens = torch.tensor([batch.seq_lens[i] for i in dec], dtype=torch.int64, device=device)
-        lmax = int(lens.max()) if dec else 0
+        plan.decode_tok = device_tensor([starts[i] for i in dec], torch.int64, device)
+        lens = device_tensor([batch.seq_lens[i] for i in dec], torch.int64, device)
+        lmax = max((batch.seq_lens[i] for i in dec), default=0)
         ar = torch.arange(lmax, device=device)
         plan.decode_pad = ar[None, :] >= lens[:, None]
-        dec_rows = torch.tensor([rows[i] for i in dec], dtype=torch.int64, device=device)
+        dec_rows = device_tensor([rows[i] for i in dec], torch.int64, device)
         slots = req_to_token[dec_rows, :lmax].long()
         plan.decode_slots = slots.masked_fill(plan.decode_pad, 0)
         plan.decode_lens = lens
@@ -143,25 +143,3 @@ class _Plan:
             below = ar[None, :] < (self.decode_lens - window)[:, None]
             self._hidden[window] = self.decode_pad | below
         return self._hidden[window]
-
-
-BackendFactory = Callable[[KVPool, torch.Tensor, float, tuple[int, ...]], AttentionBackend]
-ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention}
-
-
-def make_attention(
-    name: str,
-    pool: KVPool,
-    req_to_token: torch.Tensor,
-    scale: float,
-    windows: tuple[int, ...] = (),
-):
-    """`auto` picks triton on CUDA, torch otherwise. `windows[layer]`: see TorchAttention."""
-    import pdserve.model.attention_triton  # noqa: F401  (registers "triton"; imports this module)
-
-    if name == "auto":
-        on_cuda = pool.k.is_cuda
-        name = "triton" if on_cuda and "triton" in ATTENTION_BACKENDS else "torch"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

@@ -1,7 +1,6 @@
 """The Triton attention backend: paged decode and extend kernels over the KV pool.
 
-Importing this module registers it as "triton" in ATTENTION_BACKENDS, so that
-`make_attention("auto", ...)` picks it on CUDA. Without CUDA the kernels run under
+Registered as "triton" in `attention_registry`, where "auto" picks it on CUDA. Without CUDA the kernels run under
 the Triton interpreter (pdserve.kernels sets TRITON_INTERPRET): correct, but slow,
 which is why "auto" keeps the torch backend on CPU.
 
@@ -18,9 +17,8 @@ import torch
 
 import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
 from pdserve.kernels.attention_triton import decode_attention, extend_attention
-from pdserve.model.attention import ATTENTION_BACKENDS
-from pdserve.model.forward_batch import ForwardBatch
-from pdserve.scheduler.pools import KVPool
+from pdserve.kvcache.pools import KVPool
+from pdserve.model.forward_batch import ForwardBatch, device_tensor
 
 
 @dataclass(slots=True)
@@ -47,7 +45,7 @@ class _TritonPlan:
         device = batch.rows.device
 
         def vec(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return device_tensor(values, dtype, device)
 
         # rows are gathered on the device: batch.rows may still be in flight there
         return cls(
@@ -76,19 +74,18 @@ class TritonAttention:
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = windows  # per layer: 0 = full causal, W = sliding window
-        self._plan: _TritonPlan | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Precondition: batch.seq_lens[i] >= batch.extend_lens[i] >= 1 and every
         position below seq_lens[i] - extend_lens[i] already has its K/V in the pool."""
-        self._plan = _TritonPlan.build(batch)
+        batch.attn_plan = _TritonPlan.build(batch)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KH, D] of this step -> [T, H * D]."""
-        plan = self._plan
-        assert plan is not None, "prepare() must run before forward()"
+        plan = batch.attn_plan
+        assert isinstance(plan, _TritonPlan), "prepare() must run before forward()"
         self.pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -104,6 +101,3 @@ class TritonAttention:
                 plan.ext_starts, plan.max_extend, scale, window,
             )  # fmt: skip
         return out.reshape(q.shape[0], -1)
-
-
-ATTENTION_BACKENDS["triton"] = TritonAttention

@@ -16,6 +16,18 @@ from dataclasses import dataclass
 import torch
 
 
+def device_tensor(
+    values: list[int], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """Host values as a tensor on `device`, for the inputs of a step built on the schedule
+    side. On CUDA they are staged in pinned memory and copied with non_blocking (torch's
+    pinned allocator keeps the staging buffer until the copy is done), so the host never
+    waits; a stream that reads the result must be ordered after the issuing stream."""
+    if torch.device(device).type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype)
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64; for decode steps filled on the forward stream (resolve)
@@ -24,6 +36,11 @@ class ForwardBatch:
     rows: torch.Tensor  # [B] int64: request rows in req_to_token
     seq_lens: list[int]  # [B] KV length of each request after this step (host)
     extend_lens: list[int]  # [B] new tokens of each request (host)
+    host_rows: list[int] | None = None  # [B] `rows` on the host, when the builder has them
+    # Filled by ModelRunner.prepare on the schedule side, so that the forward itself only
+    # issues device work and never reads a device value on the host:
+    last_index: torch.Tensor | None = None  # [B] see last_token_index()
+    attn_plan: object | None = None  # the attention backend's per-forward index vectors
 
     @property
     def batch_size(self) -> int:
@@ -35,5 +52,12 @@ class ForwardBatch:
 
     def last_token_index(self) -> torch.Tensor:
         """[B] index into the T tokens of each request's last token (where logits are read)."""
-        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.positions.device)
+        ends, total = [], 0
+        for n in self.extend_lens:
+            total += n
+            ends.append(total - 1)
+        return device_tensor(ends, torch.int64, self.positions.device)
+
+    def rows_on_host(self) -> list[int]:
+        """`rows` as host ints (a device read only when the builder gave no host copy)."""
+        return self.host_rows if self.host_rows is not None else self.rows.tolist()

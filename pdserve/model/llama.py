@@ -98,15 +98,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Runs all T tokens; returns logits [B, vocab] at each request's last token."""
-        attn.prepare(batch)
+        """Runs all T tokens; returns logits [B, vocab] at each request's last token.
+        Precondition: `batch` was prepared (ModelRunner.prepare); only device work here."""
         h = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = h + self._attention(
                 i, layer, rms_norm(h, layer.input_norm, self.arch.rms_norm_eps), batch, attn
             )
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.arch.rms_norm_eps))
-        last = h[batch.last_token_index()]
+        last = h[batch.last_index]
         return F.linear(rms_norm(last, self.norm, self.arch.rms_norm_eps), self.lm_head).float()
 
     def _attention(

@@ -7,12 +7,12 @@ import logging
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.attention import make_attention
+from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
+from pdserve.model.attention_registry import make_attention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
-from pdserve.scheduler.pools import KVLayout, KVPool, ReqToTokenPool
 
 log = logging.getLogger(__name__)
 
@@ -66,5 +66,15 @@ class ModelRunner:
             cfg.cache.page_size,
         )
 
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Schedule side: build every index tensor the forward needs (host -> device
+        copies, attention plans). Afterwards `forward` issues device work only."""
+        batch.last_index = batch.last_token_index()
+        self.attn.prepare(batch)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab]. Call `prepare` first where the forward runs on its own
+        stream (the decode's overlap loop); callers that run both inline may skip it."""
+        if batch.attn_plan is None or batch.last_index is None:
+            self.prepare(batch)
         return self.model.forward(batch, self.attn)

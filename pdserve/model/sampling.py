@@ -32,14 +32,14 @@ def sample(
     return tokens, logprobs
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> int:
+def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:
     probs = torch.softmax(logits / p.temperature, dim=-1)
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
     gen = torch.Generator(device=logits.device)
     gen.manual_seed(((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 63))
     noise = torch.empty_like(probs).exponential_(generator=gen)
     # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race trick)
-    return int((probs / noise).argmax())
+    return (probs / noise).argmax()  # stays on the device: no host sync in the forward
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

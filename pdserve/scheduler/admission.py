@@ -6,8 +6,8 @@ import math
 import random
 
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.kv_io import SourceEvent
 from pdserve.scheduler.request import Req
+from pdserve.transfer.base import SourceEvent
 
 
 def refusal(

@@ -1,4 +1,6 @@
-"""Build an engine for a server role: the model runner plus the ZeroMQ KV channel."""
+"""The composition root: an engine for a server role, wired from the model runner
+(model + pools), the ZeroMQ KV channel (transfer) and the scheduler. Nothing below
+the scheduler knows the others; only this module puts them together."""
 
 from __future__ import annotations
 
@@ -6,16 +8,15 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.engine_api import Engine
-from pdserve.scheduler.identity import model_fingerprint
 from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.transfer.curve import load_keys
+from pdserve.transfer.identity import model_fingerprint
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.sender import KVSender
 
 
 def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engine:
     """role "prefill": binds the bootstrap socket; role "decode": binds a data socket."""
-    from pdserve.transfer.curve import load_keys
-    from pdserve.transfer.receiver import KVReceiver
-    from pdserve.transfer.sender import KVSender
-
     runner = ModelRunner(cfg)
     curve = load_keys(transfer.curve_secret_key_file)
     model = model_fingerprint(runner.arch, runner.layout)

@@ -22,15 +22,16 @@ from collections import deque
 
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
+from pdserve.kvcache.pools import slots_of
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler.admission import arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
-from pdserve.scheduler.kv_io import KVSource
-from pdserve.scheduler.pools import slots_of
-from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
+from pdserve.scheduler.request import Req, State
 from pdserve.scheduler.stop import check_stop
+from pdserve.transfer.base import KVSource
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,14 @@ class DecodeEngine:
     # ---- 3. launch -------------------------------------------------------------------
     def _launch(self, reqs: list[Req]) -> StepResult:
         self.steps += 1
-        return launch_step(reqs, self.runner, self.future, self.forward_stream, self.forward_hook)
+        return launch_step(
+            reqs,
+            self.runner,
+            self.future,
+            self.forward_stream,
+            self.forward_hook,
+            schedule=self.schedule_stream,
+        )
 
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:

@@ -10,6 +10,12 @@ Per request in a step (host-side counters only, no tokens needed):
     input position  = prompt_len + launched_steps          (before the increment)
     KV slot written = slot of that position in req.pages
     output index    = launched_steps (after the increment)  (index 0 came from the prefill)
+
+Host/device split: everything built from host values (positions, slots, rows, the
+attention plan, the logits index) is built here on the schedule side, copied without
+blocking (pinned, non_blocking on CUDA). The closure issued on the forward stream then
+only issues device work: it never reads a device value on the host, so on CUDA the
+host returns from `launch_step` before step N's kernels have run.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.stream import Event, Stream
-from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.forward_batch import ForwardBatch, device_tensor
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.scheduler.future_map import FutureMap
@@ -40,6 +46,10 @@ class StepResult:
     tokens: torch.Tensor  # [B] int64 host, filled on the forward stream
     logprobs: torch.Tensor  # [B] float32 host
     copy_done: Event | None = None  # recorded by the launcher
+    # NOTE: the step's device inputs, built on the schedule stream and read by the forward
+    # stream. Held here until the result is processed (after copy_done), so the caching
+    # allocator cannot hand their memory to new tensors while the forward still reads it.
+    inputs: ForwardBatch | None = None
     timing: dict[str, float] = field(
         default_factory=dict
     )  # forward-stream start/end (perf_counter)
@@ -58,13 +68,15 @@ def build_batch(reqs: list[Req], page_size: int, device: str) -> tuple[ForwardBa
         slots.append(slot_of(r, pos, page_size))
         r.launched_steps += 1
         out_index.append(r.launched_steps)
+    rows = [r.row for r in reqs]
     batch = ForwardBatch(
         input_ids=torch.empty(0, dtype=torch.int64, device=device),  # resolved on the stream
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=device),
-        rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+        positions=device_tensor(positions, torch.int64, device),
+        out_cache_loc=device_tensor(slots, torch.int64, device),
+        rows=device_tensor(rows, torch.int64, device),
         seq_lens=[p + 1 for p in positions],
         extend_lens=[1] * len(reqs),
+        host_rows=rows,
     )
     return batch, out_index
 
@@ -75,9 +87,13 @@ def launch_step(
     future: FutureMap,
     stream: Stream,
     hook: ForwardHook | None = None,
+    schedule: Stream | None = None,
 ) -> StepResult:
-    """Issue resolve -> forward -> sample -> publish -> host copy on `stream`."""
+    """Issue resolve -> forward -> sample -> publish -> host copy on `stream` (the
+    forward stream); `schedule` is the stream this thread issues on (the inputs' copies)."""
     batch, out_index = build_batch(reqs, runner.layout.page_size, runner.device)
+    future.check_rows(batch.rows_on_host())
+    runner.prepare(batch)
     n = len(reqs)
     pin = runner.device.startswith("cuda")
     result = StepResult(
@@ -85,6 +101,7 @@ def launch_step(
         out_index=out_index,
         tokens=torch.empty(n, dtype=torch.int64, pin_memory=pin),
         logprobs=torch.empty(n, dtype=torch.float32, pin_memory=pin),
+        inputs=batch,
     )
     params = [r.params for r in reqs]
     req_seeds = [r.seed for r in reqs]
@@ -101,6 +118,10 @@ def launch_step(
         result.logprobs.copy_(logprobs, non_blocking=pin)
         result.timing["end"] = time.perf_counter()
 
+    if schedule is not None:
+        # NOTE: the inputs were copied on the schedule stream; the forward stream must not
+        # read them before those copies land (a no-op on CPU, where they are done already).
+        stream.wait_stream(schedule)
     stream.run(forward)
     result.copy_done = stream.record()
     return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.scheduler.request import EngineRequest, TokenEvent
+from pdserve.protocol import EngineRequest, TokenEvent
 
 
 class Engine(Protocol):

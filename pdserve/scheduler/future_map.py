@@ -32,19 +32,25 @@ class FutureMap:
     def rows(self) -> int:
         return self.output_tokens.shape[0]
 
+    def check_rows(self, rows: list[int]) -> None:
+        """Host-side validation of a step's rows, done on the schedule side so that
+        resolve/publish on the forward stream never read device values."""
+        if rows and not (0 <= min(rows) and max(rows) < self.rows):
+            raise ValueError(f"rows must lie in [0, {self.rows}), got {rows}")
+
     def resolve(self, rows: torch.Tensor) -> torch.Tensor:
         """Input ids of a decode step: a new [B] int64 tensor, output_tokens[rows].
 
         Call on the forward stream, after the publish of the previous step was
         issued there (stream order makes the read see it). `rows`: [B] int32/int64
-        on this map's device, each in [0, self.rows).
+        on this map's device, each in [0, self.rows), checked with `check_rows`.
         """
-        return gather_tokens(self.output_tokens, rows, backend=self.backend)
+        return gather_tokens(self.output_tokens, rows, backend=self.backend, rows_checked=True)
 
     def publish(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """output_tokens[rows] = tokens: the sampled tokens of a step. Call on the forward
         stream. `tokens`: [B] int64 on this map's device; rows as in resolve."""
-        scatter_tokens(self.output_tokens, rows, tokens, backend=self.backend)
+        scatter_tokens(self.output_tokens, rows, tokens, backend=self.backend, rows_checked=True)
 
     def stash(self, row: int, token: int) -> None:
         """output_tokens[row] = token: the first token of a prebuilt request.

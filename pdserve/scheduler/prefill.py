@@ -17,14 +17,15 @@ from collections import deque
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler.admission import refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
-from pdserve.scheduler.kv_io import KVSink
-from pdserve.scheduler.pools import slots_of
-from pdserve.scheduler.request import EngineRequest, Req, State, TokenEvent
+from pdserve.scheduler.request import Req, State
+from pdserve.transfer.base import KVSink
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Request state inside the engines and the events they emit.
+"""Request state inside the engines (the messages they exchange with the frontend
+are in `pdserve.protocol`).
 
 A request lives in exactly one queue at a time and ends in exactly one terminal
 state (`finish_reason` set, or `error` set), after which its row and pages are
@@ -11,38 +12,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
-
-
-class EngineRequest(msgspec.Struct, kw_only=True):
-    """What a frontend hands an engine (prefill or decode)."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    room: int = 0  # 63-bit bootstrap_room chosen by the router; 0: not disaggregated
-    bootstrap_host: str | None = None  # prefill's bootstrap address (decode side needs it)
-    bootstrap_port: int | None = None
-
-
-class TokenEvent(msgspec.Struct, kw_only=True):
-    """Engine -> frontend: new tokens of one request, possibly its terminal state.
-
-    Exactly one event per request has `finished=True`; it carries either a
-    `finish_reason` ("stop" | "length" | "abort") or an `error` message.
-    """
-
-    rid: str
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    logprobs: list[float] = msgspec.field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    error: str | None = None
-    # stage timestamps (time.time()) for the TTFT breakdown, sent with the final event
-    stages: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class State(enum.Enum):
@@ -71,7 +42,7 @@ class Req:
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0
-    # filled by process_result, one token per finished step
+    # filled by the decode engine when it processes a finished step, one token each
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # host-side count of decode steps launched; lets the scheduler place KV without tokens

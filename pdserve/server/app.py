@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
 from pdserve.server.engine_client import EngineClient, EngineDead
-from pdserve.server.engine_proc import EngineSpec
 from pdserve.server.generation import Bootstrap, Frontend, RequestError, collect, run_sample
 from pdserve.server.http_util import ClientGone, check_api_key, error_response, read_json
 from pdserve.server.metrics import Metrics

@@ -23,11 +23,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.scheduler.request import EngineRequest, TokenEvent
-from pdserve.server import protocol as P
-from pdserve.server.engine_proc import EngineSpec
+from pdserve import protocol as P
+from pdserve.envs import ENV
+from pdserve.protocol import EngineRequest, EngineSpec, TokenEvent
 
 log = logging.getLogger("pdserve.engine_client")
+
+# The engine process's entry point; started by name: the frontend never imports it.
+ENGINE_MODULE = "pdserve.scheduler.engine_proc"
 
 WATCH_S = 0.2  # how often the child's liveness is checked
 
@@ -90,10 +93,11 @@ class EngineClient:
         ]
 
     def _argv(self) -> list[str]:
+        entry = ENV.ENGINE_ENTRY.get()
+        program = [entry] if entry else ["-m", ENGINE_MODULE]
         return [
             sys.executable,
-            "-m",
-            "pdserve.server.engine_proc",
+            *program,
             "--ipc-dir",
             self._dir,
             "--parent-pid",

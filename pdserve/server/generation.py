@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.request import EngineRequest
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.metrics import Metrics

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from pdserve.server import bounds
+from pdserve.edge import bounds
 from pdserve.server.generation import RequestError
 from pdserve.server.openai_api import error_body
 

@@ -1,4 +1,4 @@
-"""`pdserve router`, `pdserve up` and `pdserve demo`.
+"""`pdserve up` and `pdserve demo` (the router's own command is in `pdserve.router.cli`).
 
 `up` runs every server as a child process in its own process group:
 
@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from pdserve.config import ROUTER_POLICIES
+from pdserve.envs import ENV
 from pdserve.server.launch_children import (
     Child,
     free_port,
@@ -32,7 +34,6 @@ from pdserve.server.launch_children import (
     supervise,
     wait_healthy,
 )
-from pdserve.server.router_workers import POLICIES
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -141,7 +142,7 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
-    env = os.environ | ({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})
+    env = os.environ | ({ENV.API_KEY.name: args.api_key} if args.api_key else {})
     log_dir = _log_dir(args.log_dir)
     try:
         for c in children:
@@ -254,40 +255,6 @@ def _keep_unknown(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = types.MethodType(parse_known_args, parser)  # type: ignore[method-assign]
 
 
-def _add_router(sub: Any) -> None:
-    p = sub.add_parser("router", help="PD router in front of prefill and decode servers")
-    p.add_argument(
-        "--prefill",
-        nargs="+",
-        action="append",
-        required=True,
-        metavar=("URL", "BOOTSTRAP_PORT"),
-        help="prefill URL [bootstrap port]; repeat",
-    )
-    p.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="decode URL; repeat"
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--api-key", default=None, help="bearer key (else $PDSERVE_API_KEY)")
-    p.add_argument(
-        "--pd-disaggregation", action="store_true", help="accepted for sglang-router parity"
-    )
-    p.set_defaults(func=_run_router)
-
-
-def _run_router(args: argparse.Namespace) -> int:
-    from pdserve.server.listen import serve
-    from pdserve.server.router import config_from_args, create_app
-
-    cfg = config_from_args(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per worker health poll
-    serve(create_app(cfg), host=cfg.host, port=cfg.port, api_key=cfg.api_key,
-          what="pdserve router", log_level="warning")  # fmt: skip
-    return 0
-
-
 def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p = sub.add_parser(name, help=help_)
     p.add_argument("--model", default=None,
@@ -297,8 +264,10 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--policy", choices=ROUTER_POLICIES, default="round_robin")
+    p.add_argument(
+        "--api-key", default=ENV.API_KEY.get(), help=f"bearer key (else ${ENV.API_KEY.name})"
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
@@ -307,7 +276,6 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
 
 
 def add_cli(sub: Any) -> None:
-    _add_router(sub)
     _add_up(sub, "up", "start router + prefill + decode servers and wait", run_up)
     _add_up(
         sub,

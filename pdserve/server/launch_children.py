@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pdserve.envs import ENV
+
 POLL_S = 0.2
 
 
@@ -87,7 +89,7 @@ def wait_healthy(children: list[Child], timeout_s: float, stop: Callable[[], boo
 
     Raises RuntimeError, with the log tail, if a child exits or the timeout passes.
     """
-    key = os.environ.get("PDSERVE_API_KEY")
+    key = ENV.API_KEY.get()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     pending = list(children)
     deadline = time.monotonic() + timeout_s

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.request import EngineRequest
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import (
     Frontend,

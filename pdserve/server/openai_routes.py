@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.scheduler.request import EngineRequest
+from pdserve.protocol import EngineRequest
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import Frontend, RequestError, collect, merge, run_sample
 from pdserve.server.http_util import (

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from typing import Any
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferConfig
+from pdserve.envs import ENV
 from pdserve.server.server_config import ServerConfig
-
-API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def _default(cls: type, name: str) -> Any:
@@ -43,7 +41,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         g, "--kernel-backend", EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton"
     )
     _flag(g, "--attention-backend", EngineConfig, "attention_backend", "auto | torch | triton")
-    _flag(g, "--seed", EngineConfig, "seed", "engine seed")
     _flag(
         g,
         "--num-threads",
@@ -152,7 +149,7 @@ def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"bearer key for generation endpoints (or env {API_KEY_ENV})",
+        help=f"bearer key for generation endpoints (or env {ENV.API_KEY.name})",
     )
     _flag(p, "--max-body-bytes", ServerConfig, "max_body_bytes", "larger request bodies get 413")
     _flag(
@@ -177,14 +174,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig, Any]:
     """(ServerConfig, EngineSpec) from parsed flags."""
     from pdserve.model.resolve import resolve_model  # lazily: may convert or build the model
-    from pdserve.server.engine_proc import EngineSpec
+    from pdserve.protocol import EngineSpec
 
     resolved = resolve_model(args.model)
     model = str(resolved.path)
     engine = EngineConfig(
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
-        seed=args.seed,
         num_threads=args.num_threads,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           max_context=args.max_context),
@@ -207,7 +203,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     server = ServerConfig(
         role=role, model_path=model, host=args.host, port=args.port,
         served_model_name=args.served_model_name or resolved.name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or ENV.API_KEY.get(),
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
     )  # fmt: skip
@@ -215,8 +211,8 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
 
 
 def run_server(role: str, args: argparse.Namespace) -> int:
+    from pdserve.edge.listen import serve
     from pdserve.server.app import create_app
-    from pdserve.server.listen import serve
 
     try:
         server, spec = configs_from_args(role, args)

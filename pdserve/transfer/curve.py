@@ -21,10 +21,8 @@ import zmq.auth
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from pdserve.envs import ENV
 from pdserve.transfer.zmq_io import CurveKeys, context
-
-ENV_PUBLIC = "PDSERVE_CURVE_PUBLIC"
-ENV_SECRET = "PDSERVE_CURVE_SECRET"
 
 _lock = threading.Lock()
 _auth: ThreadAuthenticator | None = None
@@ -45,14 +43,16 @@ def load_keys(secret_file: str | None = None) -> CurveKeys | None:
     bad key fails at start rather than as a bare ZMQError at the first bind."""
     if secret_file:
         return _from_file(secret_file)
-    env_public, env_secret = os.environ.get(ENV_PUBLIC), os.environ.get(ENV_SECRET)
+    env_public, env_secret = ENV.CURVE_PUBLIC.get(), ENV.CURVE_SECRET.get()
     if not env_public and not env_secret:
         return None
     if not (env_public and env_secret):
-        raise CurveKeyError(f"set both {ENV_PUBLIC} and {ENV_SECRET}, or neither")
-    public = check_key(env_public.strip().encode(), ENV_PUBLIC)
-    secret = check_key(env_secret.strip().encode(), ENV_SECRET)
-    return _pair(public, secret, f"{ENV_PUBLIC} and {ENV_SECRET}")
+        raise CurveKeyError(
+            f"set both {ENV.CURVE_PUBLIC.name} and {ENV.CURVE_SECRET.name}, or neither"
+        )
+    public = check_key(env_public.strip().encode(), ENV.CURVE_PUBLIC.name)
+    secret = check_key(env_secret.strip().encode(), ENV.CURVE_SECRET.name)
+    return _pair(public, secret, f"{ENV.CURVE_PUBLIC.name} and {ENV.CURVE_SECRET.name}")
 
 
 def _from_file(path: str) -> CurveKeys:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.pools import KVLayout, KVPool, slots_of
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
+from pdserve.transfer.base import KVTicket, Ticket
 
 
 def random_pool(layout: KVLayout, num_tokens: int, seed: int) -> KVPool:
@@ -33,15 +32,8 @@ def reserve(pool: KVPool, num_tokens: int, seed: int) -> tuple[list[int], torch.
     return pages, slots_of(pages, num_tokens, pool.page_size)
 
 
-def make_req(rid: str, room: int, prompt_len: int, bootstrap_port: int) -> Req:
-    return Req(
-        rid=rid,
-        prompt_ids=list(range(prompt_len)),
-        params=SamplingParams(max_tokens=1),
-        room=room,
-        bootstrap_host="127.0.0.1",
-        bootstrap_port=bootstrap_port,
-    )
+def make_req(rid: str, room: int, prompt_len: int, bootstrap_port: int) -> KVTicket:
+    return KVTicket(rid, room, prompt_len, "127.0.0.1", bootstrap_port)
 
 
 def gather(pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +70,7 @@ class Side:
     slots: torch.Tensor
 
 
-def push_prompt(sink, req: Req, side: Side, chunk: int, first_token: int = 7) -> None:
+def push_prompt(sink, req: Ticket, side: Side, chunk: int, first_token: int = 7) -> None:
     """Drive a KVSink like a chunked prefill would: admit, chunks of `chunk` tokens, done."""
     sink.on_admit(req)
     for start in range(0, req.prompt_len, chunk):

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from pdserve.scheduler.identity import describe_mismatch
+from pdserve.transfer.identity import describe_mismatch
 from pdserve.transfer.messages import Decoder
 from pdserve.transfer.push import Room
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, make_socket

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.scheduler.pools import KVLayout, KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer.base import Ticket
 from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest, frames_checksum
 from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import MsgSocket
@@ -23,7 +23,7 @@ from pdserve.transfer.zmq_io import MsgSocket
 @dataclass
 class Room:
     room: int
-    req: Req | None = None  # set by on_admit
+    req: Ticket | None = None  # set by on_admit
     ready: Ready | None = None  # set when the decode's Ready arrives
     peer: bytes = b""  # decode's identity on the bootstrap ROUTER
     pending: list[tuple[KVPool, torch.Tensor, int, int]] = field(default_factory=list)

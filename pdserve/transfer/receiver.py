@@ -25,9 +25,8 @@ from collections import Counter
 import torch
 import zmq
 
-from pdserve.scheduler.kv_io import SourceEvent
-from pdserve.scheduler.pools import KVLayout, KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer.base import SourceEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
@@ -79,7 +78,7 @@ class KVReceiver:
         self._io.start()
 
     # ---- KVSource (engine thread) -----------------------------------------------------
-    def expect(self, req: Req, pool: KVPool, slots: torch.Tensor) -> None:
+    def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         """Precondition: `slots` (len == req.prompt_len) are reserved for `req` in `pool`."""
         reason = self._refuse_reason(req, pool, slots)
         if reason:
@@ -104,7 +103,7 @@ class KVReceiver:
         )
         self._io.submit(lambda: self._control(endpoint).send(ready))
 
-    def cancel(self, req: Req, reason: str) -> None:
+    def cancel(self, req: Ticket, reason: str) -> None:
         """After this returns nothing writes into req's slots; poll() reports nothing for it."""
         with self._lock:
             x = self._xfers.get(req.room)
@@ -116,7 +115,7 @@ class KVReceiver:
         abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
         self._io.submit(lambda: self._control(x.endpoint).send(abort))
 
-    def reject(self, req: Req, reason: str) -> None:
+    def reject(self, req: Ticket, reason: str) -> None:
         """Tell `req`'s prefill that this decode refused the room (no Ready was sent)."""
         if not req.room or not req.bootstrap_host or not req.bootstrap_port:
             return
@@ -143,7 +142,7 @@ class KVReceiver:
     def close(self) -> None:
         self._io.stop()
 
-    def _refuse_reason(self, req: Req, pool: KVPool, slots: torch.Tensor) -> str:
+    def _refuse_reason(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> str:
         if pool.layout.fingerprint() != self.layout.fingerprint():
             return f"pool layout {pool.layout.fingerprint()} != receiver layout {self.layout.fingerprint()}"
         if len(slots) != req.prompt_len or req.prompt_len == 0:

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.scheduler.kv_io import SinkEvent
-from pdserve.scheduler.pools import KVLayout, KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
@@ -86,20 +85,22 @@ class KVSender:
         self._io.start()
 
     # ---- KVSink (engine thread) -------------------------------------------------
-    def on_admit(self, req: Req) -> None:
+    def on_admit(self, req: Ticket) -> None:
         self._io.submit(lambda: self._admit(req))
 
-    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+    def on_chunk(
+        self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int
+    ) -> None:
         event = None
         if pool.k.is_cuda:  # NOTE: the I/O thread must not read KV the forward stream still writes
             event = torch.cuda.Event()
             event.record()
         self._io.submit(lambda: self._chunk(req, pool, slots, start, end, event))
 
-    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
         self._io.submit(lambda: self._done(req, first_token, first_logprob))
 
-    def on_abort(self, req: Req, reason: str) -> None:
+    def on_abort(self, req: Ticket, reason: str) -> None:
         self._io.submit(lambda: self._abort_local(req, reason))
 
     def poll(self) -> list[SinkEvent]:
@@ -123,7 +124,7 @@ class KVSender:
         self._io.stop(kill=True)
 
     # ---- engine commands (I/O thread) ---------------------------------------------
-    def _admit(self, req: Req) -> None:
+    def _admit(self, req: Ticket) -> None:
         st = self._rooms.get(req.room)
         if st is not None and st.req is not None:
             self._io.emit(SinkEvent(req.rid, False, f"duplicate active room {req.room}"))
@@ -139,7 +140,7 @@ class KVSender:
             self._check_ready(st)
 
     def _chunk(
-        self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int, event: Any
+        self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int, event: Any
     ) -> None:
         if event is not None:
             event.synchronize()
@@ -150,14 +151,14 @@ class KVSender:
             st.pending.append((pool, slots, s, min(end, s + self._max_tokens)))
         self._flush(st)
 
-    def _done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def _done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return
         st.done = (first_token, first_logprob)
         self._flush(st)
 
-    def _abort_local(self, req: Req, reason: str) -> None:
+    def _abort_local(self, req: Ticket, reason: str) -> None:
         """The prefill refused or aborted `req` (admitted or not): tell the decode."""
         if not req.room:
             return

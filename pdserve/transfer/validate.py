@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.scheduler.pools import KVLayout, KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer.base import Ticket
 from pdserve.transfer.messages import KVChunk, KVDone, done_digest, frames_checksum
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
@@ -25,7 +25,7 @@ _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 
 @dataclass(eq=False)
 class Transfer:
-    req: Req
+    req: Ticket
     pool: KVPool
     slots: torch.Tensor  # int64 on the pool's device, len == prompt_len
     session: int

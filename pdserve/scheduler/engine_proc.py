@@ -1,7 +1,7 @@
 """The engine process: one engine (prefill or decode) driven by its frontend over ZeroMQ.
 
 Started by the frontend as
-    python -m pdserve.server.engine_proc --ipc-dir DIR --parent-pid PID --config-json JSON
+    python -m pdserve.scheduler.engine_proc --ipc-dir DIR --parent-pid PID --config-json JSON
 where JSON is `{"role": ..., "engine": EngineConfig, "transfer": TransferConfig}`
 (plain JSON decoded into typed msgspec structs). The loop:
 
@@ -18,8 +18,6 @@ as one EngineError message before exiting with status 1.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -27,52 +25,22 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
-from types import ModuleType
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
+from pdserve import protocol as P
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.scheduler.engine_api import Engine
-from pdserve.server import protocol as P
 
 log = logging.getLogger("pdserve.engine_proc")
 
 IDLE_POLL_MS = 5  # poll timeout while the engine has nothing to compute (it still steps)
 HEARTBEAT_S = 0.5
 PARENT_CHECK_S = 0.5
-FAKE_ENGINE_ENV = "PDSERVE_FAKE_ENGINE"  # "1" -> tests/fake_engine.py, or a path to a .py file
 
-
-class EngineSpec(msgspec.Struct, kw_only=True):
-    """What the frontend tells its engine process (sent as JSON on the command line)."""
-
-    role: str
-    engine: EngineConfig
-    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
-
-
-def _load_fake_module(value: str) -> ModuleType:
-    """The test-only fake engine, loaded by file path so it never sits on the import path."""
-    repo = Path(__file__).resolve().parents[2]
-    path = repo / "tests" / "fake_engine.py" if value == "1" else Path(value)
-    spec = importlib.util.spec_from_file_location("pdserve_fake_engine", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"{FAKE_ENGINE_ENV}: cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_engine(spec: EngineSpec) -> Engine:
-    fake = os.environ.get(FAKE_ENGINE_ENV)
-    module: Any = _load_fake_module(fake) if fake else None
-    if module is None:
-        module = importlib.import_module("pdserve.scheduler.build")
-    return module.build_engine(spec.role, spec.engine, spec.transfer)
+EngineBuilder = Callable[[str, EngineConfig, TransferConfig], Engine]
 
 
 class EngineLoop:
@@ -153,10 +121,18 @@ def _report_error(ctx: zmq.Context, ipc_dir: str, message: str) -> None:
     push.close()
 
 
-def serve(spec: EngineSpec, ipc_dir: str) -> int:
+def _default_builder() -> EngineBuilder:
+    # lazy: torch, the model and the transfer load only in a real engine process
+    from pdserve.scheduler.build import build_engine
+
+    return build_engine
+
+
+def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) -> int:
+    build = build or _default_builder()
     ctx = zmq.Context()
     try:
-        engine = build_engine(spec)
+        engine = build(spec.role, spec.engine, spec.transfer)
     except Exception as e:
         log.exception("engine build failed")
         _report_error(ctx, ipc_dir, f"engine build failed: {type(e).__name__}: {e}")
@@ -177,8 +153,8 @@ def serve(spec: EngineSpec, ipc_dir: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve.server.engine_proc")
+def main(argv: list[str] | None = None, build: EngineBuilder | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve.scheduler.engine_proc")
     ap.add_argument("--ipc-dir", required=True)
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--config-json", required=True)
@@ -189,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
-    spec = msgspec.json.decode(args.config_json, type=EngineSpec)
-    return serve(spec, args.ipc_dir)
+    spec = msgspec.json.decode(args.config_json, type=P.EngineSpec)
+    return serve(spec, args.ipc_dir, build)
 
 
 if __name__ == "__main__":

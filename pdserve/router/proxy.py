@@ -21,8 +21,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.server.router_body import error_body, with_bootstrap
-from pdserve.server.router_workers import Worker, WorkerPool
+from pdserve.router.body import error_body, with_bootstrap
+from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -58,23 +58,20 @@ class _FreeList:
 
 
 class ReqToTokenPool:
-    """Request rows. `generation[row]` counts how often a row was handed out.
-
-    The generation lets late messages (a stale transfer, a redundant step's
-    result) detect that the row now belongs to someone else.
-    """
+    """Request rows. `handouts[row]` counts how often a row was handed out (stats and
+    tests read it to see rows being reused); nothing uses it for correctness."""
 
     def __init__(self, rows: int, max_context: int, device: str = "cpu") -> None:
         self.max_context = max_context
         self.req_to_token = torch.zeros(rows, max_context, dtype=torch.int32, device=device)
-        self.generation = [0] * rows
+        self.handouts = [0] * rows
         self._rows = _FreeList(rows, "row")
 
     def alloc(self) -> int | None:
         got = self._rows.alloc(1)
         if got is None:
             return None
-        self.generation[got[0]] += 1
+        self.handouts[got[0]] += 1
         return got[0]
 
     def free(self, row: int) -> None:

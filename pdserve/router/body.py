@@ -6,7 +6,7 @@ import secrets
 import uuid
 from typing import Any
 
-from pdserve.server.router_workers import Worker
+from pdserve.router.workers import Worker
 
 
 def error_body(message: str, type_: str = "router_error", code: int | None = None) -> dict:

@@ -8,7 +8,6 @@ added (router_proxy.py); the rest of the API is answered from the workers.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
@@ -18,12 +17,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pdserve.server import bounds
-from pdserve.server.router_body import error_body, num_sequences
-from pdserve.server.router_proxy import PDProxy
-from pdserve.server.router_workers import Worker, WorkerPool
+from pdserve.edge import bounds
+from pdserve.envs import ENV
+from pdserve.router.body import error_body, num_sequences
+from pdserve.router.proxy import PDProxy
+from pdserve.router.workers import Worker, WorkerPool
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -243,7 +242,7 @@ def _prometheus(state: RouterState) -> str:
 
 
 def config_from_args(args: Any) -> RouterConfig:
-    from pdserve.server.router_workers import parse_prefill_args
+    from pdserve.router.workers import parse_prefill_args
 
     return RouterConfig(
         prefill=tuple(parse_prefill_args(args.prefill or [])),
@@ -251,6 +250,6 @@ def config_from_args(args: Any) -> RouterConfig:
         host=args.host,
         port=args.port,
         policy=args.policy,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or ENV.API_KEY.get(),
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
     )

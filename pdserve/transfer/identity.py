@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import Any
 
-from pdserve.scheduler.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout
 
 # Fields that only decide when to stop or how the checkpoint was stored, not what
 # a forward pass computes (the serving dtype is part of the KV layout).

@@ -1,4 +1,4 @@
-"""The seams where KV leaves the prefill and enters the decode.
+"""The transfer port: the seams where KV leaves the prefill and enters the decode.
 
 The prefill engine talks to a `KVSink`; the decode engine to a `KVSource`.
 Two implementations exist: an in-process handoff (offline `LLM`, unit tests)
@@ -11,13 +11,50 @@ Decode side,  per request:    expect -> poll() says done(first_token) | failed(r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 import torch
 
-from pdserve.scheduler.pools import KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVPool
+
+
+class Ticket(Protocol):
+    """What the transfer knows of a request: identity, size and peer, nothing more.
+
+    The scheduler's request state (`pdserve.scheduler.request.Req`) satisfies it and
+    is passed as is; the transfer never reads or writes anything else of it.
+    """
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def room(self) -> int:  # 63-bit bootstrap_room chosen by the router
+        ...
+
+    @property
+    def prompt_len(self) -> int:  # tokens of KV to move
+        ...
+
+    @property
+    def bootstrap_host(self) -> str | None:  # the prefill's bootstrap address (decode side)
+        ...
+
+    @property
+    def bootstrap_port(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    """A plain `Ticket`, for transfers driven without a scheduler (tests, benchmarks)."""
+
+    rid: str
+    room: int
+    prompt_len: int
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
 
 
 class SinkEvent(msgspec.Struct, frozen=True):
@@ -43,21 +80,23 @@ class SourceEvent(msgspec.Struct, frozen=True):
 
 
 class KVSink(Protocol):
-    def on_admit(self, req: Req) -> None:
+    def on_admit(self, req: Ticket) -> None:
         """A prefill request was admitted (row and pages owned by the prefill). Its
         room is now known to the sink; the decode's Ready may arrive before or after."""
 
-    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+    def on_chunk(
+        self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int
+    ) -> None:
         """KV of prompt positions [start, end) is computed in every layer.
 
         `slots[i]` is the KV slot of position i (the whole prompt's slots). The
         memory stays untouched until poll() reports this request released.
         """
 
-    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
         """The whole prompt is computed and the first token sampled."""
 
-    def on_abort(self, req: Req, reason: str) -> None:
+    def on_abort(self, req: Ticket, reason: str) -> None:
         """The prefill gives up on the request (client gone, rejected); tell the decode.
         For an admitted request, poll() later reports it released (ok=False) once
         the sink no longer reads its KV; only then does the prefill free the pages."""
@@ -68,14 +107,14 @@ class KVSink(Protocol):
 
 
 class KVSource(Protocol):
-    def expect(self, req: Req, pool: KVPool, slots: torch.Tensor) -> None:
+    def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         """Row and pages are reserved: KV of prompt position i goes to `slots[i]`
         (len(slots) == req.prompt_len). Start the transfer (send Ready)."""
 
-    def cancel(self, req: Req, reason: str) -> None:
+    def cancel(self, req: Ticket, reason: str) -> None:
         """Stop waiting for `req`; after this returns nothing writes into its slots."""
 
-    def reject(self, req: Req, reason: str) -> None:
+    def reject(self, req: Ticket, reason: str) -> None:
         """`req` was refused or aborted before expect(): tell its prefill (by room), so
         the prefill drops the request instead of holding it for a decode that never comes."""
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.scheduler.kv_io import SinkEvent, SourceEvent
-from pdserve.scheduler.pools import KVPool
-from pdserve.scheduler.request import Req
+from pdserve.kvcache.pools import KVPool
+from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket
 
 
 @dataclass
@@ -76,25 +75,27 @@ class _Sink:
         self.h = h
         self.where: dict[str, tuple[KVPool, torch.Tensor]] = {}  # rid -> prefill pool, slots
 
-    def on_admit(self, req: Req) -> None:
+    def on_admit(self, req: Ticket) -> None:
         reason = self.h.cancelled_rooms.pop(req.room, None)
         if reason is not None:
             self.h.sink_events.append(SinkEvent(req.rid, ok=False, reason=reason))
             return
         self.h.admitted[req.room] = req.rid
 
-    def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
+    def on_chunk(
+        self, req: Ticket, pool: KVPool, slots: torch.Tensor, start: int, end: int
+    ) -> None:
         if self.h.admitted.get(req.room) == req.rid:  # not refused meanwhile
             self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining
 
-    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
         if req.rid not in self.where:
             return  # the decode refused it; the release event is already out
         pool, slots = self.where.pop(req.rid)
         self.h.prefilled[req.room] = _Prefilled(req.rid, pool, slots, first_token, first_logprob)
         self.h._try_copy(req.room)
 
-    def on_abort(self, req: Req, reason: str) -> None:
+    def on_abort(self, req: Ticket, reason: str) -> None:
         self.where.pop(req.rid, None)
         self.h.prefilled.pop(req.room, None)
         if self.h.admitted.pop(req.room, None) == req.rid:
@@ -114,7 +115,7 @@ class _Source:
     def __init__(self, h: InProcessHandoff) -> None:
         self.h = h
 
-    def expect(self, req: Req, pool: KVPool, slots: torch.Tensor) -> None:
+    def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         reason = self.h.failed_rooms.pop(req.room, None)
         if reason is not None:
             self.h.source_events.append(SourceEvent(req.rid, ok=False, reason=f"prefill: {reason}"))
@@ -122,11 +123,11 @@ class _Source:
         self.h.expected[req.room] = _Expected(req.rid, pool, slots)
         self.h._try_copy(req.room)
 
-    def cancel(self, req: Req, reason: str) -> None:
+    def cancel(self, req: Ticket, reason: str) -> None:
         if self.h.expected.pop(req.room, None) is not None:
             self.reject(req, reason)
 
-    def reject(self, req: Req, reason: str) -> None:
+    def reject(self, req: Ticket, reason: str) -> None:
         """The decode gave up on the room: release the prefill's side of it."""
         reason = f"decode refused: {reason}"
         self.h.prefilled.pop(req.room, None)

@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-POLICIES = ("round_robin", "least_load")
+from pdserve.config import ROUTER_POLICIES
+
+POLICIES = ROUTER_POLICIES
 
 
 @dataclass

@@ -1,5 +1,9 @@
 """Frontend <-> engine process messages (ZeroMQ `ipc://`, msgpack via msgspec).
 
+The one module both sides of that boundary import: the frontends (`pdserve.server`)
+never import the engines (`pdserve.scheduler`), they start an engine process with
+an `EngineSpec` and speak these types to it.
+
     frontend PUSH ──ToEngine──▶ engine PULL      (GenerateReq | Abort | StatsReq | Shutdown)
     frontend PULL ◀─FromEngine── engine PUSH     (EngineReady | Events | Stats | Heartbeat | EngineError)
 
@@ -12,10 +16,48 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.scheduler.request import EngineRequest, TokenEvent
+from pdserve.config import EngineConfig, TransferConfig
+from pdserve.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 _V = f"/v{PROTOCOL_VERSION}"
+
+
+class EngineSpec(msgspec.Struct, kw_only=True):
+    """What a frontend tells its engine process (sent as JSON on the command line)."""
+
+    role: str  # "prefill" | "decode"
+    engine: EngineConfig
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """What a frontend hands an engine (prefill or decode)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    room: int = 0  # 63-bit bootstrap_room chosen by the router; 0: not disaggregated
+    bootstrap_host: str | None = None  # prefill's bootstrap address (decode side needs it)
+    bootstrap_port: int | None = None
+
+
+class TokenEvent(msgspec.Struct, kw_only=True):
+    """Engine -> frontend: new tokens of one request, possibly its terminal state.
+
+    Exactly one event per request has `finished=True`; it carries either a
+    `finish_reason` ("stop" | "length" | "abort") or an `error` message.
+    """
+
+    rid: str
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    # stage timestamps (time.time()) for the TTFT breakdown, sent with the final event
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class _Msg(msgspec.Struct, tag_field="t", kw_only=True):

@@ -1,0 +1,8 @@
+"""pdserve.router: the PD router (HTTP in front of prefill and decode servers).
+
+app.py      FastAPI app: routes, auth, /metrics, RouterConfig
+proxy.py    one request to a prefill and a decode with a shared bootstrap room
+body.py     request bodies: bootstrap fields, sequence counts, error bodies
+workers.py  the worker pool and its selection policies
+cli.py      `pdserve router`
+"""

@@ -1,0 +1,202 @@
+"""The packages form a one-way stack (DESIGN §1): each imports only those below it.
+
+    cli.py, llm.py, __init__.py                      top: may import anything
+    server/ (frontends, launcher)   router/   bench/  start processes, speak HTTP / protocol.py
+    edge/                                            the HTTP edge rules server/ and router/ share
+    scheduler/                                       engines, engine process, composition root
+    model/          transfer/                        (siblings: neither knows the other)
+    kernels/        kvcache/                         the bottom
+    protocol.py  config.py  sampling_params.py  envs.py     leaves anyone may import
+
+Every import counts: module-level, inside functions, and module names given as
+strings (`importlib.import_module("pdserve....")`, or any string constant that names
+a pdserve module), so a cycle cannot hide behind a lazy import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "pdserve"
+
+LEAVES = {"protocol", "config", "sampling_params", "envs"}
+# what each leaf may import (besides itself)
+LEAF_DEPS = {"protocol": {"config", "sampling_params"}, "config": set(), "envs": set()}
+LEAF_DEPS["sampling_params"] = set()
+TOP = {"cli", "llm", "__init__"}
+# package -> the packages below it that it may import (leaves are always allowed)
+MAY_IMPORT: dict[str, set[str]] = {
+    "kvcache": set(),
+    "kernels": set(),
+    "model": {"kvcache", "kernels"},
+    "transfer": {"kvcache", "kernels"},
+    "scheduler": {"model", "transfer", "kernels", "kvcache"},
+    "edge": set(),
+    "server": {"edge"},
+    "router": {"edge"},
+    "bench": set(),
+}
+# Narrow, named exceptions. A frontend (and `pdserve up`) resolves a model name to a
+# folder (making a preset or converting a GGUF once, under a lock) before it starts its
+# engines: it calls the model package's resolver, never the model itself.
+EXCEPTIONS = {
+    ("server", "pdserve.model.resolve"),
+}
+# Module names a package may put on a command line: it starts that program as a new
+# process (`python -m NAME`) and never imports it.
+PROCESS_ENTRIES = {
+    ("server", "pdserve.scheduler.engine_proc"),
+    ("server", "pdserve.cli"),
+}
+
+
+def layer_of(module: str) -> str:
+    """'pdserve.scheduler.decode' -> 'scheduler'; 'pdserve.config' -> 'config'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def referenced_modules(tree: ast.AST) -> list[tuple[str, bool]]:
+    """(pdserve module, named-as-string) for every import and module-name string."""
+    out: list[tuple[str, bool]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, False) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pdserve":  # `from pdserve import protocol as P`
+                out += [(f"pdserve.{a.name}", False) for a in node.names]
+            else:
+                out.append((node.module, False))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if is_module(node.value):  # not a logger name that merely looks like one
+                out.append((node.value, True))
+    return [(m, s) for m, s in out if m == "pdserve" or m.startswith("pdserve.")]
+
+
+def is_module(name: str) -> bool:
+    if not name.startswith("pdserve.") or not name.replace(".", "").isidentifier():
+        return False
+    path = PKG.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def violation(src_module: str, target: str, as_string: bool) -> str | None:
+    src, dst = layer_of(src_module), layer_of(target)
+    if target == "pdserve" or src == dst or src in TOP:
+        return None
+    if as_string and (src, target) in PROCESS_ENTRIES:
+        return None
+    if (src, target) in EXCEPTIONS:
+        return None
+    if src in LEAVES:
+        ok = dst in LEAF_DEPS[src]
+    else:
+        ok = dst in LEAVES or dst in MAY_IMPORT[src]
+    return None if ok else f"{src_module} -> {target}"
+
+
+def violations(source: str, src_module: str) -> list[str]:
+    found = (violation(src_module, m, s) for m, s in referenced_modules(ast.parse(source)))
+    return sorted({v for v in found if v})
+
+
+def test_every_package_is_placed_in_the_stack() -> None:
+    layers = {layer_of(module_name(p)) for p in PKG.rglob("*.py")}
+    unknown = layers - LEAVES - TOP - set(MAY_IMPORT)
+    assert not unknown, f"place these in the stack (MAY_IMPORT / LEAVES): {sorted(unknown)}"
+
+
+def test_no_import_runs_up_the_stack_or_across() -> None:
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        bad += violations(path.read_text(), module_name(path))
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("pdserve.model.runner", "from pdserve.scheduler.request import Req"),
+        ("pdserve.transfer.sender", "def f():\n    from pdserve.scheduler import decode"),
+        (
+            "pdserve.server.app",
+            "import importlib\nimportlib.import_module('pdserve.scheduler.build')",
+        ),
+        ("pdserve.model.attention", "from pdserve.transfer.base import Ticket"),
+        ("pdserve.kvcache.pools", "from pdserve.model.runner import ModelRunner"),
+        ("pdserve.bench.runner", "from pdserve import server"),
+        ("pdserve.router.app", "from pdserve.server.http_util import read_json"),
+        ("pdserve.protocol", "from pdserve.scheduler.request import Req"),
+    ],
+)
+def test_the_checker_catches_each_kind(module: str, source: str) -> None:
+    """A checker that finds nothing proves nothing: each kind of bad import is caught."""
+    assert violations(source, module), (module, source)
+
+
+def test_the_checker_allows_what_the_stack_allows() -> None:
+    assert not violations("from pdserve.kvcache.pools import KVPool", "pdserve.model.runner")
+    assert not violations("from pdserve import protocol as P", "pdserve.server.app")
+    assert not violations("x = ['-m', 'pdserve.scheduler.engine_proc']", "pdserve.server.engine")
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> pdserve modules it references (a `from pkg import sub` names the submodule)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        tree, name = ast.parse(path.read_text()), module_name(path)
+        started = {t for src, t in PROCESS_ENTRIES if src == layer_of(name)}  # not imports
+        deps = {m for m, s in referenced_modules(tree) if is_module(m) and not (s and m in started)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("pdserve")
+            ):
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if is_module(d)}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle (a list of modules, first == last), or [] if there is none."""
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return []
+
+
+def test_no_module_import_cycle() -> None:
+    """Inside a package too: two modules that import each other (even lazily) are one unit."""
+    graph = {m: {d for d in deps if d != m} for m, deps in module_graph().items()}
+    assert find_cycle(graph) == []
+
+
+def test_cycle_finder_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
