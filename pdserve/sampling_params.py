@@ -49,3 +49,23 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def prompt_problem(
+    ids: list[int], vocab_size: int, max_context: int, max_tokens: int
+) -> tuple[str, str] | None:
+    """(param, message) when a prompt with `max_tokens` output tokens can never be served,
+    else None. The one rule set: the frontends answer it with a 400, the engines refuse
+    with it (a request that skipped a frontend, e.g. the offline LLM)."""
+    if not ids:
+        return "prompt", "the prompt is empty"
+    if any(not 0 <= t < vocab_size for t in ids):
+        return "prompt", "prompt token ids outside the vocabulary"
+    if len(ids) >= max_context:
+        return "prompt", f"prompt has {len(ids)} tokens; the context length is {max_context}"
+    if len(ids) + max_tokens > max_context:
+        return "max_tokens", (
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context length {max_context}"
+        )
+    return None

@@ -6,7 +6,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from pdserve.transfer.curve import ENV_PUBLIC, ENV_SECRET, CurveKeyError, load_keys
+from pdserve.envs import ENV
+from pdserve.transfer.curve import CurveKeyError, load_keys
+
+ENV_PUBLIC, ENV_SECRET = ENV.CURVE_PUBLIC.name, ENV.CURVE_SECRET.name
 
 
 @pytest.fixture

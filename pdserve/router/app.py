@@ -17,9 +17,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pdserve.edge import bounds
+from pdserve.edge.body import BodyError, read_json
+from pdserve.edge.errors import error_body
 from pdserve.envs import ENV
-from pdserve.router.body import error_body, num_sequences
+from pdserve.router.body import num_sequences
 from pdserve.router.proxy import PDProxy
 from pdserve.router.workers import Worker, WorkerPool
 
@@ -125,16 +126,10 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
 
 def _add_generation(app: FastAPI, state: RouterState) -> None:
     async def generation(request: Request) -> Response:
-        raw = await _read_limited(request, state.cfg.max_body_bytes)
-        if raw is None:
-            msg = f"request body larger than {state.cfg.max_body_bytes} bytes"
-            return JSONResponse(error_body(msg, "invalid_request_error", 413), 413)
-        try:
-            body = bounds.loads(raw)  # the frontends' rules: finite floats, int64, rooms
-        except bounds.BoundsError as e:
-            return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
-        except ValueError as e:
-            return JSONResponse(error_body(f"invalid JSON body: {e}", "invalid_request_error"), 400)
+        try:  # the frontends' reader and rules: size, JSON, finite floats, int64, rooms
+            body = await read_json(request, state.cfg.max_body_bytes)
+        except BodyError as e:
+            return JSONResponse(error_body(e.message, param=e.param, code=e.status), e.status)
         if not isinstance(body, dict):
             return JSONResponse(
                 error_body("the body must be a JSON object", "invalid_request_error"), 400
@@ -158,7 +153,10 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await read_json(request, state.cfg.max_body_bytes)
+        except BodyError as e:
+            return JSONResponse(error_body(e.message, param=e.param, code=e.status), e.status)
         results = []
         for w in state.pool.all:
             try:
@@ -169,20 +167,6 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             except httpx.HTTPError as e:
                 results.append({"url": w.url, "error": repr(e)})
         return JSONResponse({"workers": results})
-
-
-async def _read_limited(request: Request, limit: int) -> bytes | None:
-    """The whole body, or None as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None  # stop reading: the rest is never buffered
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _add_info(app: FastAPI, state: RouterState) -> None:
@@ -209,7 +193,9 @@ def _add_info(app: FastAPI, state: RouterState) -> None:
         try:
             r = await state.client.get(w.url + path, headers=state.worker_headers(request))
         except httpx.HTTPError as e:
-            return JSONResponse(error_body(f"decode {w.url} unreachable: {e!r}"), 502)
+            return JSONResponse(
+                error_body(f"decode {w.url} unreachable: {e!r}", "router_error", code=502), 502
+            )
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/model_info")

@@ -8,11 +8,6 @@ from typing import Any
 
 from pdserve.router.workers import Worker
 
-
-def error_body(message: str, type_: str = "router_error", code: int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
-
-
 MAX_SEQUENCES = 1024  # batch × n of one request; more is refused before any room is drawn
 
 

@@ -21,7 +21,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.router.body import error_body, with_bootstrap
+from pdserve.edge.errors import ClientGone, error_body
+from pdserve.router.body import with_bootstrap
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,11 @@ class LegError(Exception):
     def __init__(self, status: int, message: str, body: Any = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = body if isinstance(body, dict) and "error" in body else error_body(message)
-
-
-class ClientGone(Exception):
-    pass
+        self.body = (
+            body
+            if isinstance(body, dict) and "error" in body
+            else error_body(message, "router_error")
+        )
 
 
 async def _error_from(resp: httpx.Response, leg: str, url: str) -> LegError:

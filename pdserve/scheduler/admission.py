@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
+from collections.abc import Callable, Iterator
 
 from pdserve.model.runner import ModelRunner
+from pdserve.sampling_params import prompt_problem
 from pdserve.scheduler.request import Req
 from pdserve.transfer.base import SourceEvent
 
@@ -21,15 +24,11 @@ def refusal(
         req.params.validate(runner.arch.vocab_size)
     except ValueError as e:
         return str(e)
-    if not req.prompt_ids:
-        return "the prompt is empty"
-    if any(not 0 <= t < runner.arch.vocab_size for t in req.prompt_ids):
-        return "prompt token ids outside the vocabulary"
-    if req.reserved_tokens > runner.max_context:
-        return (
-            f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) "
-            f"exceeds the context length {runner.max_context}"
-        )
+    problem = prompt_problem(
+        req.prompt_ids, runner.arch.vocab_size, runner.max_context, req.params.max_tokens
+    )
+    if problem is not None:
+        return problem[1]
     alloc = runner.kv_pool.allocator
     if alloc.pages_for(kv_tokens) > alloc.total_pages:
         return (
@@ -38,6 +37,22 @@ def refusal(
     if queued >= max_queued:
         return "server overloaded: the queue is full"
     return None
+
+
+def admit_fifo(
+    queue: deque[Req], runner: ModelRunner, tokens: Callable[[Req], int]
+) -> Iterator[Req]:
+    """Pop requests off the head of `queue` while a row and `tokens(req)` KV slots are
+    free; each popped request owns its row and pages. FIFO: when the head does not fit,
+    it waits for pages to come back and nothing overtakes it."""
+    rows, alloc = runner.req_pool, runner.kv_pool.allocator
+    while queue and rows.free_rows:
+        pages = alloc.alloc(alloc.pages_for(tokens(queue[0])))
+        if pages is None:
+            return
+        req = queue.popleft()
+        req.row, req.pages = rows.alloc() or 0, pages
+        yield req
 
 
 def request_seed(seed: int | None) -> int:

@@ -25,7 +25,7 @@ from pdserve.kernels.stream import Event, make_streams
 from pdserve.kvcache.pools import slots_of
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest, TokenEvent
-from pdserve.scheduler.admission import arrival_problem, refusal, request_seed
+from pdserve.scheduler.admission import admit_fifo, arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
@@ -123,18 +123,12 @@ class DecodeEngine:
         self._receive()
 
     def _admit(self) -> None:
-        pool, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
-        while self.prealloc and pool.free_rows:
-            req = self.prealloc[0]
-            pages = alloc.alloc(alloc.pages_for(req.reserved_tokens))
-            if pages is None:
-                return  # FIFO: wait for pages to come back
-            self.prealloc.popleft()
-            req.row, req.pages, req.state = pool.alloc() or 0, pages, State.TRANSFER
+        for req in admit_fifo(self.prealloc, self.runner, lambda r: r.reserved_tokens):
+            req.state = State.TRANSFER
             req.stages["reserved"] = time.time()
             self.transfer[req.rid] = req
-            slots = slots_of(pages, req.prompt_len, alloc.page_size).to(self.runner.device)
-            self.source.expect(req, self.runner.kv_pool, slots)
+            slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
+            self.source.expect(req, self.runner.kv_pool, slots.to(self.runner.device))
 
     def _receive(self) -> None:
         for ev in self.source.poll():

@@ -22,7 +22,7 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.protocol import EngineRequest, TokenEvent
-from pdserve.scheduler.admission import refusal, request_seed
+from pdserve.scheduler.admission import admit_fifo, refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.request import Req, State
 from pdserve.transfer.base import KVSink
@@ -41,8 +41,6 @@ class PrefillEngine:
         self.prefilling: list[Req] = []  # admitted, prompt partly computed
         self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
         self.reqs: dict[str, Req] = {}
-        self.done_tokens: dict[str, int] = {}  # rid -> prompt tokens computed so far
-        self.slots: dict[str, torch.Tensor] = {}
         self.events: list[TokenEvent] = []
         self.busy_s = 0.0
         self.started = time.perf_counter()
@@ -82,6 +80,7 @@ class PrefillEngine:
         if req in self.prefilling:
             self.prefilling.remove(req)
         self.holding[req.rid] = req
+        req.state = State.HOLDING
 
     def has_work(self) -> bool:
         if self.prefilling:
@@ -116,19 +115,12 @@ class PrefillEngine:
             self._finish(req)
 
     def _admit(self) -> None:
-        pool, alloc = self.runner.req_pool, self.runner.kv_pool.allocator
-        while self.waiting and pool.free_rows:
-            req = self.waiting[0]
-            pages = alloc.alloc(alloc.pages_for(req.prompt_len))
-            if pages is None:
-                return
-            self.waiting.popleft()
-            req.row, req.pages, req.state = pool.alloc() or 0, pages, State.TRANSFER
-            slots = slots_of(pages, req.prompt_len, alloc.page_size)
-            self.slots[req.rid] = slots.to(self.runner.device)
-            table = pool.req_to_token
+        table = self.runner.req_pool.req_to_token
+        for req in admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len):
+            req.state, req.prefilled = State.PREFILL, 0
+            slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
+            req.slots = slots.to(self.runner.device)
             table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
-            self.done_tokens[req.rid] = 0
             self.prefilling.append(req)
             req.stages["prefill_start"] = time.time()
             self.sink.on_admit(req)
@@ -140,7 +132,7 @@ class PrefillEngine:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            start = self.done_tokens[req.rid]
+            start = req.prefilled
             end = min(req.prompt_len, start + budget)
             plan.append((req, start, end))
             budget -= end - start
@@ -161,8 +153,9 @@ class PrefillEngine:
                 [0] * len(reqs),
             )
         for req, start, end in plan:
-            self.done_tokens[req.rid] = end
-            self.sink.on_chunk(req, self.runner.kv_pool, self.slots[req.rid], start, end)
+            req.prefilled = end
+            assert req.slots is not None  # set at admission
+            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, start, end)
         for j, (_, req) in enumerate(finished):
             self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
         self.busy_s += time.perf_counter() - t0
@@ -175,7 +168,8 @@ class PrefillEngine:
         for req, start, end in plan:
             ids.extend(req.prompt_ids[start:end])
             pos.extend(range(start, end))
-            locs.append(self.slots[req.rid][start:end])
+            assert req.slots is not None  # set at admission
+            locs.append(req.slots[start:end])
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
@@ -188,6 +182,7 @@ class PrefillEngine:
     def _prompt_done(self, req: Req, token: int, logprob: float) -> None:
         self.prefilling.remove(req)
         self.holding[req.rid] = req
+        req.state = State.HOLDING
         req.first_token, req.first_logprob = token, logprob
         req.output_ids.append(token)
         req.stages["prefill_end"] = time.time()
@@ -201,8 +196,7 @@ class PrefillEngine:
             self.waiting.remove(req)
         self.holding.pop(req.rid, None)
         self.reqs.pop(req.rid, None)
-        self.done_tokens.pop(req.rid, None)
-        self.slots.pop(req.rid, None)
+        req.slots = None
         if req.row:
             self.runner.req_pool.free(req.row)
             req.row = 0

@@ -12,15 +12,21 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 
 
 class State(enum.Enum):
+    # decode side
     PREALLOC = "prealloc"  # waiting for a row + KV pages
     TRANSFER = "transfer"  # row and pages reserved, waiting for the prefill's KV
     PREBUILT = "prebuilt"  # KV arrived with the first token
     RUNNING = "running"
+    # prefill side (it queues in PREALLOC too)
+    PREFILL = "prefill"  # row and prompt pages reserved, prompt chunks being computed
+    HOLDING = "holding"  # prompt done, first token sampled; KV kept until the decode has it
     DONE = "done"
 
 
@@ -39,6 +45,10 @@ class Req:
     # filled at admission (prealloc -> transfer) by the scheduler
     row: int = 0
     pages: list[int] = field(default_factory=list)
+    # prefill side, filled at admission by the prefill engine: the prompt's KV slots and
+    # how many prompt tokens are computed so far (advanced chunk by chunk)
+    slots: torch.Tensor | None = None
+    prefilled: int = 0
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0

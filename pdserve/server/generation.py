@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.protocol import EngineRequest
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, prompt_problem
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.metrics import Metrics
@@ -139,25 +139,11 @@ class Frontend:
 
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validate a prompt; return max_tokens (defaulting to the rest of the context)."""
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise RequestError("prompt token ids outside the vocabulary", "prompt")
-        room_left = self.max_context - len(ids)
-        if room_left < 1:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens; the context length is {self.max_context}",
-                "prompt",
-            )
-        if max_tokens is None:
-            return room_left
-        if max_tokens > room_left:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_context}",
-                "max_tokens",
-            )
-        return max_tokens
+        wanted = max(1, self.max_context - len(ids)) if max_tokens is None else max_tokens
+        problem = prompt_problem(ids, self.tokenizer.vocab_size, self.max_context, wanted)
+        if problem is not None:
+            raise RequestError(problem[1], problem[0])
+        return wanted
 
     def build_requests(
         self, ids: list[int], params: SamplingParams, n: int, rid: str | None, boot: Bootstrap

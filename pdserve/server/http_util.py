@@ -13,16 +13,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from pdserve.edge import bounds
+from pdserve.edge import body
+from pdserve.edge.errors import ClientGone, error_body
 from pdserve.server.generation import RequestError
-from pdserve.server.openai_api import error_body
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response was complete."""
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -33,23 +29,12 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body; RequestError 413 past `limit` bytes, 400 if not JSON or a number
-    is out of bounds (bounds.py: the same rules as the router's)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"request body larger than {limit} bytes", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"request body larger than {limit} bytes", status=413)
-        chunks.append(chunk)
+    """The JSON body, read by the edge's one reader (the router's too): RequestError 413
+    past `limit` bytes, 400 if not JSON or a number is out of bounds (edge/bounds.py)."""
     try:
-        return bounds.loads(b"".join(chunks))
-    except bounds.BoundsError as e:
-        raise RequestError(str(e), e.param) from e
-    except ValueError as e:
-        raise RequestError(f"malformed JSON body: {e}") from e
+        return await body.read_json(request, limit)
+    except body.BodyError as e:
+        raise RequestError(e.message, e.param, status=e.status) from e
 
 
 def parse(model: type[M], data: Any) -> M:

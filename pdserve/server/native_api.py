@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.edge.errors import error_body
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.engine_client import EngineDead
@@ -35,7 +36,7 @@ from pdserve.server.http_util import (
     stream_until_disconnect,
     until_disconnect,
 )
-from pdserve.server.openai_api import SSE_DONE, GenerateIn, as_list, error_body, native_meta, sse
+from pdserve.server.openai_api import SSE_DONE, GenerateIn, as_list, native_meta, sse
 from pdserve.server.openai_routes import engine_error_status
 from pdserve.server.server_config import ServerConfig
 

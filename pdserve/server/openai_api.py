@@ -121,13 +121,6 @@ def as_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-# ---- errors ------------------------------------------------------------------------------
-def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None, code: Any = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 

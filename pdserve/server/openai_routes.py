@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.edge.errors import error_body
 from pdserve.protocol import EngineRequest
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import Frontend, RequestError, collect, merge, run_sample
@@ -24,7 +25,6 @@ from pdserve.server.openai_api import (
     ChatIn,
     CompletionIn,
     OpenAIFormatter,
-    error_body,
     sse,
 )
 from pdserve.server.server_config import ServerConfig
