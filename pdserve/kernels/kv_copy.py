@@ -13,24 +13,11 @@ without CUDA, see pdserve/kernels/__init__.py). pool and stage must share a devi
 Slot bounds are checked on CPU only (reading a CUDA tensor would sync the host); on
 CUDA the kernel masks out-of-range slots: gather writes zeros, scatter drops the row.
 
-How the transfer uses them on CUDA (pdserve/transfer/staging.py does the CPU version):
-
-    prefill, per chunk                     copy stream                  host
-    forward stream: layers write KV  ─▶  wait_stream(forward)
-                                          gather_kv(pool.k[l0:l1], slots, dev_stage)
-                                          stage_to_host(dev_stage, pinned) (async)
-                                          event = record()      ─▶  event.wait()
-                                                                      zmq send pinned
-                                                                      (copy=False)
-
-    - dev_stage and pinned come from a pool of buffers; a buffer is reused only after
-      its ZeroMQ MessageTracker says done (StagingPool.hold) AND, for dev_stage, after
-      the copy event (NOTE: kept alive across streams: the copy stream still reads it).
-    - The forward stream never waits on the copy stream, so decode/prefill compute keeps
-      running while the DMA and the socket work proceed.
-    - Decode side: frames land in pinned host memory (recv_into a pinned buffer), then
-      `dev_stage.copy_(pinned, non_blocking=True)` and scatter_kv on the copy stream; the
-      forward stream waits on that stream (wait_stream) before the request is prebuilt.
+Status: tested kernels (tests/test_kv_copy.py, interpreted on CPU) that the transfer
+does not call yet. pdserve/transfer gathers and scatters KV with torch indexing on
+host memory; a CUDA pool would need these kernels on a copy stream, with the staging
+buffers kept alive until both the copy event and ZeroMQ's tracker say done. That
+pipeline is not built (nothing here has run on a GPU).
 """
 
 from __future__ import annotations
