@@ -263,7 +263,7 @@ def test_compose_builds_every_image_with_the_same_arguments():
 
 def test_compose_model_is_one_variable():
     svcs = services({"PDSERVE_MODEL": "bench"})
-    assert flag(svcs["model"]["command"], "--preset") == "bench"
+    assert flag(svcs["model"]["command"], "--model") == "bench"
     text = COMPOSE.read_text()
     assert len(set(re.findall(r"\$\{PDSERVE_MODEL:-(\w+)\}", text))) == 1
 
@@ -436,7 +436,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], logs: Path, timeout: f
 @pytest.fixture(scope="module")
 def compose_stack(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]]:
     """model (run to completion), then prefill, decode, router: as compose runs them."""
-    svcs, tmp = services(), tmp_path_factory.mktemp("compose")
+    svcs, tmp = services({"PDSERVE_MODEL": "tiny"}), tmp_path_factory.mktemp("compose")
     names = ("prefill", "decode", "router")
     ports = {p: free_port() for n in names for p in container_ports(svcs[n])}
     models = tmp / "models"
@@ -444,11 +444,11 @@ def compose_stack(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]
     def argv(name: str) -> list[str]:
         return local_argv(svcs[name]["command"], set(svcs), ports, models)
 
-    # the model service's `make-model --preset tiny` made the suite's cached checkpoint
+    # the model service's `export-model --model tiny` copies the suite's cached checkpoint
     # (test_make_model covers the command); linking it keeps this test well under a minute
     out = Path(argv("model")[argv("model").index("--out") + 1])
     out.parent.mkdir(parents=True)
-    out.symlink_to(model_path(flag(svcs["model"]["command"], "--preset")))
+    out.symlink_to(model_path(flag(svcs["model"]["command"], "--model")))
     procs: list[subprocess.Popen] = []
     urls = {}
     try:
