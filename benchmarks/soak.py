@@ -53,6 +53,7 @@ ENGINE_FLAGS = ["--max-running-requests", "16", "--max-total-tokens", "8192",
 class Cluster:
     """One prefill, one decode and a router; `start()` blocks until all answer /health."""
 
+    model: str = "tiny"  # the seeded random preset: small and quick on a shared CPU
     transfer: dict[str, float] = field(default_factory=lambda: dict(FAST_TRANSFER))
     engine_flags: list[str] = field(default_factory=lambda: list(ENGINE_FLAGS))
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-cluster-"))
@@ -64,7 +65,7 @@ class Cluster:
         `extra` flags come after the cluster's engine flags (and so win)."""
         self._n += 1
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port)]
+        argv = [sys.executable, "-m", "pdserve.cli", role, "--model", self.model, "--port", str(port)]
         for key, value in self.transfer.items():
             argv += [TRANSFER_FLAGS[key], str(value)]
         boot = free_port() if role == "prefill" else None
