@@ -8,6 +8,12 @@ validation, scatter into the decode pool's (differently numbered) pages, KVDone.
 The received bytes are checked against the prefill's afterwards. The raw-TCP
 baseline, measured in the same run, is a child process's `sendall` of a buffer of
 the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
+The same transfer runs again with CURVE on (encryption + authentication).
+
+Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
+divided by the wall time of all its transfers. Sender: gather, checksum, send (incl.
+waiting for a free staging buffer); receiver: receive, verify, scatter. The sides
+run concurrently, so shares of different stages overlap; the rest is idle time.
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -25,9 +31,13 @@ import time
 import torch
 
 from pdserve.scheduler.pools import KVLayout
+from pdserve.transfer import stages
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
+from pdserve.transfer.zmq_io import CurveKeys
+
+STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
 
@@ -36,7 +46,9 @@ def kv_bytes(layout: KVLayout, tokens: int) -> int:
     return 2 * layout.num_layers * tokens * layout.token_bytes_per_layer
 
 
-def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -> None:
+def prefill_side(
+    n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int, curve: CurveKeys | None
+) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
     at expect(), covers Ready + gather + send + receive + scatter + KVDone)."""
@@ -47,6 +59,7 @@ def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -
         heartbeat_s=0.5,
         ack_timeout_s=300,
         max_frame_bytes=frame_bytes,
+        curve=curve,
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1)
     side = Side(pool, *reserve(pool, n, 1))
@@ -54,18 +67,22 @@ def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
     port_q.put(tx.bootstrap_port)
     events = wait_for(tx.poll, len(rooms), 600)
-    port_q.put(sum(e.ok for e in events))
+    port_q.put((sum(e.ok for e in events), stages.snapshot()))
     tx.close()
 
 
-def zmq_gbps(n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES) -> float:
+def zmq_run(
+    n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None
+) -> tuple[float, dict[str, float]]:
+    """(GB/s: median over the repeats after a warm-up, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
     )
     child.start()
-    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300)
+    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)
+    stages.reset()
     try:
         port = port_q.get(timeout=120)
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2)
@@ -77,12 +94,15 @@ def zmq_gbps(n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES) -> float:
             [ev] = wait_for(rx.poll, 1, 300)
             times.append(time.perf_counter() - t0)
             assert ev.ok, ev.reason
-        assert port_q.get(timeout=60) == len(rooms)
+        ok, sender_stages = port_q.get(timeout=60)
+        assert ok == len(rooms)
+        seconds = {**sender_stages, **stages.snapshot()}
+        shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
         _, pre_slots = reserve(pre_pool, n, 1)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec.slots])
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec.slots])
-        return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9
+        return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9, shares
     finally:
         rx.close()
         child.join(timeout=30)
@@ -118,40 +138,56 @@ def raw_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def measure(n: int, args: argparse.Namespace) -> dict:
+    nbytes = kv_bytes(BENCH_LAYOUT, n)
+    frame = int(args.frame_mib * 2**20)
+    z, shares = zmq_run(n, args.repeats, frame)
+    r = raw_gbps(nbytes, args.repeats)
+    out = {
+        "tokens": n,
+        "bytes": nbytes,
+        "zmq_gbps": round(z, 3),
+        "raw_tcp_gbps": round(r, 3),
+        "ratio": round(z / r, 3),
+        "shares": shares,
+    }
+    if not args.no_curve:
+        c, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
+        out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r, 3), curve_shares=c_shares)
+    return out
+
+
+def print_table(results: list[dict], repeats: int) -> None:
+    print(f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, median of {repeats}")
+    print(
+        f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
+        f" {'CURVE GB/s':>10} {'ratio':>6}  " + " ".join(f"{s:>8}" for s in STAGES)
+    )
+    for x in results:
+        curve = (
+            f"{x['curve_gbps']:>10.2f} {x['curve_ratio']:>6.2f}" if "curve_gbps" in x else " " * 17
+        )
+        print(
+            f"{x['tokens']:>7} {x['bytes'] / 2**20:>7.1f} {x['zmq_gbps']:>9.2f}"
+            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {curve}  "
+            + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
+        )
+    print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
+    ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    results = []
-    for n in args.tokens:
-        nbytes = kv_bytes(BENCH_LAYOUT, n)
-        z, r = (
-            zmq_gbps(n, args.repeats, int(args.frame_mib * 2**20)),
-            raw_gbps(nbytes, args.repeats),
-        )
-        results.append(
-            {
-                "tokens": n,
-                "bytes": nbytes,
-                "zmq_gbps": round(z, 3),
-                "raw_tcp_gbps": round(r, 3),
-                "ratio": round(z / r, 3),
-            }
-        )
+    results = [measure(n, args) for n in args.tokens]
     if args.json:
         print(json.dumps({"results": results}))
-        return
-    print(
-        f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, median of {args.repeats}"
-    )
-    print(f"{'tokens':>7} {'MiB':>8} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}")
-    for x in results:
-        print(
-            f"{x['tokens']:>7} {x['bytes'] / 2**20:>8.1f} {x['zmq_gbps']:>9.2f} {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f}"
-        )
+    else:
+        print_table(results, args.repeats)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import torch
 
 from pdserve.scheduler.pools import KVLayout, KVPool
 from pdserve.scheduler.request import Req
-from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest, frames_checksum
+from pdserve.transfer import stages
+from pdserve.transfer.checksum import combine, frame_hash, hash_async
+from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import MsgSocket
 
@@ -58,7 +60,10 @@ class Pusher:
         idx = idx.to(pool.k.device)
         staging = self._staging_for(pool)
         k_buf, k = staging.gather(pool.k, idx)
+        k_hash = hash_async(k)  # NOTE: K is not written again until its tracker is done
         v_buf, v = staging.gather(pool.v, idx)
+        with stages.timed("checksum"):  # V here, K on a helper thread during V's gather
+            checksum = combine([k_hash.result(), frame_hash(v)])
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,
@@ -70,10 +75,11 @@ class Pusher:
             kind="kv",
             dtype=self.layout.dtype,
             nbytes=k.nbytes,
-            checksum=frames_checksum([k, v]),
+            checksum=checksum,
         )
         st.sent.append((hdr.index, hdr.checksum))
-        trackers = sock.send(hdr, [k, v])
+        with stages.timed("send"):
+            trackers = sock.send(hdr, [k, v])
         # NOTE: staging buffers return to the pool only when libzmq is done with them
         staging.hold(k_buf, trackers)
         staging.hold(v_buf, trackers)
@@ -96,5 +102,7 @@ class Pusher:
         if self._staging is None:
             lay = self.layout
             numel = self.max_tokens * lay.num_layers * lay.num_kv_heads * lay.head_dim
-            self._staging = StagingPool(numel, pool.k.dtype, pin=pool.k.is_cuda)
+            self._staging = StagingPool(
+                numel, pool.k.dtype, pin=pool.k.is_cuda, page_size=lay.page_size
+            )
         return self._staging
