@@ -90,37 +90,65 @@ class StagingPool:
         self._busy = still
 
 
-def whole_pages(idx: torch.Tensor, page_size: int) -> torch.Tensor | None:
-    """The page numbers if `idx` is whole pages (see the module docstring), else None."""
+def page_split(idx: np.ndarray, page_size: int) -> tuple[int, np.ndarray] | None:
+    """(head, pages): idx[:head] finish a page entered mid-way, idx[head : head + P *
+    len(pages)] are the whole pages `pages`, the rest start a page. None if not so."""
     n = len(idx)
-    if page_size <= 1 or n == 0 or n % page_size:
+    if page_size <= 1 or n == 0:
         return None
-    rows = idx.view(-1, page_size)
+    head = min(n, (-int(idx[0])) % page_size)
+    m = (n - head) // page_size
+    rows = idx[head : head + m * page_size].reshape(m, page_size)
     first = rows[:, 0]
-    step = torch.arange(page_size, device=idx.device, dtype=idx.dtype)
-    if bool((first % page_size).any()) or not bool((rows == first[:, None] + step).all()):
+    if (first % page_size).any() or (rows != first[:, None] + np.arange(page_size)).any():
         return None
-    return first // page_size
+    return head, first // page_size
 
 
-def _paged(t: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[L, S, H, D] (contiguous rows) viewed as [L, S / P, P * H * D]."""
-    return t.view(t.shape[0], t.shape[1] // page_size, -1)
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """[L, S, ...] (contiguous rows) as a uint8 array [L, S, row bytes] sharing memory."""
+    return t.view(t.shape[0], t.shape[1], -1).view(torch.uint8).numpy()
+
+
+def _np_pages(rows: np.ndarray, page_size: int) -> np.ndarray:
+    """[L, S, R] viewed as [L, S / P, P * R]; raises rather than copy."""
+    return np.reshape(rows, (rows.shape[0], -1, page_size * rows.shape[2]), copy=False)
+
+
+def _pieces(
+    idx: np.ndarray, page_size: int, num_slots: int
+) -> tuple[slice, np.ndarray, list[slice]]:
+    """(whole-page positions, their pages, the other positions as slices)."""
+    split = page_split(idx, page_size) if num_slots % max(page_size, 1) == 0 else None
+    if split is None:
+        return slice(0, 0), idx[:0], [slice(0, len(idx))]
+    head, pages = split
+    mid = slice(head, head + len(pages) * page_size)
+    return mid, pages, [slice(0, head), slice(mid.stop, len(idx))]
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, page_size: int) -> None:
-    """out[:, i] = src[:, idx[i]]. out: contiguous [L, len(idx), ...]."""
-    pages = whole_pages(idx, page_size) if src.shape[1] % max(page_size, 1) == 0 else None
-    if pages is None:
-        torch.index_select(src, 1, idx, out=out)
-    else:
-        torch.index_select(_paged(src, page_size), 1, pages, out=_paged(out, page_size))
+    """out[:, i] = src[:, idx[i]] (CPU). out: contiguous [L, len(idx), ...]."""
+    mid, pages, rest = _pieces(idx.numpy(), page_size, src.shape[1])
+    if len(pages):
+        paged = out[:, mid].view(out.shape[0], len(pages), -1)  # raises rather than copy
+        src_pages, page_t = src.view(src.shape[0], -1, paged.shape[2]), torch.from_numpy(pages)
+        if paged.is_contiguous():  # the usual case: the piece starts and ends on pages
+            torch.index_select(src_pages, 1, page_t, out=paged)
+        else:
+            paged.copy_(src_pages.index_select(1, page_t))
+    for part in rest:
+        if part.start < part.stop:
+            out[:, part] = src.index_select(1, idx[part])
 
 
-def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, page_size: int) -> None:
-    """dst[:, idx[i]] = src[:, i]. src: contiguous [L, len(idx), ...] on dst's device."""
-    pages = whole_pages(idx, page_size) if dst.shape[1] % max(page_size, 1) == 0 else None
-    if pages is None:
-        dst.index_copy_(1, idx, src)
-    else:
-        _paged(dst, page_size).index_copy_(1, pages, _paged(src, page_size))
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_size: int) -> None:
+    """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
+    view over a received ZeroMQ frame (read straight from it, no intermediate copy)."""
+    rows, slots = _rows(dst), idx.numpy()
+    mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
+    if len(pages):
+        _np_pages(rows, page_size)[:, pages] = _np_pages(frame[:, mid], page_size)
+    for part in rest:
+        if part.start < part.stop:
+            rows[:, slots[part]] = frame[:, part]

@@ -82,15 +82,19 @@ def write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
 
 def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
     lay = x.pool.layout
-    shape = (h.layer_end - h.layer_start, h.tok_end - h.tok_start, lay.num_kv_heads, lay.head_dim)
+    n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
-    dtype = getattr(torch, lay.dtype)
     for kind, buf in zip(_KINDS[h.kind], bufs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
-            src = torch.frombuffer(buf, dtype=dtype).view(shape)
         dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
-        scatter_rows(dst, idx, src.to(dst.device, non_blocking=False), lay.page_size)
+        if dst.is_cuda:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
+                src = torch.frombuffer(buf, dtype=getattr(torch, lay.dtype))
+            shape = (n_layers, n_tok, lay.num_kv_heads, lay.head_dim)
+            dst.index_copy_(1, idx, src.view(shape).to(dst.device))
+        else:  # straight from the frame's bytes into the pool pages
+            frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
+            scatter_rows(dst, idx, frame, lay.page_size)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
 
