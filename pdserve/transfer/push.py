@@ -5,6 +5,17 @@ a K frame and a V frame gathered from the room's (scattered) slots:
 
     prompt positions  [0 ........ n)   split into pieces of <= max_tokens
     frame             [layers, piece tokens, kv_heads, head_dim]   C-contiguous
+
+Pipeline (each row its own thread; chunk i+1's gather runs while chunk i is on the wire):
+
+    sender I/O thread    gather K_i │ gather V_i │ send_i ─▶ gather K_i+1 │ ...
+    kv-hash thread                  │ hash K_i  │
+    libzmq I/O (sender)                          └─ write_i to the socket ──────▶
+    libzmq I/O (decode)                            read_i into a frame ─▶ read_i+1 ...
+    decode I/O thread                                        verify_i │ scatter_i │ verify_i+1
+
+The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
+it goes back to the pool only when its tracker says libzmq is done.
 """
 
 from __future__ import annotations
