@@ -8,6 +8,14 @@ validation, scatter into the decode pool's (differently numbered) pages, KVDone.
 The received bytes are checked against the prefill's afterwards. The raw-TCP
 baseline, measured in the same run, is a child process's `sendall` of a buffer of
 the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
+The same transfer runs again with CURVE on (encryption + authentication).
+
+Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
+divided by the wall time of all its transfers. Sender: gather, checksum, send (incl.
+waiting for a free staging buffer); receiver: receive, verify, scatter. The sides
+run concurrently, so shares of different stages overlap; the rest is idle time.
+CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
+ZeroMQ's; on a machine shared with other work it varies less than the wall time.
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import resource
 import socket
 import statistics
 import time
@@ -25,9 +34,13 @@ import time
 import torch
 
 from pdserve.kvcache.pools import KVLayout
+from pdserve.transfer import stages
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
+from pdserve.transfer.zmq_io import CurveKeys
+
+STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
 
@@ -36,7 +49,15 @@ def kv_bytes(layout: KVLayout, tokens: int) -> int:
     return 2 * layout.num_layers * tokens * layout.token_bytes_per_layer
 
 
-def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -> None:
+def cpu_s() -> float:
+    """CPU seconds (user + system, all threads) this process has used so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def prefill_side(
+    n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int, curve: CurveKeys | None
+) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
     at expect(), covers Ready + gather + send + receive + scatter + KVDone)."""
@@ -47,64 +68,80 @@ def prefill_side(n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int) -
         heartbeat_s=0.5,
         ack_timeout_s=300,
         max_frame_bytes=frame_bytes,
+        curve=curve,
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1)
     side = Side(pool, *reserve(pool, n, 1))
     for room in rooms:
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
+    c0 = cpu_s()
     port_q.put(tx.bootstrap_port)
     events = wait_for(tx.poll, len(rooms), 600)
-    port_q.put(sum(e.ok for e in events))
+    port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0))
     tx.close()
 
 
-def zmq_gbps(n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES) -> float:
+def zmq_run(
+    n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None
+) -> tuple[float, float, dict[str, float]]:
+    """(GB/s: median over the repeats after a warm-up, CPU ns per byte of both processes,
+    stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
     )
     child.start()
-    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300)
+    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)
+    stages.reset()
     try:
         port = port_q.get(timeout=120)
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
-        times = []
+        times, c0 = [], cpu_s()
         for room in rooms:
             t0 = time.perf_counter()
             rx.expect(make_req(f"b{room}", room, n, port), dec.pool, dec.slots)
             [ev] = wait_for(rx.poll, 1, 300)
             times.append(time.perf_counter() - t0)
             assert ev.ok, ev.reason
-        assert port_q.get(timeout=60) == len(rooms)
+        cpu = cpu_s() - c0
+        ok, sender_stages, sender_cpu = port_q.get(timeout=60)
+        assert ok == len(rooms)
+        cpu_ns = (cpu + sender_cpu) / (kv_bytes(BENCH_LAYOUT, n) * len(rooms)) * 1e9
+        seconds = {**sender_stages, **stages.snapshot()}
+        shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
         _, pre_slots = reserve(pre_pool, n, 1)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec.slots])
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec.slots])
-        return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9
+        return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9, cpu_ns, shares
     finally:
         rx.close()
         child.join(timeout=30)
 
 
-def raw_sender(port: int, nbytes: int, repeats: int) -> None:
+def raw_sender(port: int, nbytes: int, repeats: int, cpu_q: mp.Queue) -> None:
     """Child process: sendall a buffer, once per 'go' byte from the receiver."""
     src = bytes(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy())
     with socket.create_connection(("127.0.0.1", port)) as s:
+        c0 = cpu_s()
         for _ in range(repeats):
             s.recv(1)
             s.sendall(src)
+        cpu_q.put(cpu_s() - c0)
 
 
-def raw_gbps(nbytes: int, repeats: int) -> float:
+def raw_run(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(GB/s, CPU ns per byte of both processes) of raw TCP, as zmq_run."""
     srv = socket.create_server(("127.0.0.1", 0))
     ctx = mp.get_context("spawn")
-    child = ctx.Process(target=raw_sender, args=(srv.getsockname()[1], nbytes, repeats + 1))
+    cpu_q: mp.Queue = ctx.Queue()
+    child = ctx.Process(target=raw_sender, args=(srv.getsockname()[1], nbytes, repeats + 1, cpu_q))
     child.start()
     conn, _ = srv.accept()
     dst = bytearray(nbytes)
-    view, times = memoryview(dst), []
+    view, times, c0 = memoryview(dst), [], cpu_s()
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         conn.send(b"g")
@@ -112,10 +149,52 @@ def raw_gbps(nbytes: int, repeats: int) -> float:
         while off < nbytes:
             off += conn.recv_into(view[off:])
         times.append(time.perf_counter() - t0)
+    cpu = cpu_s() - c0 + cpu_q.get(timeout=60)
     conn.close()
     srv.close()
     child.join(timeout=30)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    return nbytes / statistics.median(times[1:]) / 1e9, cpu / (nbytes * (repeats + 1)) * 1e9
+
+
+def measure(n: int, args: argparse.Namespace) -> dict:
+    nbytes = kv_bytes(BENCH_LAYOUT, n)
+    frame = int(args.frame_mib * 2**20)
+    z, z_cpu, shares = zmq_run(n, args.repeats, frame)
+    r, r_cpu = raw_run(nbytes, args.repeats)
+    out = {
+        "tokens": n,
+        "bytes": nbytes,
+        "zmq_gbps": round(z, 3),
+        "raw_tcp_gbps": round(r, 3),
+        "ratio": round(z / r, 3),
+        "zmq_cpu_ns_per_byte": round(z_cpu, 3),
+        "raw_cpu_ns_per_byte": round(r_cpu, 3),
+        "cpu_ratio": round(r_cpu / z_cpu, 3),
+        "shares": shares,
+    }
+    if not args.no_curve:
+        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
+        out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r, 3), curve_shares=c_shares)
+    return out
+
+
+def print_table(results: list[dict], repeats: int) -> None:
+    print(f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, median of {repeats}")
+    print(
+        f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
+        f" {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9}  " + " ".join(f"{s:>8}" for s in STAGES)
+    )
+    for x in results:
+        curve = (
+            f"{x['curve_gbps']:>10.2f} {x['curve_ratio']:>6.2f}" if "curve_gbps" in x else " " * 17
+        )
+        print(
+            f"{x['tokens']:>7} {x['bytes'] / 2**20:>7.1f} {x['zmq_gbps']:>9.2f}"
+            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {curve} {x['cpu_ratio']:>9.2f}  "
+            + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
+        )
+    print("CPU ratio: raw TCP's CPU seconds per byte / ZeroMQ's (both processes, all threads)")
+    print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
 
 
 def main() -> None:
@@ -123,35 +202,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
+    ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    results = []
-    for n in args.tokens:
-        nbytes = kv_bytes(BENCH_LAYOUT, n)
-        z, r = (
-            zmq_gbps(n, args.repeats, int(args.frame_mib * 2**20)),
-            raw_gbps(nbytes, args.repeats),
-        )
-        results.append(
-            {
-                "tokens": n,
-                "bytes": nbytes,
-                "zmq_gbps": round(z, 3),
-                "raw_tcp_gbps": round(r, 3),
-                "ratio": round(z / r, 3),
-            }
-        )
+    results = [measure(n, args) for n in args.tokens]
     if args.json:
         print(json.dumps({"results": results}))
-        return
-    print(
-        f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, median of {args.repeats}"
-    )
-    print(f"{'tokens':>7} {'MiB':>8} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}")
-    for x in results:
-        print(
-            f"{x['tokens']:>7} {x['bytes'] / 2**20:>8.1f} {x['zmq_gbps']:>9.2f} {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f}"
-        )
+    else:
+        print_table(results, args.repeats)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,16 @@ class Cluster:
         `extra` flags come after the cluster's engine flags (and so win)."""
         self._n += 1
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", role, "--model", self.model, "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            role,
+            "--model",
+            self.model,
+            "--port",
+            str(port),
+        ]
         for key, value in self.transfer.items():
             argv += [TRANSFER_FLAGS[key], str(value)]
         boot = free_port() if role == "prefill" else None

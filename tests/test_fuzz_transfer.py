@@ -18,6 +18,7 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import (
     MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     Ack,
     Decoder,
@@ -64,7 +65,7 @@ def test_decoder_never_raises_on_mutated_messages(msg, flips, cut) -> None:
         raw[pos % len(raw)] = val
     dec = Decoder()
     out = dec.decode(bytes(raw[: max(1, len(raw) - cut % len(raw))]))
-    assert out is None or out.v == 1
+    assert out is None or out.v == PROTOCOL_VERSION
     assert (out is None) == (sum(dec.dropped.values()) == 1)
 
 
@@ -79,7 +80,10 @@ def test_decoder_refuses_oversized_and_wrong_version() -> None:
     dec = Decoder()
     big = Heartbeat(sender="x" * MAX_HEADER_BYTES, seq=1)
     assert dec.decode(encode(big)) is None and dec.dropped["oversized"] == 1
-    assert dec.decode(encode(Ack(room=1, session=1, v=2))) is None and dec.dropped["version"] == 1
+    assert (
+        dec.decode(encode(Ack(room=1, session=1, v=PROTOCOL_VERSION + 1))) is None
+        and dec.dropped["version"] == 1
+    )
     assert dec.decode(encode(VALID[3])) == VALID[3]
 
 

@@ -138,7 +138,7 @@ def test_servers_healthy_and_idle_afterwards(targets: dict[str, str]) -> None:
     assert ok.status_code == 200 and ok.json()["output_ids"] == [5, 6, 7], ok.text
 
 
-# ---- numeric bounds (pdserve/server/bounds.py): one bad value in an otherwise valid body ----
+# ---- numeric bounds (pdserve/edge/bounds.py): one bad value in an otherwise valid body ----
 BAD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", str(2**63), str(2**64),
                str(-(2**63) - 1), str(10**30)]  # fmt: skip
 VALID = {

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zmq
 
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve, wait_for, wait_until
 from pdserve.transfer.messages import (
+    PROTOCOL_VERSION,
     Abort,
     Decoder,
     Heartbeat,
@@ -144,6 +148,27 @@ def test_checksum_mismatch_refused(rig) -> None:
     assert_refused(fake, rx, pool, "checksum mismatch")
 
 
+@pytest.mark.parametrize("frame, pos", [(0, 0), (0, 333), (1, 1), (1, -1)])
+def test_corrupted_byte_caught_by_xxh3_checksum(rig, frame, pos) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    per_frame = [xxhash.xxh3_64(f).intdigest() for f in frames]
+    assert hdr.checksum == xxhash.xxh3_64(struct.pack("<2Q", *per_frame)).intdigest()
+    bad = [bytearray(f) for f in frames]
+    bad[frame][pos] ^= 0x5A  # one byte, any bits
+    assert fake.push is not None
+    fake.push.send(hdr, [bytes(b) for b in bad])
+    assert_refused(fake, rx, pool, "checksum mismatch")
+
+
+def test_swapped_k_and_v_frames_refused(rig) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    assert fake.push is not None
+    fake.push.send(hdr, frames[::-1])
+    assert_refused(fake, rx, pool, "checksum mismatch")
+
+
 def test_garbage_is_dropped_and_counted(rig) -> None:
     fake, rx, pool, ready = rig
     before = pool.k.clone()
@@ -153,7 +178,8 @@ def test_garbage_is_dropped_and_counted(rig) -> None:
     sock.send(encode(Heartbeat(sender="x", seq=1))[:-1] + b"\xc1")  # malformed
     sock.send(b"\x81\xa1t\xa4evil")  # unknown tag
     sock.send(b"\x00" * 70_000)  # oversized header
-    sock.send(encode(Heartbeat(sender="x", seq=1)).replace(b"\xa1v\x01", b"\xa1v\x02"))
+    this, other = (b"\xa1v" + bytes([v]) for v in (PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
+    sock.send(encode(Heartbeat(sender="x", seq=1)).replace(this, other))  # another version
     hdr, frames = chunk(ready)
     fake.push.send(KVChunk(**{**_fields(hdr), "room": 999}), frames)  # unknown room
     fake.push.send(KVChunk(**{**_fields(hdr), "session": ready.session + 1}), frames)  # stale

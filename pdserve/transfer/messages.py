@@ -9,20 +9,18 @@ A multipart message is [header] or [KVChunk header, payload frame(s)].
 KVChunk payload: kind "kv" -> two frames (K then V), "k"/"v" -> one frame. Each frame
 is the C-contiguous bytes of a [layer_end-layer_start, tok_end-tok_start, kv_heads,
 head_dim] tensor of `dtype`; `nbytes` is the length of each frame and `checksum` is
-frames_checksum() over the frames in order (crc32 of per-MiB-block crc32s).
+frames_checksum() over the frames in order (XXH3-64, see checksum.py).
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
 import msgspec
 
-PROTOCOL_VERSION = 1
+from pdserve.transfer.checksum import done_digest, frames_checksum
+
+__all__ = ["done_digest", "frames_checksum"]  # re-exported: the checksums of these messages
+
+PROTOCOL_VERSION = 2  # 2: XXH3-64 checksums (1: crc32)
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 
 
@@ -54,7 +52,7 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     kind: str  # "kv" | "k" | "v"
     dtype: str
     nbytes: int  # per payload frame
-    checksum: int
+    checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
 
 
 class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
@@ -90,44 +88,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def encode(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
-
-
-CHECKSUM_BLOCK = 1 << 20
-_CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-crc")
-
-
-def _blocks(frames: Sequence[Any]) -> list[memoryview]:
-    out = []
-    for f in frames:
-        mv = memoryview(f).cast("B")
-        out += [mv[i : i + CHECKSUM_BLOCK] for i in range(0, len(mv), CHECKSUM_BLOCK)]
-    return out
-
-
-def frames_checksum(frames: Sequence[Any]) -> int:
-    """Checksum of payload frames (bytes, memoryviews, contiguous arrays): the frames are
-    cut into 1 MiB blocks (a frame's last block may be shorter), each block gets a
-    zlib.crc32, and the result is the crc32 of those block crcs packed as little-endian
-    uint32 in order. Blocks are independent, so they are hashed on several threads
-    (zlib releases the GIL)."""
-    blocks = _blocks(frames)
-    if len(blocks) > 2:
-        crcs = list(_CRC_POOL.map(zlib.crc32, blocks))
-    else:
-        crcs = [zlib.crc32(b) for b in blocks]
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
-
-
-def done_digest(
-    pairs: Sequence[tuple[int, int]], first_token: int, first_logprob: float, prompt_len: int
-) -> int:
-    """Digest of a whole transfer: crc32 over its (chunk index, checksum) pairs in index
-    order (so independent of arrival order), then the KVDone fields it vouches for."""
-    crc = 0
-    for index, checksum in sorted(pairs):
-        crc = zlib.crc32(struct.pack("<qI", index, checksum), crc)
-    tail = struct.pack("<qdqq", first_token, first_logprob, prompt_len, len(pairs))
-    return zlib.crc32(tail, crc)
 
 
 class Decoder:

@@ -5,6 +5,17 @@ a K frame and a V frame gathered from the room's (scattered) slots:
 
     prompt positions  [0 ........ n)   split into pieces of <= max_tokens
     frame             [layers, piece tokens, kv_heads, head_dim]   C-contiguous
+
+Pipeline (each row its own thread; chunk i+1's gather runs while chunk i is on the wire):
+
+    sender I/O thread    gather K_i │ gather V_i │ send_i ─▶ gather K_i+1 │ ...
+    kv-hash thread                  │ hash K_i  │
+    libzmq I/O (sender)                          └─ write_i to the socket ──────▶
+    libzmq I/O (decode)                            read_i into a frame ─▶ read_i+1 ...
+    decode I/O thread                                        verify_i │ scatter_i │ verify_i+1
+
+The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
+it goes back to the pool only when its tracker says libzmq is done.
 """
 
 from __future__ import annotations
@@ -14,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest, frames_checksum
+from pdserve.transfer.checksum import combine, frame_hash, hash_async
+from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import MsgSocket
 
@@ -58,7 +71,10 @@ class Pusher:
         idx = idx.to(pool.k.device)
         staging = self._staging_for(pool)
         k_buf, k = staging.gather(pool.k, idx)
+        k_hash = hash_async(k)  # NOTE: K is not written again until its tracker is done
         v_buf, v = staging.gather(pool.v, idx)
+        with stages.timed("checksum"):  # V here, K on a helper thread during V's gather
+            checksum = combine([k_hash.result(), frame_hash(v)])
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,
@@ -70,10 +86,11 @@ class Pusher:
             kind="kv",
             dtype=self.layout.dtype,
             nbytes=k.nbytes,
-            checksum=frames_checksum([k, v]),
+            checksum=checksum,
         )
         st.sent.append((hdr.index, hdr.checksum))
-        trackers = sock.send(hdr, [k, v])
+        with stages.timed("send"):
+            trackers = sock.send(hdr, [k, v])
         # NOTE: staging buffers return to the pool only when libzmq is done with them
         staging.hold(k_buf, trackers)
         staging.hold(v_buf, trackers)
@@ -96,5 +113,7 @@ class Pusher:
         if self._staging is None:
             lay = self.layout
             numel = self.max_tokens * lay.num_layers * lay.num_kv_heads * lay.head_dim
-            self._staging = StagingPool(numel, pool.k.dtype, pin=pool.k.is_cuda)
+            self._staging = StagingPool(
+                numel, pool.k.dtype, pin=pool.k.is_cuda, page_size=lay.page_size
+            )
         return self._staging

@@ -1,22 +1,42 @@
-"""Reusable host staging buffers for outgoing KV frames.
+"""Reusable host staging buffers for outgoing KV frames, and the page-wise copies
+between pool slots and a frame.
 
 A buffer is handed to ZeroMQ zero-copy; it is reused only after every message
 that referenced it reports done through its MessageTracker. Reuse matters: a
 fresh 10 MB allocation page-faults on first touch, which costs more than the copy.
+
+A request's slots come in pages (runs of `page_size` consecutive slots starting at a
+multiple of page_size), so rows move a page at a time when they can:
+
+    pool   [L, S, H, D]        viewed as [L, S / P, P * H * D]   (one row = one page)
+    frame  [L, n, H, D]        viewed as [L, n / P, P * H * D]
+    slots  [p0*P .. p0*P+P-1, p1*P .. ]  ->  pages [p0, p1, ...]
+
+Any other slot list (a partial last page, a page entered mid-way) moves row by row.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
 import zmq
 
+from pdserve.transfer import stages
+
 
 class StagingPool:
     def __init__(
-        self, numel: int, dtype: torch.dtype, pin: bool = False, max_busy: int = 8
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        pin: bool = False,
+        max_busy: int = 8,
+        page_size: int = 1,
     ) -> None:
         self.numel = numel
+        self.page_size = page_size
         self.max_busy = max_busy
         self.dtype = dtype
         self.pin = pin
@@ -29,14 +49,17 @@ class StagingPool:
         Returns (buffer, numpy view of the gathered bytes). Precondition: the result
         fits (L * n * row elements <= numel); call `hold` once the view is sent.
         """
-        buf = self._take()
+        with stages.timed("send"):  # NOTE: waits here when every buffer is still in flight
+            buf = self._take()
+        t0 = time.perf_counter()
         shape = (src.shape[0], len(idx), *src.shape[2:])
         n = int(np.prod(shape))
         out = buf[:n].view(shape)
         if src.is_cuda:
             out.copy_(src.index_select(1, idx))
         else:
-            torch.index_select(src, 1, idx, out=out)
+            gather_rows(src, idx, out, self.page_size)
+        stages.add("gather", time.perf_counter() - t0)
         return buf, out.numpy()
 
     def hold(self, buf: torch.Tensor, trackers: list[zmq.MessageTracker]) -> None:
@@ -65,3 +88,67 @@ class StagingPool:
             else:
                 still.append((buf, trackers))
         self._busy = still
+
+
+def page_split(idx: np.ndarray, page_size: int) -> tuple[int, np.ndarray] | None:
+    """(head, pages): idx[:head] finish a page entered mid-way, idx[head : head + P *
+    len(pages)] are the whole pages `pages`, the rest start a page. None if not so."""
+    n = len(idx)
+    if page_size <= 1 or n == 0:
+        return None
+    head = min(n, (-int(idx[0])) % page_size)
+    m = (n - head) // page_size
+    rows = idx[head : head + m * page_size].reshape(m, page_size)
+    first = rows[:, 0]
+    if (first % page_size).any() or (rows != first[:, None] + np.arange(page_size)).any():
+        return None
+    return head, first // page_size
+
+
+def _rows(t: torch.Tensor) -> np.ndarray:
+    """[L, S, ...] (contiguous rows) as a uint8 array [L, S, row bytes] sharing memory."""
+    return t.view(t.shape[0], t.shape[1], -1).view(torch.uint8).numpy()
+
+
+def _np_pages(rows: np.ndarray, page_size: int) -> np.ndarray:
+    """[L, S, R] viewed as [L, S / P, P * R]; raises rather than copy."""
+    return np.reshape(rows, (rows.shape[0], -1, page_size * rows.shape[2]), copy=False)
+
+
+def _pieces(
+    idx: np.ndarray, page_size: int, num_slots: int
+) -> tuple[slice, np.ndarray, list[slice]]:
+    """(whole-page positions, their pages, the other positions as slices)."""
+    split = page_split(idx, page_size) if num_slots % max(page_size, 1) == 0 else None
+    if split is None:
+        return slice(0, 0), idx[:0], [slice(0, len(idx))]
+    head, pages = split
+    mid = slice(head, head + len(pages) * page_size)
+    return mid, pages, [slice(0, head), slice(mid.stop, len(idx))]
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, page_size: int) -> None:
+    """out[:, i] = src[:, idx[i]] (CPU). out: contiguous [L, len(idx), ...]."""
+    mid, pages, rest = _pieces(idx.numpy(), page_size, src.shape[1])
+    if len(pages):
+        paged = out[:, mid].view(out.shape[0], len(pages), -1)  # raises rather than copy
+        src_pages, page_t = src.view(src.shape[0], -1, paged.shape[2]), torch.from_numpy(pages)
+        if paged.is_contiguous():  # the usual case: the piece starts and ends on pages
+            torch.index_select(src_pages, 1, page_t, out=paged)
+        else:
+            paged.copy_(src_pages.index_select(1, page_t))
+    for part in rest:
+        if part.start < part.stop:
+            out[:, part] = src.index_select(1, idx[part])
+
+
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_size: int) -> None:
+    """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
+    view over a received ZeroMQ frame (read straight from it, no intermediate copy)."""
+    rows, slots = _rows(dst), idx.numpy()
+    mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
+    if len(pages):
+        _np_pages(rows, page_size)[:, pages] = _np_pages(frame[:, mid], page_size)
+    for part in rest:
+        if part.start < part.stop:
+            rows[:, slots[part]] = frame[:, part]

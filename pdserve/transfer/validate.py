@@ -17,8 +17,11 @@ import numpy as np
 import torch
 
 from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.messages import KVChunk, KVDone, done_digest, frames_checksum
+from pdserve.transfer.checksum import done_digest, frames_checksum_parallel
+from pdserve.transfer.messages import KVChunk, KVDone
+from pdserve.transfer.staging import scatter_rows
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 
@@ -43,6 +46,11 @@ class Transfer:
 
 def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
     """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`."""
+    with stages.timed("verify"):
+        return _check_chunk(layout, x, h, bufs)
+
+
+def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
     n_layers, n_tok = layout.num_layers, x.req.prompt_len
     if not (0 <= h.layer_start < h.layer_end <= n_layers):
         return f"layer range [{h.layer_start}, {h.layer_end}) outside [0, {n_layers})"
@@ -55,26 +63,38 @@ def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview
     want = (h.layer_end - h.layer_start) * (h.tok_end - h.tok_start) * layout.token_bytes_per_layer
     if h.nbytes != want or any(b.nbytes != want for b in bufs):
         return f"byte count {[b.nbytes for b in bufs]} (header {h.nbytes}) != {want}"
-    if frames_checksum(bufs) != h.checksum:
-        return "checksum mismatch"
     for kind in _KINDS[h.kind]:
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
+    # NOTE: last, so a frame of the wrong size is never hashed; frames hash in parallel
+    if frames_checksum_parallel(bufs) != h.checksum:
+        return "checksum mismatch"
     return ""
 
 
 def write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
-    """Precondition: check_chunk passed and the caller holds x.lock with x.open set."""
+    """Precondition: check_chunk passed and the caller holds x.lock with x.open set.
+
+    Scatters straight from the frame's buffer (a read-only view, no copy) into the pool."""
+    with stages.timed("scatter"):
+        _write_chunk(x, h, bufs)
+
+
+def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
     lay = x.pool.layout
-    shape = (h.layer_end - h.layer_start, h.tok_end - h.tok_start, lay.num_kv_heads, lay.head_dim)
+    n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
-    dtype = getattr(torch, lay.dtype)
     for kind, buf in zip(_KINDS[h.kind], bufs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
-            src = torch.frombuffer(buf, dtype=dtype).view(shape)
         dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
-        dst.index_copy_(1, idx, src.to(dst.device, non_blocking=False))
+        if dst.is_cuda:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
+                src = torch.frombuffer(buf, dtype=getattr(torch, lay.dtype))
+            shape = (n_layers, n_tok, lay.num_kv_heads, lay.head_dim)
+            dst.index_copy_(1, idx, src.view(shape).to(dst.device))
+        else:  # straight from the frame's bytes into the pool pages
+            frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
+            scatter_rows(dst, idx, frame, lay.page_size)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.transfer import stages
 from pdserve.transfer.messages import Decoder, Message, encode
 
 Frame = Any  # bytes, memoryview or contiguous numpy array: anything with a buffer
@@ -107,7 +108,8 @@ class MsgSocket:
 
         Returns (peer identity or None, decoded header or None if dropped, payload frames).
         """
-        parts = self.sock.recv_multipart(copy=False)
+        with stages.timed("receive"):
+            parts = self.sock.recv_multipart(copy=False)
         peer = None
         if self.routed:
             peer, parts = parts[0].bytes, parts[1:]

@@ -1,0 +1,51 @@
+"""Page-wise gather/scatter between pool slots and a frame match plain indexing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.transfer.staging import gather_rows, page_split, scatter_rows
+
+P = 4
+SLOTS = 12 * P
+
+
+def _slot_lists() -> list[torch.Tensor]:
+    pages = torch.tensor([5, 2, 9, 0])
+    whole = (pages[:, None] * P + torch.arange(P)).reshape(-1)
+    return [
+        whole,  # whole pages only
+        whole[2:],  # enters page 5 mid-way
+        whole[:-1],  # ends inside page 0
+        whole[1:-2],  # both
+        torch.tensor([7, 3, 40, 41, 42, 43, 1]),  # no page structure
+        whole[:2],  # shorter than a page
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(6))
+def test_gather_and_scatter_match_indexing(dtype, case) -> None:
+    idx = _slot_lists()[case]
+    pool = torch.randn(3, SLOTS, 2, 5).to(dtype)
+    out = torch.full((3, len(idx), 2, 5), float("nan"), dtype=dtype)  # poisoned
+    gather_rows(pool, idx, out, P)
+    assert torch.equal(out, pool[:, idx])
+
+    dst = torch.zeros_like(pool)
+    frame = out.view(3, len(idx), -1).view(torch.uint8).numpy().copy()
+    frame.setflags(write=False)  # like a received ZeroMQ frame
+    scatter_rows(dst, idx, frame, P)
+    want = torch.zeros_like(pool)
+    want[:, idx] = out
+    assert torch.equal(dst, want)
+
+
+def test_page_split() -> None:
+    idx = np.array([22, 23, 8, 9, 10, 11, 0, 1])
+    head, pages = page_split(idx, P)  # type: ignore[misc]
+    assert head == 2 and pages.tolist() == [2]
+    assert page_split(np.array([8, 9, 11, 10]), P) is None  # not in order inside the page
+    assert page_split(idx, 1) is None
