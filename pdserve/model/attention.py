@@ -78,8 +78,10 @@ class TorchAttention:
         assert isinstance(plan, _Plan), "prepare() must run before forward()"
         self.pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        out = torch.empty_like(q)
         window = self.windows[layer] if layer < len(self.windows) else 0
+        if not plan.extends:  # a decode step: token i is request i's one token
+            return self._decode(q, kc, vc, plan, window).reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
         if plan.decode_tok.numel():
             out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan, window)
         for tok, slots in plan.extends:
