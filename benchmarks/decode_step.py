@@ -142,6 +142,7 @@ def best_of(fn: Callable[[], None], reps: int) -> float:
 def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
     torch.set_num_threads(threads)
     runner = make_runner(model, batch, context, compile_)
+    runner.warm_up_decode()  # as the decode engine does at start-up (compiles, when on)
     timed = TimedAttention(runner.attn)
     runner.attn = timed  # type: ignore[assignment]
     future = FutureMap(runner.cfg.max_rows)
