@@ -46,6 +46,9 @@ class EngineConfig:
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
     num_threads: int = 0  # torch intra-op threads of the engine process (0: torch's default)
+    # compile the CPU decode attention with inductor (cached on disk under the cache dir);
+    # PDSERVE_DISABLE_COMPILE=1 turns it off whatever this says (the test suite does)
+    compile: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -34,6 +34,10 @@ class _Registry:
     CURVE_SECRET = EnvVar(
         "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
     )
+    DISABLE_COMPILE = EnvVar(
+        "PDSERVE_DISABLE_COMPILE",
+        "1: never torch.compile (as --disable-compile); the test suite sets it",
+    )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",
         "a Python file a frontend runs as its engine process instead of "

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kvcache.pools import KVPool
+from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
 
 
@@ -33,7 +34,9 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The CPU backend: decode tokens batched with padding, extend requests one by one."""
+    """The CPU backend: decode tokens batched with padding, extend requests one by one.
+    Decode tokens read the pool in place through a compiled kernel when `compile_dir` is
+    given (pdserve.model.decode_attention), else through an eager gather."""
 
     def __init__(
         self,
@@ -41,15 +44,32 @@ class TorchAttention:
         req_to_token: torch.Tensor,
         scale: float,
         windows: tuple[int, ...] = (),
+        compile_dir: str | None = None,
+        num_heads: int = 0,
     ) -> None:
-        """`windows[layer]`: 0 (or absent) for full causal attention, W for a sliding window."""
+        """`windows[layer]`: 0 (or absent) for full causal attention, W for a sliding window.
+        `compile_dir`: compile decode attention, caching inductor's output there;
+        `num_heads`: query heads (the compiled kernel is warmed up for them)."""
         self.pool = pool
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = windows
+        self.compile_dir = compile_dir
+        self.num_heads = num_heads
+        self._decode_fn: decode_attention.DecodeFn = decode_attention.gathered
+
+    def warm_up(self) -> None:
+        """Compile decode attention now (when compiling is on): the decode engine calls it
+        at start-up, so that no step compiles (a prefill-only engine never pays for it)."""
+        if self.compile_dir is not None:
+            fn = decode_attention.compiled_in_place(self.compile_dir)
+            decode_attention.warm_up(fn, self.pool.k, self.pool.v, self.num_heads)
+            self._decode_fn, self.compile_dir = fn, None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        batch.attn_plan = _Plan.build(batch, self.req_to_token)
+        batch.attn_plan = plan = _Plan.build(batch, self.req_to_token)
+        for window in set(self.windows):
+            plan.hidden(window)  # made here, not in the forward (no tensors made there)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
@@ -58,8 +78,10 @@ class TorchAttention:
         assert isinstance(plan, _Plan), "prepare() must run before forward()"
         self.pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        out = torch.empty_like(q)
         window = self.windows[layer] if layer < len(self.windows) else 0
+        if not plan.extends:  # a decode step: token i is request i's one token
+            return self._decode(q, kc, vc, plan, window).reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
         if plan.decode_tok.numel():
             out[plan.decode_tok] = self._decode(q[plan.decode_tok], kc, vc, plan, window)
         for tok, slots in plan.extends:
@@ -69,15 +91,7 @@ class TorchAttention:
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan, window: int
     ) -> torch.Tensor:
-        b, h, d = q.shape
-        kh = kc.shape[1]
-        keys = kc[p.decode_slots].permute(0, 2, 3, 1)  # [B, KH, D, L]
-        vals = vc[p.decode_slots].transpose(1, 2)  # [B, KH, L, D]
-        qg = q.view(b, kh, h // kh, d)  # query heads grouped by their KV head
-        scores = torch.matmul(qg, keys) * self.scale  # [B, KH, G, L]
-        scores.masked_fill_(p.hidden(window)[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, vals).reshape(b, h, d)
+        return self._decode_fn(q, kc, vc, p.decode_slots, p.hidden(window), self.scale)
 
     def _extend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, window: int

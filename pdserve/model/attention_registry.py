@@ -21,11 +21,16 @@ def make_attention(
     req_to_token: torch.Tensor,
     scale: float,
     windows: tuple[int, ...] = (),
+    compile_dir: str | None = None,
+    num_heads: int = 0,
 ):
     """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU).
-    `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys."""
+    `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys.
+    `compile_dir`, `num_heads`: the torch backend's compiled decode attention."""
     if name == "auto":
         name = "triton" if pool.k.is_cuda else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
+    if name == "torch":
+        return TorchAttention(pool, req_to_token, scale, windows, compile_dir, num_heads)
     return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

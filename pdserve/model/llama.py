@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
 
 Weights are plain tensors (no nn.Module): q/k/v and gate/up are fused at load
-time so each layer runs four matmuls.
+time so each layer runs four matmuls, each a `Linear` whose weight is stored in the
+layout the device's fast GEMM reads (pdserve.model.linear).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pdserve.model.activations import ACTIVATIONS
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
+from pdserve.model.linear import Linear
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.state_reader import CheckpointMismatch, StateReader
 
@@ -29,17 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # q, k, v fused (bias too, where the architecture has one)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # gate, up fused
+    down: Linear
 
 
 class LlamaModel:
@@ -52,7 +50,7 @@ class LlamaModel:
         dtype, device = self.embed.dtype, self.embed.device
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
         self.norm = w.take("model.norm.weight")
-        self.lm_head = self._lm_head(w)
+        self.lm_head = Linear(self._lm_head(w))
         w.check_all_used()
         self.act = ACTIVATIONS[arch.hidden_act]
         self.rope = RotaryEmbedding(
@@ -83,17 +81,23 @@ class LlamaModel:
         gate_up = [mlp + "gate_proj.", mlp + "up_proj."]
         return LayerWeights(
             input_norm=w.take(p + "input_layernorm.weight"),
-            qkv=_must(cat([n + "weight" for n in qkv])),
-            qkv_bias=cat([n + "bias" for n in qkv], a.qkv_bias),
+            qkv=Linear(
+                _must(cat([n + "weight" for n in qkv])), cat([n + "bias" for n in qkv], a.qkv_bias)
+            ),
             q_norm=w.take(att + "q_norm.weight") if a.qk_norm else None,
             k_norm=w.take(att + "k_norm.weight") if a.qk_norm else None,
-            o=w.take(att + "o_proj.weight"),
-            o_bias=w.take(att + "o_proj.bias") if a.o_bias else None,
+            o=Linear(
+                w.take(att + "o_proj.weight"), w.take(att + "o_proj.bias") if a.o_bias else None
+            ),
             post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=_must(cat([n + "weight" for n in gate_up])),
-            gate_up_bias=cat([n + "bias" for n in gate_up], a.mlp_bias),
-            down=w.take(mlp + "down_proj.weight"),
-            down_bias=w.take(mlp + "down_proj.bias") if a.mlp_bias else None,
+            gate_up=Linear(
+                _must(cat([n + "weight" for n in gate_up])),
+                cat([n + "bias" for n in gate_up], a.mlp_bias),
+            ),
+            down=Linear(
+                w.take(mlp + "down_proj.weight"),
+                w.take(mlp + "down_proj.bias") if a.mlp_bias else None,
+            ),
         )
 
     @torch.inference_mode()
@@ -107,14 +111,14 @@ class LlamaModel:
             )
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.arch.rms_norm_eps))
         last = h[batch.last_index]
-        return F.linear(rms_norm(last, self.norm, self.arch.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(last, self.norm, self.arch.rms_norm_eps)).float()
 
     def _attention(
         self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         a = self.arch
         t = x.shape[0]
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        qkv = w.qkv(x)
         q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
         k = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
         v = qkv[:, a.q_size + a.kv_size :].view(t, a.num_kv_heads, a.head_dim)
@@ -123,11 +127,11 @@ class LlamaModel:
             k = rms_norm(k, w.k_norm, a.rms_norm_eps)
         q, k = self.rope.apply(q, k, batch.positions)
         out = attn.forward(i, q, k.contiguous(), v.contiguous(), batch)
-        return F.linear(out, w.o, w.o_bias)
+        return w.o(out)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, w.down, w.down_bias)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return w.down(self.act(gate) * up)
 
 
 def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:

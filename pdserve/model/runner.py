@@ -7,12 +7,14 @@ import logging
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.envs import ENV
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
+from pdserve.model.make import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class ModelRunner:
             self.req_pool.req_to_token,
             self.arch.head_dim**-0.5,
             self.arch.layer_windows,
+            compile_dir=self._compile_dir(),
+            num_heads=self.arch.num_heads,
         )
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
@@ -65,6 +69,20 @@ class ModelRunner:
             self.kv_pool.allocator.total_pages,
             cfg.cache.page_size,
         )
+
+    def _compile_dir(self) -> str | None:
+        """Inductor's cache folder when decode attention is compiled, else None."""
+        if not self.cfg.compile or ENV.DISABLE_COMPILE.get("0") == "1":
+            return None
+        if not self.device.startswith("cpu"):
+            return None  # CUDA runs the Triton backend
+        return str(cache_root() / "inductor")
+
+    def warm_up_decode(self) -> None:
+        """Compile what decode steps run compiled (start-up; a no-op when compile is off)."""
+        warm_up = getattr(self.attn, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Schedule side: build every index tensor the forward needs (host -> device

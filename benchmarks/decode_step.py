@@ -1,0 +1,208 @@
+"""One decode step of a model, timed against the matmul floor measured in the same run.
+
+For each batch size, context length and thread count it times a whole decode step as
+the decode engine issues it (build the step + prepare, resolve ids from the FutureMap,
+forward, sample, publish) and reports the share of each part:
+
+    scheduler  build_batch + ModelRunner.prepare (host side, index tensors, attention plan)
+    futuremap  resolve + publish
+    attention  the attention backend's forward, summed over layers (KV write included)
+    sampling   sample() on the logits
+    floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), each on a
+               weight stored [in, out] contiguous, every weight streamed once: what a step
+               cannot beat without changing the arithmetic
+    ratio      step / floor
+
+    python benchmarks/decode_step.py [--model DIR] [--batch 1 8 32 64] [--context 128 1024]
+        [--threads 1 2] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.model.make import default_model_path
+from pdserve.model.runner import ModelRunner
+from pdserve.model.sampling import sample
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.decode_step import build_batch
+from pdserve.scheduler.future_map import FutureMap
+from pdserve.scheduler.request import Req
+
+PAGE = 16
+
+
+class TimedAttention:
+    """Wraps an attention backend and sums the wall time of its per-layer forwards."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def prepare(self, batch: object) -> None:
+        self.inner.prepare(batch)  # type: ignore[attr-defined]
+
+    def forward(self, *args: object) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.inner.forward(*args)  # type: ignore[attr-defined]
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def make_runner(model: str, batch: int, context: int, compile_: bool) -> ModelRunner:
+    tokens = batch * (context + 2 * PAGE)
+    cfg = EngineConfig(
+        model_path=model,
+        cache=CacheConfig(page_size=PAGE, max_total_tokens=tokens, max_context=context + PAGE),
+        scheduler=SchedulerConfig(max_running_requests=batch),
+    )
+    if hasattr(cfg, "compile"):
+        cfg = replace(cfg, compile=compile_)  # type: ignore[call-arg]
+    return ModelRunner(cfg)
+
+
+def make_reqs(runner: ModelRunner, batch: int, context: int) -> list[Req]:
+    """`batch` requests with `context` tokens of random KV already in the pool."""
+    pool, rows = runner.kv_pool, runner.req_pool
+    pool.k.normal_()
+    pool.v.normal_()
+    reqs = []
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        row = rows.alloc()
+        pages = pool.allocator.alloc(pool.allocator.pages_for(context + PAGE))
+        assert row is not None and pages is not None
+        slots = [p * PAGE + o for p in pages for o in range(PAGE)]
+        rows.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        reqs.append(Req(rid=str(i), prompt_ids=[1] * context, params=params, row=row, pages=pages))
+    return reqs
+
+
+def one_step(runner: ModelRunner, future: FutureMap, reqs: list[Req], t: dict[str, float]) -> None:
+    """One decode step, inline; adds each part's seconds to `t`."""
+    for r in reqs:
+        r.launched_steps = 0  # same context every step
+    t0 = time.perf_counter()
+    batch, out_index = build_batch(reqs, PAGE, runner.device)
+    runner.prepare(batch)
+    t1 = time.perf_counter()
+    batch.input_ids = future.resolve(batch.rows)
+    t2 = time.perf_counter()
+    logits = runner.forward(batch)
+    t3 = time.perf_counter()
+    tokens, _ = sample(logits, [r.params for r in reqs], [0] * len(reqs), out_index)
+    t4 = time.perf_counter()
+    future.publish(batch.rows, tokens)
+    t5 = time.perf_counter()
+    for k, v in (("scheduler", t1 - t0), ("futuremap", t2 - t1 + t5 - t4)):
+        t[k] = t.get(k, 0.0) + v
+    t["forward"] = t.get("forward", 0.0) + t3 - t2
+    t["sampling"] = t.get("sampling", 0.0) + t4 - t3
+    t["step"] = t.get("step", 0.0) + t5 - t0
+
+
+def floor_fn(runner: ModelRunner, batch: int) -> Callable[[], None]:
+    """The step's GEMMs on [in, out]-contiguous copies of the model's weights."""
+    m = runner.model
+    shapes = []
+    for layer in m.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            shapes.append(tuple(w.shape))
+    shapes.append(tuple(m.lm_head.shape))
+    # weights as [in, out]; shapes are [out, in] in the checkpoint's convention
+    weights = [torch.randn(i, o, dtype=runner.dtype) for (o, i) in shapes]
+    xs = [torch.randn(batch, w.shape[0], dtype=runner.dtype) for w in weights]
+
+    def run() -> None:
+        for x, w in zip(xs, weights, strict=True):
+            torch.mm(x, w)
+
+    return run
+
+
+def best_of(fn: Callable[[], None], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
+    torch.set_num_threads(threads)
+    runner = make_runner(model, batch, context, compile_)
+    runner.warm_up_decode()  # as the decode engine does at start-up (compiles, when on)
+    timed = TimedAttention(runner.attn)
+    runner.attn = timed  # type: ignore[assignment]
+    future = FutureMap(runner.cfg.max_rows)
+    reqs = make_reqs(runner, batch, context)
+    for _ in range(3):  # warm up (and compile, if on)
+        one_step(runner, future, reqs, {})
+    timed.seconds = 0.0
+    t: dict[str, float] = {}
+    for _ in range(reps):
+        one_step(runner, future, reqs, t)
+    floor = best_of(floor_fn(runner, batch), reps)
+    step = t["step"] / reps
+    row = {"batch": batch, "context": context, "threads": threads}
+    row.update({"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio": step / floor})
+    parts = {
+        "attention": timed.seconds / reps,
+        "sampling": t["sampling"] / reps,
+        "futuremap": t["futuremap"] / reps,
+        "scheduler": t["scheduler"] / reps,
+    }
+    row.update({f"{k}_share": v / step for k, v in parts.items()})
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model folder (default: the `bench` preset)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="compiled decode forward (if built)")
+    ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 128, 1 thread")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.context, args.threads, args.reps = [8, 64], [128], [1], 8
+    model = args.model or str(default_model_path("bench"))
+    rows = [
+        measure(model, b, c, n, args.reps, args.compile)
+        for n in args.threads
+        for c in args.context
+        for b in args.batch
+    ]
+    load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
+    if args.json:
+        print(json.dumps({"model": model, "loadavg": load, "rows": rows}, indent=1))
+        return
+    print(f"model {model}  loadavg {' '.join(load)}  torch {torch.__version__}")
+    head = f"{'thr':>3} {'ctx':>5} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6}"
+    print(head + f" {'attn':>6} {'sample':>6} {'future':>6} {'sched':>6}")
+    for r in rows:
+        shares = [r[f"{k}_share"] for k in ("attention", "sampling", "futuremap", "scheduler")]
+        print(
+            f"{r['threads']:>3} {r['context']:>5} {r['batch']:>5} {r['step_ms']:>8.2f} "
+            f"{r['floor_ms']:>8.2f} {r['ratio']:>6.2f} " + " ".join(f"{s:>6.1%}" for s in shares)
+        )
+
+
+if __name__ == "__main__":
+    main()
