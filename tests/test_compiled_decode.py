@@ -50,3 +50,22 @@ def test_compiled_engine_greedy_tokens_match_transformers(monkeypatch, tiny_mode
         llm.close()
     for p, out in zip(prompts, got, strict=True):
         assert out == hf_greedy(tiny_model, p, 12)
+
+
+def test_a_failed_compile_leaves_decode_attention_eager(monkeypatch, tiny_model, caplog) -> None:
+    """No C++ compiler (a slim image) must not keep the decode from starting: it logs
+    and runs the eager gather."""
+    from pdserve.config import EngineConfig
+    from pdserve.model.runner import ModelRunner
+
+    def broken(cache_dir=None):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(da, "compiled_in_place", broken)
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
+    runner = ModelRunner(EngineConfig(model_path=str(tiny_model), compile=True))
+    assert runner.attn.compile_dir is not None  # compiling was asked for
+    with caplog.at_level("WARNING"):
+        runner.warm_up_decode()
+    assert runner.attn._decode_fn is da.gathered
+    assert "stays eager" in caplog.text and "InvalidCxxCompiler" in caplog.text

@@ -10,6 +10,7 @@ transformers' sliding-window mask does; older positions stay in the pool.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from pdserve.kvcache.pools import KVPool
 from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -61,10 +64,17 @@ class TorchAttention:
     def warm_up(self) -> None:
         """Compile decode attention now (when compiling is on): the decode engine calls it
         at start-up, so that no step compiles (a prefill-only engine never pays for it)."""
-        if self.compile_dir is not None:
-            fn = decode_attention.compiled_in_place(self.compile_dir)
+        if self.compile_dir is None:
+            return
+        cache_dir, self.compile_dir = self.compile_dir, None
+        try:
+            fn = decode_attention.compiled_in_place(cache_dir)
             decode_attention.warm_up(fn, self.pool.k, self.pool.v, self.num_heads)
-            self._decode_fn, self.compile_dir = fn, None
+        except Exception as e:  # e.g. no C++ compiler for inductor (a slim container image)
+            log.warning("decode attention stays eager: compiling it failed (%s: %s)",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            return
+        self._decode_fn = fn
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_plan = plan = _Plan.build(batch, self.req_to_token)
