@@ -42,7 +42,11 @@ def _hf_model(path: str):
 
 def hf_greedy(path: str | Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, never stopping early at EOS."""
-    m = _hf_model(str(path))
+    return greedy_of(_hf_model(str(path)), prompt, max_new_tokens)
+
+
+def greedy_of(m, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`m.generate` greedy (a loaded transformers model), never stopping early at EOS."""
     with torch.no_grad():
         out = m.generate(
             torch.tensor([prompt]),

@@ -18,6 +18,7 @@ import torch
 
 from pdserve.model import make
 from pdserve.model import tokenizer_build as tb
+from tests.conftest import greedy_of
 
 # Rows of 128 (a multiple of every block size used here: 32).
 PRESET = make.ModelPreset(
@@ -150,13 +151,4 @@ def hf_greedy_gguf(path: Path, prompt: list[int], max_new_tokens: int) -> list[i
     m = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
-    with torch.no_grad():
-        out = m.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_of(m, prompt, max_new_tokens)
