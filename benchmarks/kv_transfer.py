@@ -24,6 +24,7 @@ ZeroMQ's; on a machine shared with other work it varies less than the wall time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import resource
@@ -74,6 +75,7 @@ def prefill_side(
     side = Side(pool, *reserve(pool, n, 1))
     for room in rooms:
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
+    gc.freeze()  # as the engine process does once it is built
     c0 = cpu_s()
     port_q.put(tx.bootstrap_port)
     events = wait_for(tx.poll, len(rooms), 600)
@@ -98,6 +100,7 @@ def zmq_run(
         port = port_q.get(timeout=120)
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
+        gc.freeze()  # as the engine process does once it is built
         times, c0 = [], cpu_s()
         for room in rooms:
             t0 = time.perf_counter()
@@ -157,29 +160,43 @@ def raw_run(nbytes: int, repeats: int) -> tuple[float, float]:
 
 
 def measure(n: int, args: argparse.Namespace) -> dict:
+    """Rounds of (ZeroMQ, raw TCP) back to back; the ratio is the median of the rounds'
+    ratios, so a baseline that drifts (raw loopback TCP swings 2x here, with where the
+    scheduler puts the two processes) moves both sides of a pair together."""
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
-    z, z_cpu, shares = zmq_run(n, args.repeats, frame)
-    r, r_cpu = raw_run(nbytes, args.repeats)
+    rounds = []
+    for _ in range(args.rounds):
+        z, z_cpu, shares = zmq_run(n, args.repeats, frame)
+        r, r_cpu = raw_run(nbytes, args.repeats)
+        rounds.append((z, r, z_cpu, r_cpu, shares))
+    med = statistics.median
+    z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
+    z_cpu, r_cpu = med(x[2] for x in rounds), med(x[3] for x in rounds)
     out = {
         "tokens": n,
         "bytes": nbytes,
         "zmq_gbps": round(z, 3),
         "raw_tcp_gbps": round(r, 3),
-        "ratio": round(z / r, 3),
+        "ratio": round(med(x[0] / x[1] for x in rounds), 3),
+        "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
         "zmq_cpu_ns_per_byte": round(z_cpu, 3),
         "raw_cpu_ns_per_byte": round(r_cpu, 3),
         "cpu_ratio": round(r_cpu / z_cpu, 3),
-        "shares": shares,
+        "shares": rounds[-1][4],
     }
     if not args.no_curve:
         c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
-        out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r, 3), curve_shares=c_shares)
+        r2, _ = raw_run(nbytes, args.repeats)
+        out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
 
 
 def print_table(results: list[dict], repeats: int) -> None:
-    print(f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, median of {repeats}")
+    print(
+        f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes,"
+        f" median of {repeats} transfers per run, ratio: median over paired rounds"
+    )
     print(
         f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
         f" {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9}  " + " ".join(f"{s:>8}" for s in STAGES)
@@ -200,7 +217,8 @@ def print_table(results: list[dict], repeats: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed transfers per run")
+    ap.add_argument("--rounds", type=int, default=3, help="(ZeroMQ, raw TCP) pairs per size")
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
     ap.add_argument("--json", action="store_true")

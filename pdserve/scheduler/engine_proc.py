@@ -18,6 +18,7 @@ as one EngineError message before exiting with status 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -137,6 +138,12 @@ def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) 
         log.exception("engine build failed")
         _report_error(ctx, ipc_dir, f"engine build failed: {type(e).__name__}: {e}")
         return 1
+    # NOTE: everything built so far (modules, the model, pools, the transfer) lives as
+    # long as the process. Freezing it takes it out of the cyclic collector's
+    # generations, so a collection during a step or a KV transfer walks only what that
+    # step allocated, not the whole heap (full collections showed up at ~5% of a
+    # transfer's CPU time).
+    gc.freeze()
     loop = EngineLoop(engine, ctx, ipc_dir)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
     loop.send(P.EngineReady(role=spec.role, pid=os.getpid()))
