@@ -65,9 +65,7 @@ def make_runner(model: str, batch: int, context: int, compile_: bool) -> ModelRu
         cache=CacheConfig(page_size=PAGE, max_total_tokens=tokens, max_context=context + PAGE),
         scheduler=SchedulerConfig(max_running_requests=batch),
     )
-    if hasattr(cfg, "compile"):
-        cfg = replace(cfg, compile=compile_)  # type: ignore[call-arg]
-    return ModelRunner(cfg)
+    return ModelRunner(replace(cfg, compile=compile_))
 
 
 def make_reqs(runner: ModelRunner, batch: int, context: int) -> list[Req]:
@@ -142,7 +140,7 @@ def best_of(fn: Callable[[], None], reps: int) -> float:
 def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
     torch.set_num_threads(threads)
     runner = make_runner(model, batch, context, compile_)
-    runner.warm_up_decode()  # as the decode engine does at start-up (compiles, when on)
+    runner.warm_up_decode()  # as the decode engine does at start-up (builds the native kernel)
     timed = TimedAttention(runner.attn)
     runner.attn = timed  # type: ignore[assignment]
     future = FutureMap(runner.cfg.max_rows)
@@ -176,7 +174,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--compile", action="store_true", help="compiled decode forward (if built)")
+    ap.add_argument("--disable-compile", action="store_true",
+                    help="the portable torch decode attention, as the server's flag")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 128, 1 thread")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -184,7 +183,7 @@ def main() -> None:
         args.batch, args.context, args.threads, args.reps = [8, 64], [128], [1], 8
     model = args.model or str(default_model_path("bench"))
     rows = [
-        measure(model, b, c, n, args.reps, args.compile)
+        measure(model, b, c, n, args.reps, not args.disable_compile)
         for n in args.threads
         for c in args.context
         for b in args.batch
@@ -193,7 +192,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"model": model, "loadavg": load, "rows": rows}, indent=1))
         return
-    print(f"model {model}  loadavg {' '.join(load)}  torch {torch.__version__}")
+    attn = "torch (gather)" if args.disable_compile else "native"
+    print(f"model {model}  loadavg {' '.join(load)}  torch {torch.__version__}  attention {attn}")
     head = f"{'thr':>3} {'ctx':>5} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6}"
     print(head + f" {'attn':>6} {'sample':>6} {'future':>6} {'sched':>6}")
     for r in rows:

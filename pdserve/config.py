@@ -46,9 +46,12 @@ class EngineConfig:
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
     num_threads: int = 0  # torch intra-op threads of the engine process (0: torch's default)
-    # compile the CPU decode attention with inductor (cached on disk under the cache dir);
-    # PDSERVE_DISABLE_COMPILE=1 turns it off whatever this says (the test suite does)
+    # build the native CPU decode attention with the machine's C compiler (cached under the
+    # cache dir); PDSERVE_DISABLE_COMPILE=1 turns it off whatever this says
     compile: bool = True
+    # "PATH:SLOT:ENGINES": borrow idle peer engines' cores on this host (kernels/core_share.py);
+    # `pdserve up` sets it when it chooses the thread counts
+    core_share: str = ""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

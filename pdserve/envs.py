@@ -36,7 +36,7 @@ class _Registry:
     )
     DISABLE_COMPILE = EnvVar(
         "PDSERVE_DISABLE_COMPILE",
-        "1: never torch.compile (as --disable-compile); the test suite sets it",
+        "1: build no native CPU kernels (as --disable-compile)",
     )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",

@@ -14,9 +14,9 @@ import torch
 # so the servers started by tests find the same checkpoints.
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# torch.compile is off in the suite (engines started by tests inherit this); the tests of
-# the compiled path turn it on explicitly (tests/test_compiled_decode.py)
-os.environ.setdefault("PDSERVE_DISABLE_COMPILE", "1")
+# The suite runs what is served: decode engines build (once, into the cache above) and
+# use the native CPU decode attention; tests/test_native_decode.py also runs the
+# portable path and the fallback without a C compiler.
 
 
 @cache

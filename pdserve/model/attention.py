@@ -11,11 +11,14 @@ transformers' sliding-window mask does; older positions stay in the pool.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_native
+from pdserve.kernels.cpu_native import PagedDecode
 from pdserve.kvcache.pools import KVPool
 from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
@@ -38,8 +41,9 @@ class AttentionBackend(Protocol):
 
 class TorchAttention:
     """The CPU backend: decode tokens batched with padding, extend requests one by one.
-    Decode tokens read the pool in place through a compiled kernel when `compile_dir` is
-    given (pdserve.model.decode_attention), else through an eager gather."""
+    Decode tokens read the pool in place through the native kernel once `warm_up` has
+    built it (fp32, `native_dir` given), else through an eager gather
+    (pdserve.model.decode_attention)."""
 
     def __init__(
         self,
@@ -47,39 +51,39 @@ class TorchAttention:
         req_to_token: torch.Tensor,
         scale: float,
         windows: tuple[int, ...] = (),
-        compile_dir: str | None = None,
-        num_heads: int = 0,
+        native_dir: str | None = None,
     ) -> None:
         """`windows[layer]`: 0 (or absent) for full causal attention, W for a sliding window.
-        `compile_dir`: compile decode attention, caching inductor's output there;
-        `num_heads`: query heads (the compiled kernel is warmed up for them)."""
+        `native_dir`: where the native decode kernel is built and cached (None: eager)."""
         self.pool = pool
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = windows
-        self.compile_dir = compile_dir
-        self.num_heads = num_heads
-        self._decode_fn: decode_attention.DecodeFn = decode_attention.gathered
+        self.native_dir = native_dir
+        self._native: PagedDecode | None = None
 
     def warm_up(self) -> None:
-        """Compile decode attention now (when compiling is on): the decode engine calls it
-        at start-up, so that no step compiles (a prefill-only engine never pays for it)."""
-        if self.compile_dir is None:
+        """Build (or load) the native decode kernel now: the decode engine calls it at
+        start-up, so no step builds anything (a prefill-only engine never pays for it)."""
+        if self.native_dir is None or self.pool.k.dtype != torch.float32:
             return
-        cache_dir, self.compile_dir = self.compile_dir, None
-        try:
-            fn = decode_attention.compiled_in_place(cache_dir)
-            decode_attention.warm_up(fn, self.pool.k, self.pool.v, self.num_heads)
-        except Exception as e:  # e.g. no C++ compiler for inductor (a slim container image)
-            log.warning("decode attention stays eager: compiling it failed (%s: %s)",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
-            return
-        self._decode_fn = fn
+        cache_dir, self.native_dir = Path(self.native_dir), None
+        if self.pool.k.device.type == "cpu":
+            self._native = cpu_native.paged_decode(cache_dir)
+        if self._native is None:
+            log.warning("decode attention stays eager (the native kernel was not built)")
+
+    @property
+    def native(self) -> bool:
+        return self._native is not None
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_plan = plan = _Plan.build(batch, self.req_to_token)
-        for window in set(self.windows):
-            plan.hidden(window)  # made here, not in the forward (no tensors made there)
+        for window in set(self.windows) | {0}:  # made here: the forward makes no index tensors
+            if self._native is not None:
+                plan.bounds(window)
+            else:
+                plan.hidden(window)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
@@ -101,7 +105,9 @@ class TorchAttention:
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan, window: int
     ) -> torch.Tensor:
-        return self._decode_fn(q, kc, vc, p.decode_slots, p.hidden(window), self.scale)
+        if self._native is not None:
+            return self._native(q, kc, vc, p.decode_slots, p.bounds(window), self.scale)
+        return decode_attention.gathered(q, kc, vc, p.decode_slots, p.hidden(window), self.scale)
 
     def _extend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, window: int
@@ -131,6 +137,7 @@ class _Plan:
     decode_pad: torch.Tensor  # [Bd, Lmax] True where padded
     decode_lens: torch.Tensor  # [Bd] seq_lens of decode requests
     _hidden: dict[int, torch.Tensor]  # window -> [Bd, Lmax] True where not attended
+    _bounds: dict[int, torch.Tensor]  # window -> [Bd, 2] (first attended position, seq_len)
     extends: list[tuple[slice, torch.Tensor]]  # (token range, KV slots) per extend request
 
     @classmethod
@@ -157,6 +164,7 @@ class _Plan:
         plan.decode_slots = slots.masked_fill(plan.decode_pad, 0)
         plan.decode_lens = lens
         plan._hidden = {0: plan.decode_pad}
+        plan._bounds = {}
         return plan
 
     def hidden(self, window: int) -> torch.Tensor:
@@ -167,3 +175,12 @@ class _Plan:
             below = ar[None, :] < (self.decode_lens - window)[:, None]
             self._hidden[window] = self.decode_pad | below
         return self._hidden[window]
+
+    def bounds(self, window: int) -> torch.Tensor:
+        """[Bd, 2] int64: (first position a decode token attends to, seq_len); the keys
+        are positions [first, seq_len), as `hidden(window)` says with a mask."""
+        if window not in self._bounds:
+            lens = self.decode_lens
+            first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+            self._bounds[window] = torch.stack([first, lens], dim=1).contiguous()
+        return self._bounds[window]

@@ -21,16 +21,15 @@ def make_attention(
     req_to_token: torch.Tensor,
     scale: float,
     windows: tuple[int, ...] = (),
-    compile_dir: str | None = None,
-    num_heads: int = 0,
+    native_dir: str | None = None,
 ):
     """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU).
     `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys.
-    `compile_dir`, `num_heads`: the torch backend's compiled decode attention."""
+    `native_dir`: where the torch backend builds its native decode kernel (None: eager)."""
     if name == "auto":
         name = "triton" if pool.k.is_cuda else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
     if name == "torch":
-        return TorchAttention(pool, req_to_token, scale, windows, compile_dir, num_heads)
+        return TorchAttention(pool, req_to_token, scale, windows, native_dir)
     return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

@@ -8,6 +8,8 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV
+from pdserve.kernels import core_share
+from pdserve.kernels.core_share import CoreShare
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.forward_batch import ForwardBatch
@@ -29,6 +31,10 @@ class ModelRunner:
         self.cfg = cfg
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
+        self.core_share = None  # cores lent between engines on this host (kernels/core_share)
+        if cfg.core_share and cfg.device.startswith("cpu"):
+            path, slot, engines = core_share.parse(cfg.core_share)
+            self.core_share = CoreShare(path, slot, engines, torch.get_num_threads())
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(
@@ -57,8 +63,7 @@ class ModelRunner:
             self.req_pool.req_to_token,
             self.arch.head_dim**-0.5,
             self.arch.layer_windows,
-            compile_dir=self._compile_dir(),
-            num_heads=self.arch.num_heads,
+            native_dir=self._native_dir(),
         )
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
@@ -70,16 +75,16 @@ class ModelRunner:
             cfg.cache.page_size,
         )
 
-    def _compile_dir(self) -> str | None:
-        """Inductor's cache folder when decode attention is compiled, else None."""
+    def _native_dir(self) -> str | None:
+        """Where native CPU kernels are built and cached, when they are on; else None."""
         if not self.cfg.compile or ENV.DISABLE_COMPILE.get("0") == "1":
             return None
         if not self.device.startswith("cpu"):
             return None  # CUDA runs the Triton backend
-        return str(cache_root() / "inductor")
+        return str(cache_root())
 
     def warm_up_decode(self) -> None:
-        """Compile what decode steps run compiled (start-up; a no-op when compile is off)."""
+        """Build what decode steps run natively (start-up; a no-op when compile is off)."""
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
             warm_up()
@@ -95,4 +100,11 @@ class ModelRunner:
         stream (the decode's overlap loop); callers that run both inline may skip it."""
         if batch.attn_plan is None or batch.last_index is None:
             self.prepare(batch)
-        return self.model.forward(batch, self.attn)
+        share = self.core_share
+        if share is None:
+            return self.model.forward(batch, self.attn)
+        share.apply(share.begin())  # the cores this engine owns, and idle peers'
+        try:
+            return self.model.forward(batch, self.attn)
+        finally:
+            share.end()

@@ -42,7 +42,7 @@ class DecodeEngine:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, source: KVSource) -> None:
         self.cfg = cfg
         self.runner = runner
-        runner.warm_up_decode()  # compiled decode attention, before any step runs
+        runner.warm_up_decode()  # builds the native decode attention before any step runs
         self.source = source
         self.overlap = not cfg.scheduler.disable_overlap
         self.future = FutureMap(cfg.max_rows, runner.device, cfg.kernel_backend)

@@ -79,27 +79,30 @@ def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[C
     return argv
 
 
-def _with_thread_share(engine_args: list[str], engines: int) -> list[str]:
-    """Give each engine its share of the host's cores unless --num-threads was given:
-    engines on one host that each use every core slow each other down badly."""
+def _thread_plan(engine_args: list[str], engines: int, state_dir: str) -> list[list[str]]:
+    """Each engine's arguments. Unless --num-threads was given, each engine owns its share
+    of the host's cores (engines that each use every core slow each other down badly)
+    and borrows the shares of idle peers through a core-share file in `state_dir`."""
     if any(a.startswith("--num-threads") for a in engine_args):
-        return engine_args
+        return [engine_args] * engines
     share = max(1, (os.cpu_count() or 1) // max(engines, 1))
-    return [*engine_args, "--num-threads", str(share)]
+    path = os.path.join(state_dir, "core-share")  # made by the engines (kernels/core_share)
+    base = [*engine_args, "--num-threads", str(share)]
+    return [[*base, "--core-share", f"{path}:{i}:{engines}"] for i in range(engines)]
 
 
-def plan(args: argparse.Namespace) -> list[Child]:
+def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
     model = _prepare_model(args.model)
-    engine_args = _with_thread_share(args.engine_args, args.num_prefill + args.num_decode)
+    per_engine = _thread_plan(args.engine_args, args.num_prefill + args.num_decode, state_dir)
     prefills, decodes = [], []
     for i in range(args.num_prefill):
         port, boot = free_port(args.host), free_port(args.host)
-        argv = worker_argv("prefill", model, args.host, port, boot, engine_args)
+        argv = worker_argv("prefill", model, args.host, port, boot, per_engine[i])
         prefills.append(Child(f"prefill{i}", argv, args.host, port, boot))
     for j in range(args.num_decode):
         port = free_port(args.host)
-        argv = worker_argv("decode", model, args.host, port, None, engine_args)
+        argv = worker_argv("decode", model, args.host, port, None, per_engine[args.num_prefill + j])
         decodes.append(Child(f"decode{j}", argv, args.host, port))
     router = Child("router", router_argv(args, prefills, decodes), args.host, args.port)
     return [*prefills, *decodes, router]
@@ -137,13 +140,13 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     _check_port_free(args.host, args.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
     stop = _Stop()
+    log_dir = _log_dir(args.log_dir)
     try:
-        children = plan(args)
+        children = plan(args, log_dir)
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
     env = os.environ | ({ENV.API_KEY.name: args.api_key} if args.api_key else {})
-    log_dir = _log_dir(args.log_dir)
     try:
         for c in children:
             start(c, log_dir, env)

@@ -74,8 +74,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the decode loop without overlap (ablation/debugging; same tokens)")  # fmt: skip
+    g.add_argument("--core-share", default="", metavar="PATH:SLOT:ENGINES",
+                   help="borrow the cores of idle peer engines on this host through this "
+                        "shared file (`pdserve up` sets it; see pdserve/kernels/core_share.py)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
-                   help="no torch.compile of the CPU decode attention (eager; same tokens)")  # fmt: skip
+                   help="no native (C) CPU decode attention: the portable torch path (same tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -184,6 +187,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
         num_threads=args.num_threads, compile=not args.disable_compile,
+        core_share=args.core_share,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           max_context=args.max_context),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,

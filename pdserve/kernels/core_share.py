@@ -1,0 +1,88 @@
+"""Cores lent between engines on one host, by need.
+
+`pdserve up` runs a prefill and a decode engine on one machine. Each owns a share of
+the cores; an engine that is computing while its peers idle borrows their shares, and
+gives them back as soon as a peer computes again. The engines agree through a small
+file (the launcher names it, each engine opens or creates it), one record per engine:
+
+    record i (16 bytes):  last_end  f64   time.monotonic() when its last forward ended
+                          computing i32   1 while a forward runs
+                          share     i32   cores it owns
+
+    threads(i) = share[i] + sum(share[j] for peers j idle: not computing and
+                                 last_end older than IDLE_S)
+
+Each engine writes only its own record, at the start and end of each forward, and
+reads the others' when a forward starts (a few bytes of a shared mapping: no system
+call). Reads may race with writes; the worst outcome is one forward with one thread
+too many or too few. CLOCK_MONOTONIC is one clock for every process on the host.
+
+`torch.set_num_threads` is per thread for OpenMP (a thread keeps the count it first
+saw), so the count is applied by the thread that runs the forward, when it changes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+
+import torch
+
+RECORD = struct.Struct("<dii")
+IDLE_S = 0.1  # a peer whose last forward ended this long ago (and none runs) is idle
+
+
+def parse(spec: str) -> tuple[str, int, int]:
+    """'PATH:SLOT:ENGINES' -> (path, slot, engines)."""
+    path, slot, engines = (spec.rsplit(":", 2) + ["", ""])[:3]
+    if not path or not slot.isdigit() or not engines.isdigit() or int(slot) >= int(engines):
+        raise ValueError(f"core share {spec!r}: expected PATH:SLOT:ENGINES, SLOT < ENGINES")
+    return path, int(slot), int(engines)
+
+
+class CoreShare:
+    def __init__(self, path: str, slot: int, engines: int, share: int) -> None:
+        """Engine `slot` of `engines` on this host, owning `share` cores."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = engines * RECORD.size
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # NOTE: zeros: a peer not started yet owns 0 cores
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.slots, self.slot, self.share = engines, slot, max(1, share)
+        self._applied = threading.local()
+        self._write(0.0, 0)
+
+    def begin(self) -> int:
+        """A forward starts: mark it, and return the threads this engine may use now."""
+        self._write(0.0, 1, keep_time=True)
+        now, threads = time.monotonic(), self.share
+        for i in range(self.slots):
+            if i != self.slot:
+                last_end, computing, share = RECORD.unpack_from(self._map, i * RECORD.size)
+                if not computing and now - last_end > IDLE_S:
+                    threads += share
+        return threads
+
+    def end(self) -> None:
+        self._write(time.monotonic(), 0)
+
+    def apply(self, threads: int) -> None:
+        """torch.set_num_threads(threads) in the calling thread, if it differs."""
+        if getattr(self._applied, "threads", 0) != threads:
+            torch.set_num_threads(threads)
+            self._applied.threads = threads
+
+    def _write(self, last_end: float, computing: int, keep_time: bool = False) -> None:
+        off = self.slot * RECORD.size
+        if keep_time:
+            last_end = RECORD.unpack_from(self._map, off)[0]
+        RECORD.pack_into(self._map, off, last_end, computing, self.share)
+
+    def close(self) -> None:
+        self._map.close()

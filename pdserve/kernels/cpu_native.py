@@ -1,0 +1,137 @@
+"""Native CPU kernels: C sources under kernels/cpu/, built once per machine, called via ctypes.
+
+    build:  $CC (else cc, gcc) -O3 -march=native -shared  kernels/cpu/<name>.c
+            -> <cache>/native/<name>-<key>.so      key = hash(source, compiler, flags, CPU)
+    call:   ctypes, which releases the GIL for the length of the call (the decode's
+            forward thread computes while the schedule thread runs Python)
+
+The library is built for the CPU it runs on (-march=native), so the key includes the
+CPU's model and feature flags: a cache directory shared between machines never hands
+one machine another's build. Building takes about a second; it happens at engine
+start-up (warm_up), never inside a step. No C compiler (a slim container image):
+`load` returns None, with a warning, and callers keep their portable path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SRC_DIR = Path(__file__).parent / "cpu"
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=c11", "-fPIC", "-shared")
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))  # the first core's lines (all cores alike)
+
+
+def _key(src: bytes, cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256(src)
+    for part in (version, " ".join(FLAGS), _cpu_id()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build(name: str, cache_dir: Path) -> Path | None:
+    """Path of the built library `name` (from kernels/cpu/<name>.c), building it if needed."""
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (set CC): native CPU kernel %s not built", name)
+        return None
+    src = (SRC_DIR / f"{name}.c").read_bytes()
+    out = cache_dir / "native" / f"{name}-{_key(src, cc)}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *FLAGS, "-o", tmp, str(SRC_DIR / f"{name}.c"), "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        log.warning("building native CPU kernel %s failed:\n%s", name, proc.stderr[-2000:])
+        return None
+    os.replace(tmp, out)  # NOTE: atomic: a concurrent engine start sees all of it or none
+    return out
+
+
+def load(name: str, cache_dir: Path) -> ctypes.CDLL | None:
+    """The library `name`, built and loaded once per process; None if it cannot be."""
+    with _lock:
+        if name not in _loaded:
+            path = build(name, cache_dir)
+            _loaded[name] = None if path is None else ctypes.CDLL(str(path))
+        return _loaded[name]
+
+
+class PagedDecode:
+    """kernels/cpu/paged_decode.c: fp32 decode attention read in place from the pool."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.pd_paged_decode_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+        fn.argtypes += [_i64, _i64, _i64, _f32, _ptr]
+        self._fn = fn
+
+    @staticmethod
+    def supports(q: torch.Tensor, kc: torch.Tensor) -> bool:
+        return q.dtype == kc.dtype == torch.float32 and kc.device.type == "cpu"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        slots: torch.Tensor,
+        bounds: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, H, D] (rows of H * D contiguous); kc, vc [S, KH, D] contiguous; slots
+        [B, Lmax] int64; bounds [B, 2] int64 (first key position, number of keys)."""
+        b, h, d = q.shape
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        assert kc.is_contiguous() and vc.is_contiguous() and slots.stride(1) == 1
+        assert slots.dtype == bounds.dtype == torch.int64 and bounds.is_contiguous()
+        out = torch.empty(b, h, d, dtype=q.dtype)
+        rc = self._fn(
+            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+            slots.stride(0), bounds.data_ptr(), 0, b, h, kc.shape[1], d, scale, out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
+        return out
+
+
+def paged_decode(cache_dir: Path) -> PagedDecode | None:
+    lib = load("paged_decode", cache_dir)
+    return None if lib is None else PagedDecode(lib)

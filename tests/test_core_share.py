@@ -1,0 +1,83 @@
+"""Cores lent between engines on one host (pdserve/kernels/core_share.py): an engine
+borrows the shares of peers that are idle, and gives them back when a peer computes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+
+import pytest
+import torch
+
+from pdserve.kernels import core_share
+from pdserve.kernels.core_share import IDLE_S, CoreShare
+
+
+def test_borrows_only_from_idle_peers(tmp_path, monkeypatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: clock[0])
+    path = str(tmp_path / "cores")
+    prefill, decode = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
+    assert decode.begin() == 2  # the prefill has never computed
+    prefill_threads = prefill.begin()
+    assert prefill_threads == 1  # the decode is computing
+    assert decode.begin() == 1  # ... and so is the prefill now
+    decode.end()
+    prefill.end()
+    clock[0] += IDLE_S / 2
+    assert decode.begin() == 1  # the prefill just finished: it may have more work
+    decode.end()
+    clock[0] += IDLE_S
+    assert decode.begin() == 2  # idle long enough: its core is lent
+    assert prefill.begin() == 1  # a prompt arrives while the decode computes
+    assert decode.begin() == 1  # the decode's next step gives the core back
+
+
+def test_a_peer_not_started_yet_lends_nothing(tmp_path) -> None:
+    a = CoreShare(str(tmp_path / "cores"), 0, 3, 2)
+    assert a.begin() == 2  # the other two records are zeros: they own no cores yet
+    CoreShare(str(tmp_path / "cores"), 2, 3, 1)
+    assert a.begin() == 3
+
+
+def test_apply_sets_threads_of_the_calling_thread(tmp_path) -> None:
+    share = CoreShare(str(tmp_path / "cores"), 0, 1, 1)
+    seen = []
+
+    before = torch.get_num_threads()
+
+    def forward_thread() -> None:
+        share.apply(before + 1)
+        seen.append(torch.get_num_threads())
+
+    try:
+        t = threading.Thread(target=forward_thread)
+        t.start()
+        t.join()
+        assert seen == [before + 1]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("spec", ["x", "f:1", "f:2:2", "f:a:2", ":0:1"])
+def test_bad_specs_are_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="PATH:SLOT:ENGINES"):
+        core_share.parse(spec)
+
+
+def test_launcher_gives_each_engine_its_slot(tmp_path) -> None:
+    from pdserve.server import launch
+
+    args = argparse.Namespace(engine_args=[], num_prefill=1, num_decode=1)
+    per_engine = launch._thread_plan(args.engine_args, 2, str(tmp_path))
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    path = str(tmp_path / "core-share")
+    assert per_engine == [
+        ["--num-threads", share, "--core-share", f"{path}:0:2"],
+        ["--num-threads", share, "--core-share", f"{path}:1:2"],
+    ]
+    assert (
+        launch._thread_plan(["--num-threads", "3"], 2, str(tmp_path))
+        == [["--num-threads", "3"]] * 2
+    )  # the user's choice stands: no sharing

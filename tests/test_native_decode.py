@@ -1,0 +1,114 @@
+"""The native CPU decode attention (kernels/cpu/paged_decode.c): it reads the KV pool in
+place and gives what the eager gather gives, and an engine with it produces the same
+greedy tokens as transformers. Without a C compiler the engine falls back to the gather."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.model import decode_attention as da
+from pdserve.sampling_params import SamplingParams
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> cpu_native.PagedDecode:
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    k = cpu_native.paged_decode(tmp_path_factory.mktemp("native"))
+    assert k is not None
+    return k
+
+
+def _case(b: int, length: int, kh: int, h: int, d: int, window: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    slots = 4 * b * length + 8
+    kc, vc = torch.randn(slots, kh, d, generator=g), torch.randn(slots, kh, d, generator=g)
+    q = torch.randn(b, h, d, generator=g) * 3  # sharp softmaxes: large score ranges
+    idx = torch.randperm(slots - 1, generator=g)[: b * length].view(b, length) + 1
+    lens = torch.randint(1, length + 1, (b,), generator=g)
+    lens[0] = length
+    pos = torch.arange(length)[None, :]
+    hidden = pos >= lens[:, None]
+    if window:
+        hidden |= pos < (lens - window)[:, None]
+    first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+    bounds = torch.stack([first, lens], 1).contiguous()
+    return q, kc, vc, idx.masked_fill(pos >= lens[:, None], 0), hidden, bounds
+
+
+@pytest.mark.parametrize(
+    "b,length,kh,h,d,window",
+    [
+        (1, 1, 1, 1, 8, 0),
+        (1, 2, 2, 4, 16, 0),
+        (3, 5, 2, 4, 16, 0),
+        (4, 40, 2, 8, 64, 0),  # several 32-key blocks, GQA groups of 4
+        (5, 97, 3, 9, 64, 0),  # SmolLM2's heads
+        (2, 70, 4, 4, 128, 0),  # no grouping, long rows
+        (6, 75, 2, 16, 24, 0),  # D not a multiple of the 8 lanes
+        (4, 90, 2, 4, 32, 7),  # sliding window
+        (3, 64, 1, 2, 16, 64),  # a window as long as the context
+    ],
+)
+def test_native_matches_gather(kernel, b, length, kh, h, d, window) -> None:
+    q, kc, vc, slots, hidden, bounds = _case(b, length, kh, h, d, window, seed=b * length + d)
+    want = da.gathered(q, kc, vc, slots, hidden, 0.3)
+    torch.testing.assert_close(kernel(q, kc, vc, slots, bounds, 0.3), want, rtol=1e-5, atol=1e-5)
+    strided = torch.cat([q, q], dim=2)[:, :, :d]  # a view, as q comes out of the qkv split
+    torch.testing.assert_close(kernel(strided, kc, vc, slots, bounds, 0.3), want)
+
+
+def test_native_refuses_shapes_beyond_its_limits(kernel) -> None:
+    q, kc, vc, slots, _, bounds = _case(2, 4, 1, 32, 16, 0, seed=1)  # 32 query heads per group
+    with pytest.raises(ValueError, match="unsupported shape"):
+        kernel(q, kc, vc, slots, bounds, 1.0)
+
+
+def test_build_is_cached_and_keyed(tmp_path) -> None:
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    a = cpu_native.build("paged_decode", tmp_path)
+    assert a is not None and a.exists()
+    mtime = a.stat().st_mtime_ns
+    assert cpu_native.build("paged_decode", tmp_path) == a and a.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp files left
+
+
+def _greedy(model, prompts, monkeypatch, native: str):
+    from pdserve.llm import LLM
+
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", native)
+    llm = LLM(str(model))
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        return got, llm.decode.runner.attn.native
+    finally:
+        llm.close()
+
+
+def test_native_engine_greedy_tokens_match_transformers(monkeypatch, tiny_model) -> None:
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    prompts = [[5, 9, 200, 31, 7], list(range(3, 40)), [11, 12]]
+    got, native = _greedy(tiny_model, prompts, monkeypatch, "0")
+    assert native, "the decode engine did not use the native kernel"
+    assert got == [hf_greedy(tiny_model, p, 12) for p in prompts]
+
+
+def test_no_compiler_falls_back_to_gather(monkeypatch, tiny_model, tmp_path, caplog) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    caplog.set_level(logging.WARNING)
+    prompts = [[5, 9, 200, 31, 7]]
+    got, native = _greedy(tiny_model, prompts, monkeypatch, "0")
+    assert not native
+    assert "no C compiler" in caplog.text and "stays eager" in caplog.text
+    assert got == [hf_greedy(tiny_model, p, 12) for p in prompts]
