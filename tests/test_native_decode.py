@@ -63,6 +63,19 @@ def test_native_matches_gather(kernel, b, length, kh, h, d, window) -> None:
     torch.testing.assert_close(kernel(strided, kc, vc, slots, bounds, 0.3), want)
 
 
+def test_native_splits_requests_over_threads(kernel) -> None:
+    q, kc, vc, slots, hidden, bounds = _case(7, 50, 2, 8, 64, 0, seed=5)
+    want = da.gathered(q, kc, vc, slots, hidden, 0.3)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3, 9):  # more threads than requests too
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(kernel(q, kc, vc, slots, bounds, 0.3), want)
+    finally:
+        torch.set_num_threads(before)
+    assert kernel(q[:0], kc, vc, slots[:0], bounds[:0], 0.3).shape == (0, 8, 64)
+
+
 def test_native_refuses_shapes_beyond_its_limits(kernel) -> None:
     q, kc, vc, slots, _, bounds = _case(2, 4, 1, 32, 16, 0, seed=1)  # 32 query heads per group
     with pytest.raises(ValueError, match="unsupported shape"):

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -101,6 +102,7 @@ class PagedDecode:
         fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
         fn.argtypes += [_i64, _i64, _i64, _f32, _ptr]
         self._fn = fn
+        self._threads: ThreadPoolExecutor | None = None
 
     @staticmethod
     def supports(q: torch.Tensor, kc: torch.Tensor) -> bool:
@@ -123,13 +125,25 @@ class PagedDecode:
         assert kc.is_contiguous() and vc.is_contiguous() and slots.stride(1) == 1
         assert slots.dtype == bounds.dtype == torch.int64 and bounds.is_contiguous()
         out = torch.empty(b, h, d, dtype=q.dtype)
-        rc = self._fn(
-            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
-            slots.stride(0), bounds.data_ptr(), 0, b, h, kc.shape[1], d, scale, out.data_ptr(),
-        )  # fmt: skip
-        if rc != 0:
+        if b == 0:
+            return out
+        args = (q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+                slots.stride(0), bounds.data_ptr())  # fmt: skip
+        tail = (h, kc.shape[1], d, scale, out.data_ptr())
+        # requests split over this thread's torch thread count (ctypes drops the GIL)
+        parts = min(torch.get_num_threads(), b)
+        cuts = [b * i // parts for i in range(parts + 1)]
+        pieces = list(zip(cuts, cuts[1:]))
+        futs = [self._pool().submit(self._fn, *args, lo, hi, *tail) for lo, hi in pieces[1:]]
+        rcs = [self._fn(*args, *pieces[0], *tail)] + [f.result() for f in futs]
+        if any(rcs):
             raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
         return out
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "paged-decode")
+        return self._threads
 
 
 def paged_decode(cache_dir: Path) -> PagedDecode | None:
