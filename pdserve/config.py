@@ -30,10 +30,22 @@ class CacheConfig:
         return -(-self.max_context // self.page_size)
 
 
+# On a 2-core CPU, 256 gave the best TTFT p50 with no loss of output tok/s against 2048
+# (benchmarks/compare.py, docs/benchmarks.md); on CUDA a step of 4096 tokens is still short.
+PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 4096}
+
+
+def prefill_budget(max_prefill_tokens: int, device: str) -> int:
+    """The prefill step's token budget: the configured one, else the device's default."""
+    return max_prefill_tokens or PREFILL_TOKENS_BY_DEVICE[device.split(":")[0]]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = 64
-    max_prefill_tokens: int = 2048  # tokens per prefill chunk
+    # prompt tokens per prefill step; 0: PREFILL_TOKENS_BY_DEVICE. Smaller steps let the
+    # first prompts of a burst finish (and their decodes start) before the last ones.
+    max_prefill_tokens: int = 0
     max_queued_requests: int = 4096  # beyond this new requests are refused
     disable_overlap: bool = False
 

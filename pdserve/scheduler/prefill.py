@@ -3,7 +3,7 @@ request's KV until the sink reports the decode has it (or gave up), then frees i
 
     waiting --(row + prompt pages)--> prefilling (chunk by chunk) --(first token)--> holding --> freed
 
-One step packs up to `max_prefill_tokens` prompt tokens: the unfinished request
+One step packs up to `prefill_budget(max_prefill_tokens)` prompt tokens: the unfinished request
 first, then new ones; a prompt longer than the budget is split across steps.
 The prefill never decodes; it runs on the calling thread (no overlap needed).
 """
@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
@@ -127,7 +127,7 @@ class PrefillEngine:
 
     def _plan_chunk(self) -> list[tuple[Req, int, int]]:
         """(req, start, end) prompt ranges for this step, within the token budget."""
-        budget = self.cfg.scheduler.max_prefill_tokens
+        budget = prefill_budget(self.cfg.scheduler.max_prefill_tokens, self.cfg.device)
         plan = []
         for req in self.prefilling:
             if budget <= 0:

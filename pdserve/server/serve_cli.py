@@ -63,7 +63,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         SchedulerConfig,
         "max_prefill_tokens",
-        "prompt tokens per prefill chunk",
+        "prompt tokens per prefill step (0: 256 on CPU, 4096 on CUDA)",
     )
     _flag(
         g,
