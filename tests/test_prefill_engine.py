@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import KVPool
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest
@@ -73,6 +73,16 @@ def test_chunks_cover_the_prompt_once_and_first_token_is_greedy(tiny_model) -> N
     assert event.finished and event.error is None and event.token_ids == [sink.done["a"]]
     s = engine.stats()
     assert s["free_kv_pages"] == s["total_kv_pages"] and s["free_rows"] == s["total_rows"]
+
+
+def test_default_budget_follows_the_device(tiny_model) -> None:
+    assert prefill_budget(0, "cpu") == 256 and prefill_budget(0, "cuda:1") == 4096
+    assert prefill_budget(100, "cpu") == 100
+    engine, sink = _engine(tiny_model, budget=0)  # the CPU default: 256-token steps
+    engine.add_request(_req("a", list(range(3, 103))))  # 100 tokens: one step
+    engine.add_request(_req("b", list(range(3, 203))))  # 200: the budget's rest, then more
+    engine.step()
+    assert sink.chunks == [("a", 0, 100), ("b", 0, 156)]
 
 
 def test_abort_keeps_kv_until_the_sink_releases_it(tiny_model) -> None:
