@@ -78,7 +78,13 @@ def test_chunks_cover_the_prompt_once_and_first_token_is_greedy(tiny_model) -> N
 def test_default_budget_follows_the_device(tiny_model) -> None:
     assert prefill_budget(0, "cpu") == 256 and prefill_budget(0, "cuda:1") == 4096
     assert prefill_budget(100, "cpu") == 100
-    engine, sink = _engine(tiny_model, budget=0)  # the CPU default: 256-token steps
+    cfg = EngineConfig(
+        model_path=str(tiny_model),
+        cache=CacheConfig(page_size=4, max_total_tokens=1024, max_context=512),
+        scheduler=SchedulerConfig(max_running_requests=4),  # the CPU default: 256-token steps
+    )
+    sink = RecordingSink()
+    engine = PrefillEngine(cfg, ModelRunner(cfg), sink)
     engine.add_request(_req("a", list(range(3, 103))))  # 100 tokens: one step
     engine.add_request(_req("b", list(range(3, 203))))  # 200: the budget's rest, then more
     engine.step()
