@@ -47,11 +47,13 @@ def _case(b: int, length: int, kh: int, h: int, d: int, window: int, seed: int):
         (1, 1, 1, 1, 8, 0),
         (1, 2, 2, 4, 16, 0),
         (3, 5, 2, 4, 16, 0),
-        (4, 40, 2, 8, 64, 0),  # several 32-key blocks, GQA groups of 4
+        (4, 40, 2, 8, 64, 0),  # several 32-key blocks, GQA groups of 4 (the D = 64 path)
         (5, 97, 3, 9, 64, 0),  # SmolLM2's heads
         (2, 70, 4, 4, 128, 0),  # no grouping, long rows
         (6, 75, 2, 16, 24, 0),  # D not a multiple of the 8 lanes
         (4, 90, 2, 4, 32, 7),  # sliding window
+        (4, 90, 2, 8, 64, 33),  # sliding window, the D = 64 path
+        (2, 40, 1, 16, 128, 5),  # the D = 128 path, 16 query heads per group
         (3, 64, 1, 2, 16, 64),  # a window as long as the context
     ],
 )
