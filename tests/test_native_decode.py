@@ -127,3 +127,14 @@ def test_no_compiler_falls_back_to_gather(monkeypatch, tiny_model, tmp_path, cap
     assert not native
     assert "no C compiler" in caplog.text and "stays eager" in caplog.text
     assert got == [hf_greedy(tiny_model, p, 12) for p in prompts]
+
+
+def test_unwritable_cache_dir_means_no_kernel_not_a_crash(tmp_path, monkeypatch, caplog) -> None:
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(cpu_native, "_loaded", {})
+    caplog.set_level(logging.WARNING)
+    assert cpu_native.paged_decode(blocker) is None  # <blocker>/native cannot be made
+    assert "unavailable" in caplog.text

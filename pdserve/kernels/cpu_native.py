@@ -85,11 +85,16 @@ def build(name: str, cache_dir: Path) -> Path | None:
 
 
 def load(name: str, cache_dir: Path) -> ctypes.CDLL | None:
-    """The library `name`, built and loaded once per process; None if it cannot be."""
+    """The library `name`, built and loaded once per process; None if it cannot be
+    (no compiler, a read-only cache directory, a library that does not load)."""
     with _lock:
         if name not in _loaded:
-            path = build(name, cache_dir)
-            _loaded[name] = None if path is None else ctypes.CDLL(str(path))
+            try:
+                path = build(name, cache_dir)
+                _loaded[name] = None if path is None else ctypes.CDLL(str(path))
+            except OSError as e:
+                log.warning("native CPU kernel %s unavailable: %s", name, e)
+                _loaded[name] = None
         return _loaded[name]
 
 
