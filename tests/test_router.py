@@ -90,6 +90,19 @@ def test_failing_prefill_returns_its_error_and_cancels_decode(pd, stream):
     assert wait_for(lambda: d.aborted == [{"rid": rid}] and p.aborted == [{"rid": rid}])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_answer_is_not_held_by_a_stalled_prefill(pd, stream):
+    """The decode's complete answer proves the KV arrived; a prefill that has not answered
+    (a stopped engine) must not hold it (it did, 30 s, for non-streamed requests)."""
+    p, d, url = pd
+    p.hold_s = 20.0
+    t0 = time.monotonic()
+    r = httpx.post(url + "/generate", json={"text": "x", "stream": stream}, timeout=30)
+    assert r.status_code == 200
+    assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["text"].startswith("D:")
+    assert time.monotonic() - t0 < 3.0
+
+
 def test_failing_decode_returns_its_error_and_cancels_prefill(pd):
     p, d, url = pd
     d.fail_status, p.hold_s = 400, 5.0

@@ -27,7 +27,7 @@ from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-PREFILL_GRACE_S = 30.0  # after the decode finished, wait this long for the prefill's answer
+PREFILL_GRACE_S = 30.0  # after the decode finished, the lease waits this long for the prefill
 
 
 class LegError(Exception):
@@ -153,7 +153,13 @@ class PDProxy:
                     legs.relay(p_task), resp.status_code, _forward_headers(resp)
                 )
             data = await race(asyncio.ensure_future(resp.aread()), p_task, gone)
-            await _settle_prefill(p_task, gone)
+            # NOTE: the decode's complete answer means the prefill's KV arrived intact
+            # (checksums and digest checked before a token was made), so a prefill that has
+            # not answered yet (stalled, slow to report) does not hold the response; one
+            # that already failed still turns it into its error. The prefill leg settles
+            # in the background (_cleanup, at most PREFILL_GRACE_S).
+            if p_task.done():
+                p_task.result()
             legs.finish(ok=True)
             return Response(data, resp.status_code, _forward_headers(resp))
         except LegError as e:
@@ -167,15 +173,6 @@ class PDProxy:
         except asyncio.CancelledError:
             legs.finish(ok=False, abort=True)
             raise
-
-
-async def _settle_prefill(prefill: asyncio.Future, gone: asyncio.Future) -> None:
-    """After the decode answered: surface a prefill failure, waiting at most the grace time."""
-    await asyncio.wait(
-        {prefill, gone}, timeout=PREFILL_GRACE_S, return_when=asyncio.FIRST_COMPLETED
-    )
-    if prefill.done():
-        prefill.result()
 
 
 def _sse_error(e: LegError) -> bytes:
