@@ -8,9 +8,11 @@ forward, sample, publish) and reports the share of each part:
     futuremap  resolve + publish
     attention  the attention backend's forward, summed over layers (KV write included)
     sampling   sample() on the logits
-    floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), each on a
-               weight stored [in, out] contiguous, every weight streamed once: what a step
-               cannot beat without changing the arithmetic
+    floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), every
+               weight streamed once, in the faster of two layouts measured side by side:
+               torch.mm on [in, out]-contiguous copies, and the model's own projections
+               (oneDNN's prepacked layout on CPU, model/linear.py): what a step cannot beat
+               without changing the arithmetic
     ratio      step / floor
 
     python benchmarks/decode_step.py [--model DIR] [--batch 1 8 32 64] [--context 128 1024]
@@ -108,23 +110,25 @@ def one_step(runner: ModelRunner, future: FutureMap, reqs: list[Req], t: dict[st
     t["step"] = t.get("step", 0.0) + t5 - t0
 
 
-def floor_fn(runner: ModelRunner, batch: int) -> Callable[[], None]:
-    """The step's GEMMs on [in, out]-contiguous copies of the model's weights."""
+def floor_fns(runner: ModelRunner, batch: int) -> list[Callable[[], None]]:
+    """The step's GEMMs, twice: on [in, out]-contiguous copies of the model's weights
+    (torch.mm), and through the model's own Linear objects (their served layout)."""
     m = runner.model
-    shapes = []
-    for layer in m.layers:
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            shapes.append(tuple(w.shape))
-    shapes.append(tuple(m.lm_head.shape))
+    linears = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears.append(m.lm_head)
     # weights as [in, out]; shapes are [out, in] in the checkpoint's convention
-    weights = [torch.randn(i, o, dtype=runner.dtype) for (o, i) in shapes]
+    weights = [torch.randn(w.shape[1], w.shape[0], dtype=runner.dtype) for w in linears]
     xs = [torch.randn(batch, w.shape[0], dtype=runner.dtype) for w in weights]
 
-    def run() -> None:
+    def mm() -> None:
         for x, w in zip(xs, weights, strict=True):
             torch.mm(x, w)
 
-    return run
+    def served() -> None:
+        for x, lin in zip(xs, linears, strict=True):
+            lin(x)
+
+    return [mm, served]
 
 
 def best_of(fn: Callable[[], None], reps: int) -> float:
@@ -151,7 +155,7 @@ def measure(model: str, batch: int, context: int, threads: int, reps: int, compi
     t: dict[str, float] = {}
     for _ in range(reps):
         one_step(runner, future, reqs, t)
-    floor = best_of(floor_fn(runner, batch), reps)
+    floor = min(best_of(fn, reps) for fn in floor_fns(runner, batch))
     step = t["step"] / reps
     row = {"batch": batch, "context": context, "threads": threads}
     row.update({"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio": step / floor})

@@ -21,8 +21,9 @@
    D = 64 and 128 have their own copies with D fixed at compile time (below).
 
    Plain C loops over D in 8 independent lanes, so the compiler vectorises them
-   without -ffast-math (each lane's sum keeps its order: results do not depend on the
-   compiler's choices; -fno-trapping-math lets it vectorise the selects). exp is a
+   without -ffast-math (each lane's sum keeps its order; -ffp-contract=fast fuses a
+   multiply and an add into one FMA, so the last bit can differ between machines with
+   and without FMA; -fno-trapping-math lets it vectorise the selects). exp is a
    vectorisable polynomial (Cephes' expf coefficients, within 2 ulp of expf over the
    range softmax uses). Called through ctypes, which releases the GIL for the call. */
 
@@ -34,6 +35,10 @@
 #define LANES 8
 #define MAX_D 256
 #define MAX_G 16
+#ifndef PF_DIST
+#define PF_DIST 64
+#endif
+#define MAX_H 64 /* query heads per row walk (D = 64, 128) */
 
 static inline float exp_poly(float x) {
     /* exp(x) for x <= 0 (softmax arguments); below -87.3 the result is 0. */
@@ -123,9 +128,21 @@ static void attend_group(const float *q, const float *k_pool, const float *v_poo
 }
 
 /* The same walk with D fixed at compile time (64 or 128: DV vectors of 8 floats), in
-   GCC/Clang vector types: a query row and a head's accumulator stay in registers
-   across a block's keys instead of being reloaded per key. Same sums, same order. */
+   GCC/Clang vector types, shaped for the machine rather than for the scalar reader:
+
+   - scores eight keys at a time: one query vector is loaded per 8 multiply-adds into
+     eight independent accumulators (no dependency chain waits on the adder), and the
+     eight lane-sums are reduced together by a shuffle tree (hsum8x8) into one vector of
+     eight scores, instead of a serial horizontal sum per key;
+   - the softmax's exp runs on those vectors (exp8), and the scale is folded into q;
+   - the next block's K and V rows are prefetched while this block computes: rows sit
+     wherever the slot table puts them (pages in any order), which the hardware
+     prefetcher cannot follow across pages.
+
+   Per lane the dot product's terms are added in the same order as the generic walk;
+   across lanes the tree adds them in another order (results agree to fp32 rounding). */
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
     v8 v;
@@ -139,50 +156,130 @@ static inline float hsum8(v8 v) {
     return s;
 }
 
-#define DEFINE_GROUP_FIXED(NAME, DV)                                                         \
+static inline v8 max8(v8 a, v8 b) {
+    v8i m = a > b;
+    return (v8)(((v8i)a & m) | ((v8i)b & ~m));
+}
+
+static inline float hmax8(v8 v) {
+    float m = v[0];
+    for (int k = 1; k < LANES; k++) m = v[k] > m ? v[k] : m;
+    return m;
+}
+
+/* exp_poly on eight lanes (same constants, same steps). */
+static inline v8 exp8(v8 x) {
+    x = max8(x, (v8){0} - 87.3f);
+    v8 t = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(t, v8i);  // truncates toward zero: floor needs -1 below
+    n += (v8i)(__builtin_convertvector(n, v8) > t);
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8 p = (v8){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v8)((n + 127) << 23);
+}
+
+#define SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* Eight vectors -> one vector of their eight lane-sums: out[k] = sum of a[k]'s lanes. */
+static inline v8 hsum8x8(const v8 *a) {
+    v8 p[4], z[2];
+    for (int i = 0; i < 4; i++)  // [a0_02 a1_02 a0_13 a1_13 | a0_46 a1_46 a0_57 a1_57]
+        p[i] = SHUF8(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+               SHUF8(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    for (int i = 0; i < 2; i++)  // [a0_0123 a1_0123 a2_0123 a3_0123 | a0_4567 ...]
+        z[i] = SHUF8(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUF8(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF8(z[0], z[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUF8(z[0], z[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline void prefetch_rows(const float *k_pool, const float *v_pool,
+                                 const int64_t *slots, int64_t n, int64_t width) {
+    for (int64_t t = 0; t < n; t++) {
+        int64_t row = slots[t] * width;
+        for (int64_t c = 0; c < width; c += 16) {  // one 64-byte line per 16 floats
+            __builtin_prefetch(k_pool + row + c, 0, 2); // to L2: more misses in flight than L1 allows
+            __builtin_prefetch(v_pool + row + c, 0, 2);
+        }
+    }
+}
+
+/* One request, kv heads [k0, k1) of n_kv at once (nh = (k1 - k0) * g <= MAX_H query
+   heads): every block's K and V rows are read whole (all the heads of a slot sit side
+   by side), once, in slot order, and the next block's rows are prefetched. Per kv head
+   the group's g query heads then walk the block as above. */
+#define DEFINE_ROWS_FIXED(NAME, DV)                                                          \
     static void NAME(const float *q, const float *k_pool, const float *v_pool,              \
-                     const int64_t *slots, int64_t start, int64_t len, int64_t head,         \
-                     int64_t n_kv, int64_t g, float scale, float *out) {                     \
-        const int64_t d = DV * LANES;                                                        \
-        v8 acc[MAX_G][DV];                                                                   \
-        float m[MAX_G], l[MAX_G], s[MAX_G][BLOCK];                                           \
+                     const int64_t *slots, int64_t start, int64_t len, int64_t k0,           \
+                     int64_t k1, int64_t n_kv, int64_t g, float scale, float *out) {         \
+        const int64_t d = DV * LANES, width = n_kv * d, nh = (k1 - k0) * g;                 \
+        v8 acc[MAX_H][DV], qs[MAX_H][DV], s[BLOCK / LANES];                                  \
+        float m[MAX_H], l[MAX_H];                                                            \
         const float *krow[BLOCK], *vrow[BLOCK];                                              \
-        for (int64_t j = 0; j < g; j++) {                                                    \
+        for (int64_t j = 0; j < nh; j++) {                                                   \
             m[j] = -INFINITY;                                                                \
             l[j] = 0.0f;                                                                     \
-            for (int i = 0; i < DV; i++) acc[j][i] = (v8){0};                                \
+            for (int i = 0; i < DV; i++) {                                                   \
+                acc[j][i] = (v8){0};                                                         \
+                qs[j][i] = load8(q + j * d + i * LANES) * scale;                             \
+            }                                                                                \
         }                                                                                    \
         for (int64_t t0 = start; t0 < len; t0 += BLOCK) {                                    \
             int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;                                 \
-            for (int64_t t = 0; t < n; t++) {                                                \
-                int64_t row = slots[t0 + t] * n_kv + head;                                   \
-                krow[t] = k_pool + row * d;                                                  \
-                vrow[t] = v_pool + row * d;                                                  \
-            }                                                                                \
-            for (int64_t j = 0; j < g; j++) {                                                \
-                v8 qv[DV];                                                                   \
-                for (int i = 0; i < DV; i++) qv[i] = load8(q + j * d + i * LANES);           \
-                for (int64_t t = 0; t < n; t++) {                                            \
-                    v8 sum = {0};                                                            \
-                    for (int i = 0; i < DV; i++) sum += qv[i] * load8(krow[t] + i * LANES);  \
-                    s[j][t] = scale * hsum8(sum);                                            \
+            int64_t nv = (n + LANES - 1) / LANES; /* score vectors; lanes past n padded */   \
+            int64_t next = len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK;              \
+            (void)next;                                                                      \
+            for (int64_t kv = k0; kv < k1; kv++) {                                           \
+                for (int64_t t = 0; t < nv * LANES; t++) {                                   \
+                    int64_t row = slots[t0 + (t < n ? t : 0)] * width + kv * d;              \
+                    krow[t] = k_pool + row;                                                  \
+                    vrow[t] = v_pool + row;                                                  \
+                }                                                                            \
+                for (int64_t j = (kv - k0) * g; j < (kv - k0 + 1) * g; j++) {               \
+                    for (int64_t c = 0; c < nv; c++) {                                       \
+                        const float *const *kr = krow + c * LANES;                           \
+                        if (j == 0) {                                                        \
+                            int64_t pf = t0 + PF_DIST + c * LANES;                           \
+                            int64_t pn = len - pf < LANES ? len - pf : LANES;                \
+                            if (pn > 0) prefetch_rows(k_pool, v_pool, slots + pf, pn, width); \
+                        }                                                                    \
+                        v8 a[LANES];                                                         \
+                        for (int u = 0; u < LANES; u++) a[u] = qs[j][0] * load8(kr[u]);      \
+                        for (int i = 1; i < DV; i++)                                         \
+                            for (int u = 0; u < LANES; u++)                                  \
+                                a[u] += qs[j][i] * load8(kr[u] + i * LANES);                 \
+                        s[c] = hsum8x8(a);                                                   \
+                    }                                                                        \
+                    for (int64_t t = n; t < nv * LANES; t++) s[t / LANES][t % LANES] = -INFINITY; \
+                    v8 mv = s[0];                                                            \
+                    for (int64_t c = 1; c < nv; c++) mv = max8(mv, s[c]);                    \
+                    float mb = hmax8(mv);                                                    \
+                    mb = mb > m[j] ? mb : m[j];                                              \
+                    float a_ = exp_poly(m[j] - mb);                                          \
+                    v8 lv = {0};                                                             \
+                    for (int64_t c = 0; c < nv; c++) {                                       \
+                        s[c] = exp8(s[c] - mb);                                              \
+                        lv += s[c];                                                          \
+                    }                                                                        \
+                    l[j] = l[j] * a_ + hsum8(lv);                                            \
+                    m[j] = mb;                                                               \
+                    const float *p = (const float *)s;                                       \
+                    v8 av[DV];                                                               \
+                    for (int i = 0; i < DV; i++) av[i] = acc[j][i] * a_;                     \
+                    for (int64_t t = 0; t < n; t++)                                          \
+                        for (int i = 0; i < DV; i++) av[i] += p[t] * load8(vrow[t] + i * LANES); \
+                    for (int i = 0; i < DV; i++) acc[j][i] = av[i];                          \
                 }                                                                            \
             }                                                                                \
-            for (int64_t j = 0; j < g; j++) {                                                \
-                float mb = m[j];                                                             \
-                for (int64_t t = 0; t < n; t++) mb = s[j][t] > mb ? s[j][t] : mb;            \
-                float a = exp_poly(m[j] - mb);                                               \
-                for (int64_t t = 0; t < n; t++) s[j][t] = exp_poly(s[j][t] - mb);            \
-                l[j] = l[j] * a + sum_lanes(s[j], n);                                        \
-                m[j] = mb;                                                                   \
-                v8 av[DV];                                                                   \
-                for (int i = 0; i < DV; i++) av[i] = acc[j][i] * a;                          \
-                for (int64_t t = 0; t < n; t++)                                              \
-                    for (int i = 0; i < DV; i++) av[i] += s[j][t] * load8(vrow[t] + i * LANES); \
-                for (int i = 0; i < DV; i++) acc[j][i] = av[i];                              \
-            }                                                                                \
         }                                                                                    \
-        for (int64_t j = 0; j < g; j++) {                                                    \
+        for (int64_t j = 0; j < nh; j++) {                                                   \
             float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                    \
             for (int i = 0; i < DV; i++) {                                                   \
                 v8 o = acc[j][i] * inv;                                                      \
@@ -191,8 +288,8 @@ static inline float hsum8(v8 v) {
         }                                                                                    \
     }
 
-DEFINE_GROUP_FIXED(attend_group_64, 8)
-DEFINE_GROUP_FIXED(attend_group_128, 16)
+DEFINE_ROWS_FIXED(attend_rows_64, 8)
+DEFINE_ROWS_FIXED(attend_rows_128, 16)
 
 /* Requests [b0, b1) of the batch. q rows are q + b * q_stride (H * D contiguous);
    slots is [B, slot_stride] row-major; bounds is [B, 2] = (start, len) per request.
@@ -202,19 +299,30 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
                         const int64_t *bounds, int64_t b0, int64_t b1, int64_t h, int64_t kh,
                         int64_t d, float scale, float *out) {
     if (kh <= 0 || h % kh != 0 || h / kh > MAX_G || d > MAX_D) return -1;
-    int64_t g = h / kh;
-    for (int64_t b = b0; b < b1; b++)
-        for (int64_t k = 0; k < kh; k++) {
-            const float *qb = q + b * q_stride + k * g * d;
-            const int64_t *sb = slots + b * slot_stride;
-            int64_t lo = bounds[2 * b], hi = bounds[2 * b + 1];
-            float *ob = out + (b * h + k * g) * d;
-            if (d == 64)
-                attend_group_64(qb, k_pool, v_pool, sb, lo, hi, k, kh, g, scale, ob);
-            else if (d == 128)
-                attend_group_128(qb, k_pool, v_pool, sb, lo, hi, k, kh, g, scale, ob);
-            else
-                attend_group(qb, k_pool, v_pool, sb, lo, hi, k, kh, g, d, scale, ob);
+    int64_t g = h / kh, span = MAX_H / g;  // kv heads per row walk
+    for (int64_t b = b0; b < b1; b++) {
+        if (b + 1 < b1 && (d == 64 || d == 128)) {  // the next request's first rows
+            int64_t lo1 = bounds[2 * b + 2], n1 = bounds[2 * b + 3] - lo1;
+            n1 = n1 < PF_DIST ? n1 : PF_DIST;
+            prefetch_rows(k_pool, v_pool, slots + (b + 1) * slot_stride + lo1, n1, kh * d);
         }
+        const float *qb = q + b * q_stride;
+        const int64_t *sb = slots + b * slot_stride;
+        int64_t lo = bounds[2 * b], hi = bounds[2 * b + 1];
+        float *ob = out + b * h * d;
+        for (int64_t k0 = 0; k0 < kh; k0 += span) {
+            int64_t k1 = k0 + span < kh ? k0 + span : kh;
+            const float *qk = qb + k0 * g * d;
+            float *ok = ob + k0 * g * d;
+            if (d == 64)
+                attend_rows_64(qk, k_pool, v_pool, sb, lo, hi, k0, k1, kh, g, scale, ok);
+            else if (d == 128)
+                attend_rows_128(qk, k_pool, v_pool, sb, lo, hi, k0, k1, kh, g, scale, ok);
+            else
+                for (int64_t k = k0; k < k1; k++)
+                    attend_group(qb + k * g * d, k_pool, v_pool, sb, lo, hi, k, kh, g, d,
+                                 scale, ob + k * g * d);
+        }
+    }
     return 0;
 }
