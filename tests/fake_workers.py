@@ -92,8 +92,16 @@ class FakeWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def gen_requests(self) -> list[Received]:
-        return [r for r in self.received if r.path in GEN_PATHS]
+    def gen_requests(self, at_least: int = 0, timeout: float = 5.0) -> list[Received]:
+        """The generation requests received so far, once there are `at_least` of them
+        (or `timeout` passed): a router answers with the decode's response and does not
+        wait for the prefill leg, which may still be on its way to this worker."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [r for r in self.received if r.path in GEN_PATHS]
+            if len(got) >= at_least or time.monotonic() > deadline:
+                return got
+            time.sleep(0.01)
 
     def start(self, port: int | None = None) -> FakeWorker:
         self._served = Served(build_app(self), port)

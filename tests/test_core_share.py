@@ -81,3 +81,12 @@ def test_launcher_gives_each_engine_its_slot(tmp_path) -> None:
         launch._thread_plan(["--num-threads", "3"], 2, str(tmp_path))
         == [["--num-threads", "3"]] * 2
     )  # the user's choice stands: no sharing
+
+
+def test_children_sleep_between_parallel_regions_unless_told_otherwise() -> None:
+    from pdserve.server import launch
+
+    env = launch.child_env({"PATH": "/bin"}, api_key="k")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PATH"] == "/bin"
+    assert env["PDSERVE_API_KEY"] == "k"
+    assert launch.child_env({"OMP_WAIT_POLICY": "ACTIVE"}, None) == {"OMP_WAIT_POLICY": "ACTIVE"}

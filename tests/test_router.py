@@ -38,7 +38,7 @@ def test_both_legs_get_same_room_and_bootstrap_fields(pd):
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "extra_field": [7]}
     r = httpx.post(url + "/generate", json=body)
     assert r.status_code == 200
-    (pr,), (dr,) = p.gen_requests(), d.gen_requests()
+    (pr,), (dr,) = p.gen_requests(1), d.gen_requests(1)
     assert pr.body == dr.body  # identical legs
     room = pr.body["bootstrap_room"]
     assert isinstance(room, int) and 0 <= room < 2**63
@@ -48,7 +48,7 @@ def test_both_legs_get_same_room_and_bootstrap_fields(pd):
     assert r.json()["text"] == f"D:{room}"  # the decode's answer is the client's
     r2 = httpx.post(url + "/v1/chat/completions", json={"messages": [], "rid": "mine"})
     assert r2.status_code == 200
-    rooms = [w.gen_requests()[1].body["bootstrap_room"] for w in (p, d)]
+    rooms = [w.gen_requests(2)[1].body["bootstrap_room"] for w in (p, d)]
     assert rooms[0] == rooms[1] != room  # a fresh room per request
     assert d.gen_requests()[1].body["rid"] == "mine"  # the client's rid is kept
 
@@ -58,7 +58,7 @@ def test_n_samples_and_batches_get_distinct_rooms(pd):
     httpx.post(url + "/v1/completions", json={"prompt": "a", "n": 2})
     httpx.post(url + "/generate", json={"text": ["a", "b", "c"], "sampling_params": {"n": 2}})
     for i, count in enumerate((2, 6)):
-        rooms = p.gen_requests()[i].body["bootstrap_room"]
+        rooms = p.gen_requests(2)[i].body["bootstrap_room"]
         assert rooms == d.gen_requests()[i].body["bootstrap_room"]
         assert isinstance(rooms, list) and len(set(rooms)) == count
         assert "rid" not in p.gen_requests()[i].body  # one rid cannot name several sequences

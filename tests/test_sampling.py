@@ -48,3 +48,14 @@ def test_engine_seeded_reproducible_and_top_k_1_is_greedy(tiny_model) -> None:
         o.token_ids for o in llm.generate(prompts, top1)
     ]
     llm.close()
+
+
+def test_logprobs_only_when_asked() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    want = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1)[:, None]).squeeze(1)
+    plain = [SamplingParams(temperature=0.0)] * 3
+    tokens, lp = sample(logits, plain, [0] * 3, [0] * 3)
+    assert torch.equal(tokens, logits.argmax(-1)) and lp.isnan().all()  # none asked: skipped
+    asked = [*plain[:2], SamplingParams(temperature=0.0, logprobs=True)]
+    torch.testing.assert_close(sample(logits, asked, [0] * 3, [0] * 3)[1], want)
+    torch.testing.assert_close(sample(logits, plain, [0] * 3, [0] * 3, logprobs=True)[1], want)

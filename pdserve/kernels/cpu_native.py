@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 SRC_DIR = Path(__file__).parent / "cpu"
 # -ffp-contract=fast: a * b + c becomes one fused multiply-add (-std=c11 alone forbids it,
 # which doubles the kernel's arithmetic instructions)
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-ffp-contract=fast", "-std=c11")
-FLAGS += ("-fPIC", "-shared")
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fno-trapping-math", "-ffp-contract=fast")
+FLAGS += ("-std=c11", "-fPIC", "-shared")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _loaded: dict[str, ctypes.CDLL | None] = {}

@@ -16,20 +16,29 @@ _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, index) pairs
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], out_index: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    out_index: list[int],
+    logprobs: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
 
     `seeds[i]` is request i's seed (the engine fills one in when the user gave
     none); `out_index[i]` the index of the token being sampled in its output.
-    Logprobs are of the model's distribution (before temperature and filters).
+    Logprobs are of the model's distribution (before temperature and filters). They
+    cost a log-softmax over [B, V] (as much as the argmax again), so by default they
+    are computed only when some request asked for them (`SamplingParams.logprobs`),
+    and are NaN otherwise; `logprobs=True` computes them regardless.
     """
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = _sample_one(logits[i], p, seeds[i], out_index[i])
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    if not (logprobs or any(p.logprobs for p in params)):
+        return tokens, torch.full(tokens.shape, float("nan"), device=logits.device)
+    lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, lp
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:

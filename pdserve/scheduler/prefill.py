@@ -151,6 +151,7 @@ class PrefillEngine:
                 [r.params for r in reqs],
                 [r.seed for r in reqs],
                 [0] * len(reqs),
+                logprobs=True,  # the first token's logprob travels with the KV
             )
         for req, start, end in plan:
             req.prefilled = end

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -91,6 +92,17 @@ def _thread_plan(engine_args: list[str], engines: int, state_dir: str) -> list[l
     return [[*base, "--core-share", f"{path}:{i}:{engines}"] for i in range(engines)]
 
 
+def child_env(base: Mapping[str, str], api_key: str | None) -> dict[str, str]:
+    """The children's environment. Engines on one host share its cores, so OpenMP
+    threads sleep when their parallel region ends instead of spinning for milliseconds
+    on a core the other engine needs (OMP_WAIT_POLICY=PASSIVE; a value the user set
+    wins)."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **base}
+    if api_key:
+        env[ENV.API_KEY.name] = api_key
+    return env
+
+
 def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
     model = _prepare_model(args.model)
@@ -146,7 +158,7 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
-    env = os.environ | ({ENV.API_KEY.name: args.api_key} if args.api_key else {})
+    env = child_env(os.environ, args.api_key)
     try:
         for c in children:
             start(c, log_dir, env)
