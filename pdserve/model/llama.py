@@ -17,7 +17,7 @@ from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.linear import Linear
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.rope import RotaryEmbedding, rotate
 from pdserve.model.state_reader import CheckpointMismatch, StateReader
 
 
@@ -105,27 +105,34 @@ class LlamaModel:
         """Runs all T tokens; returns logits [B, vocab] at each request's last token.
         Precondition: `batch` was prepared (ModelRunner.prepare); only device work here."""
         h = F.embedding(batch.input_ids, self.embed)
+        rope = self.rope.tables(batch.positions)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(
-                i, layer, rms_norm(h, layer.input_norm, self.arch.rms_norm_eps), batch, attn
-            )
+            x = rms_norm(h, layer.input_norm, self.arch.rms_norm_eps)
+            h = h + self._attention(i, layer, x, rope, batch, attn)
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.arch.rms_norm_eps))
         last = h[batch.last_index]
         return self.lm_head(rms_norm(last, self.norm, self.arch.rms_norm_eps)).float()
 
     def _attention(
-        self, i: int, w: LayerWeights, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self,
+        i: int,
+        w: LayerWeights,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        attn: AttentionBackend,
     ) -> torch.Tensor:
         a = self.arch
-        t = x.shape[0]
+        t, h = x.shape[0], a.num_heads
         qkv = w.qkv(x)
-        q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
-        k = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
         v = qkv[:, a.q_size + a.kv_size :].view(t, a.num_kv_heads, a.head_dim)
         if w.q_norm is not None and w.k_norm is not None:
-            q = rms_norm(q, w.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, a.rms_norm_eps)
-        q, k = self.rope.apply(q, k, batch.positions)
+            q = rms_norm(qkv[:, : a.q_size].view(t, h, a.head_dim), w.q_norm, a.rms_norm_eps)
+            k = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
+            q, k = rotate(q, rope), rotate(rms_norm(k, w.k_norm, a.rms_norm_eps), rope)
+        else:  # q and k sit side by side in qkv: one rotation for both
+            qk = rotate(qkv[:, : a.q_size + a.kv_size].view(t, h + a.num_kv_heads, -1), rope)
+            q, k = qk[:, :h], qk[:, h:]
         out = attn.forward(i, q, k.contiguous(), v.contiguous(), batch)
         return w.o(out)
 

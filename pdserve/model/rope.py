@@ -50,17 +50,19 @@ class RotaryEmbedding:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # sin with its first half negated: rotate_half(x) * sin, with rotate_half(x) =
+        # cat(-x2, x1), equals roll(x, D/2) * sin_signed bit for bit (negation is exact),
+        # in one roll instead of two slices, a negation and a cat
+        half, sin = head_dim // 2, emb.sin().to(dtype=dtype, device=device)
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KH, D], positions: [T] -> rotated q, k."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) at `positions` [T], shaped [T, 1, D]: gathered once per
+        forward and shared by every layer."""
+        return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D] rotated by the (cos, sin_signed) tables of its positions."""
+    cos, sin_signed = tables
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
