@@ -90,3 +90,42 @@ def test_children_sleep_between_parallel_regions_unless_told_otherwise() -> None
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["PATH"] == "/bin"
     assert env["PDSERVE_API_KEY"] == "k"
     assert launch.child_env({"OMP_WAIT_POLICY": "ACTIVE"}, None) == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> None:
+    """Prefill first: the decode skips steps while the prefill reports a backlog, for at
+    most max_yield_s in a row, and reads as idle meanwhile (the prefill borrows its core)."""
+    from types import SimpleNamespace
+
+    from pdserve.scheduler import decode as decode_mod
+    from pdserve.scheduler.decode import DecodeEngine
+
+    clock = [100.0]
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(decode_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(decode_mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    path = str(tmp_path / "cores")
+    prefill, share = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
+    dec = SimpleNamespace(runner=SimpleNamespace(core_share=share), max_yield_s=0.05)
+    dec._yield_since = None
+    step_aside = lambda: DecodeEngine._yield_to_prefill(dec)  # noqa: E731
+
+    share.begin()
+    share.end()  # the decode just stepped: not idle to its peer
+    assert not step_aside()  # no backlog: the decode steps
+    prefill.set_backlog(True)
+    assert prefill.begin() == 1
+    prefill.end()
+    assert step_aside()  # a backlog: skip this step ...
+    assert prefill.begin() == 2  # ... and the prefill has both cores at once
+    prefill.end()
+    skipped = 1
+    while step_aside():
+        skipped += 1
+    assert 25 <= skipped <= 26  # 50 ms in 2 ms polls (float clock); then one step runs
+    assert step_aside()  # and it steps aside again
+    prefill.set_backlog(False)
+    assert not step_aside()
+    dec.max_yield_s = 0.0
+    prefill.set_backlog(True)
+    assert not step_aside()  # off: the decode never waits

@@ -5,12 +5,20 @@ the cores; an engine that is computing while its peers idle borrows their shares
 gives them back as soon as a peer computes again. The engines agree through a small
 file (the launcher names it, each engine opens or creates it), one record per engine:
 
-    record i (16 bytes):  last_end  f64   time.monotonic() when its last forward ended
+    record i (24 bytes):  last_end  f64   time.monotonic() when its last forward ended
                           computing i32   1 while a forward runs
                           share     i32   cores it owns
+                          backlog   i32   1 while it has prompts queued (a prefill)
+                          pad       i32
 
     threads(i) = share[i] + sum(share[j] for peers j idle: not computing and
                                  last_end older than IDLE_S)
+
+Prefill first: a decode engine may yield to a prefill backlog (`yields_to_backlog`):
+it skips launching steps (still admitting requests and emitting their first tokens)
+while a peer reports a backlog, for at most `max_yield_s` at a time, and marks itself
+idle meanwhile so the prefill borrows its cores at its next forward. Prompts then
+clear at the speed of every core, at the cost of the running streams' next tokens.
 
 Each engine writes only its own record, at the start and end of each forward, and
 reads the others' when a forward starts (a few bytes of a shared mapping: no system
@@ -31,7 +39,7 @@ import time
 
 import torch
 
-RECORD = struct.Struct("<dii")
+RECORD = struct.Struct("<diiii")
 IDLE_S = 0.1  # a peer whose last forward ended this long ago (and none runs) is idle
 
 
@@ -55,6 +63,7 @@ class CoreShare:
         finally:
             os.close(fd)
         self.slots, self.slot, self.share = engines, slot, max(1, share)
+        self._backlog = False
         self._applied = threading.local()
         self._write(0.0, 0)
 
@@ -62,15 +71,31 @@ class CoreShare:
         """A forward starts: mark it, and return the threads this engine may use now."""
         self._write(0.0, 1, keep_time=True)
         now, threads = time.monotonic(), self.share
-        for i in range(self.slots):
-            if i != self.slot:
-                last_end, computing, share = RECORD.unpack_from(self._map, i * RECORD.size)
-                if not computing and now - last_end > IDLE_S:
-                    threads += share
+        for i in self._peers():
+            last_end, computing, share, _, _ = RECORD.unpack_from(self._map, i * RECORD.size)
+            if not computing and now - last_end > IDLE_S:
+                threads += share
         return threads
 
     def end(self) -> None:
         self._write(time.monotonic(), 0)
+
+    def set_backlog(self, backlog: bool) -> None:
+        """A prefill engine: whether prompts are queued (or being prefilled) now."""
+        if backlog != self._backlog:
+            self._backlog = backlog
+            self._write(0.0, 0, keep_time=True, keep_computing=True)
+
+    def peer_backlog(self) -> bool:
+        """Does some peer report a backlog?"""
+        return any(RECORD.unpack_from(self._map, i * RECORD.size)[3] for i in self._peers())
+
+    def yield_now(self) -> None:
+        """This engine steps aside: peers may count its cores as idle at once."""
+        self._write(0.0, 0)
+
+    def _peers(self) -> list[int]:
+        return [i for i in range(self.slots) if i != self.slot]
 
     def apply(self, threads: int) -> None:
         """torch.set_num_threads(threads) in the calling thread, if it differs."""
@@ -78,11 +103,16 @@ class CoreShare:
             torch.set_num_threads(threads)
             self._applied.threads = threads
 
-    def _write(self, last_end: float, computing: int, keep_time: bool = False) -> None:
+    def _write(
+        self, last_end: float, computing: int, keep_time: bool = False, keep_computing: bool = False
+    ) -> None:
         off = self.slot * RECORD.size
+        old = RECORD.unpack_from(self._map, off)
         if keep_time:
-            last_end = RECORD.unpack_from(self._map, off)[0]
-        RECORD.pack_into(self._map, off, last_end, computing, self.share)
+            last_end = old[0]
+        if keep_computing:
+            computing = old[1]
+        RECORD.pack_into(self._map, off, last_end, computing, self.share, int(self._backlog), 0)
 
     def close(self) -> None:
         self._map.close()

@@ -34,6 +34,7 @@ from pdserve.scheduler.stop import check_stop
 from pdserve.transfer.base import KVSource
 
 log = logging.getLogger(__name__)
+YIELD_POLL_S = 0.002  # how often a yielding decode looks again
 
 
 class DecodeEngine:
@@ -59,6 +60,8 @@ class DecodeEngine:
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.steps = 0
+        self.max_yield_s = cfg.scheduler.prefill_first_ms / 1e3
+        self._yield_since: float | None = None
         self.transfer_totals = TransferTotals()
 
     # ---- requests in --------------------------------------------------------------
@@ -93,7 +96,7 @@ class DecodeEngine:
         self._release_deferred_pages()
         self.receive()
         batch = self._schedule()
-        launched = self._launch(batch) if batch else None
+        launched = self._launch(batch) if batch and not self._yield_to_prefill() else None
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:
             self._process(previous)
@@ -102,6 +105,24 @@ class DecodeEngine:
             self._process(done)
         events, self.events = self.events, []
         return events
+
+    def _yield_to_prefill(self) -> bool:
+        """Prefill first (kernels/core_share): while a prefill on this host has prompts
+        queued, skip this step (new requests are still admitted and their first tokens
+        emitted), for at most max_yield_s in a row; then one step runs regardless."""
+        share = self.runner.core_share
+        if share is None or self.max_yield_s <= 0 or not share.peer_backlog():
+            self._yield_since = None
+            return False
+        now = time.monotonic()
+        if self._yield_since is None:
+            self._yield_since = now
+        if now - self._yield_since >= self.max_yield_s:
+            self._yield_since = None
+            return False
+        share.yield_now()  # idle at once (after the in-flight forward's end) to peers
+        time.sleep(YIELD_POLL_S)
+        return True
 
     def has_work(self) -> bool:
         runnable = self.running or self.prebuilt or self.in_flight is not None

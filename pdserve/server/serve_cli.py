@@ -77,6 +77,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--core-share", default="", metavar="PATH:SLOT:ENGINES",
                    help="borrow the cores of idle peer engines on this host through this "
                         "shared file (`pdserve up` sets it; see pdserve/kernels/core_share.py)")  # fmt: skip
+    g.add_argument("--prefill-first-ms", type=int, default=0, metavar="MS",
+                   help="decode on a shared host (--core-share): while the prefill has prompts "
+                        "queued, skip decode steps for at most MS ms in a row and lend it the "
+                        "cores (shorter TTFT under bursts, longer TPOT; default 0: off)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
                    help="no native (C) CPU decode attention: the portable torch path (same tokens)")  # fmt: skip
 
@@ -193,7 +197,8 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   max_queued_requests=args.max_queued_requests,
-                                  disable_overlap=args.disable_overlap),
+                                  disable_overlap=args.disable_overlap,
+                                  prefill_first_ms=args.prefill_first_ms),
     )  # fmt: skip
     transfer = TransferConfig(
         host=args.transfer_host,
