@@ -27,11 +27,18 @@ from pdserve.transfer.handoff import InProcessHandoff
 
 
 def run_once(
-    model: str, conc: int, prompt_len: int, output_len: int, overlap: bool, device: str = "cpu"
+    model: str,
+    conc: int,
+    prompt_len: int,
+    output_len: int,
+    overlap: bool,
+    device: str = "cpu",
+    threads: int = 0,
 ) -> dict:
     cfg = EngineConfig(
         model_path=model,
         device=device,
+        num_threads=threads,
         kernel_backend="triton" if device == "cuda" else "torch",
         cache=CacheConfig(page_size=16, max_total_tokens=conc * (prompt_len + output_len + 16)),
         scheduler=SchedulerConfig(max_running_requests=conc, disable_overlap=not overlap),
@@ -74,16 +81,31 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of the forward (0: torch's default; `pdserve up` "
+                         "gives a decode one core of two)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     model = args.model or str(default_model_path("bench"))
     rows = []
     for conc in args.concurrency:
         off = run_once(
-            model, conc, args.prompt_len, args.output_len, overlap=False, device=args.device
+            model,
+            conc,
+            args.prompt_len,
+            args.output_len,
+            overlap=False,
+            device=args.device,
+            threads=args.threads,
         )
         on = run_once(
-            model, conc, args.prompt_len, args.output_len, overlap=True, device=args.device
+            model,
+            conc,
+            args.prompt_len,
+            args.output_len,
+            overlap=True,
+            device=args.device,
+            threads=args.threads,
         )
         rows.append(
             {
