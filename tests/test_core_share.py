@@ -93,8 +93,9 @@ def test_children_sleep_between_parallel_regions_unless_told_otherwise() -> None
 
 
 def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> None:
-    """Prefill first: the decode skips steps while the prefill reports a backlog, for at
-    most max_yield_s in a row, and reads as idle meanwhile (the prefill borrows its core)."""
+    """Prefill first: while the prefill has more prompts queued than the decode runs
+    streams, the decode skips steps, for at most max_yield_s in a row, and reads as idle
+    meanwhile (the prefill borrows its core)."""
     from types import SimpleNamespace
 
     from pdserve.scheduler import decode as decode_mod
@@ -107,16 +108,18 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
     path = str(tmp_path / "cores")
     prefill, share = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
     dec = SimpleNamespace(runner=SimpleNamespace(core_share=share), max_yield_s=0.05)
-    dec._yield_since = None
+    dec._yield_since, dec.running = None, ["a", "b"]
     step_aside = lambda: DecodeEngine._yield_to_prefill(dec)  # noqa: E731
 
     share.begin()
     share.end()  # the decode just stepped: not idle to its peer
     assert not step_aside()  # no backlog: the decode steps
-    prefill.set_backlog(True)
+    prefill.set_backlog(2)
+    assert not step_aside()  # as many streams running as prompts queued: no yielding
+    prefill.set_backlog(3)
     assert prefill.begin() == 1
     prefill.end()
-    assert step_aside()  # a backlog: skip this step ...
+    assert step_aside()  # more prompts queued than streams: skip this step ...
     assert prefill.begin() == 2  # ... and the prefill has both cores at once
     prefill.end()
     skipped = 1
@@ -124,8 +127,8 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
         skipped += 1
     assert 25 <= skipped <= 26  # 50 ms in 2 ms polls (float clock); then one step runs
     assert step_aside()  # and it steps aside again
-    prefill.set_backlog(False)
+    prefill.set_backlog(0)
     assert not step_aside()
     dec.max_yield_s = 0.0
-    prefill.set_backlog(True)
+    prefill.set_backlog(3)
     assert not step_aside()  # off: the decode never waits

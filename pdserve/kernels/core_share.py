@@ -8,17 +8,18 @@ file (the launcher names it, each engine opens or creates it), one record per en
     record i (24 bytes):  last_end  f64   time.monotonic() when its last forward ended
                           computing i32   1 while a forward runs
                           share     i32   cores it owns
-                          backlog   i32   1 while it has prompts queued (a prefill)
+                          backlog   i32   prompts queued or being prefilled (a prefill)
                           pad       i32
 
     threads(i) = share[i] + sum(share[j] for peers j idle: not computing and
                                  last_end older than IDLE_S)
 
-Prefill first: a decode engine may yield to a prefill backlog (`yields_to_backlog`):
-it skips launching steps (still admitting requests and emitting their first tokens)
-while a peer reports a backlog, for at most `max_yield_s` at a time, and marks itself
-idle meanwhile so the prefill borrows its cores at its next forward. Prompts then
-clear at the speed of every core, at the cost of the running streams' next tokens.
+Prefill first (opt-in, DecodeEngine._yield_to_prefill): while a peer prefill has more
+prompts queued than the decode has streams running, the decode skips launching steps
+(still admitting requests and emitting their first tokens), for at most a bounded time
+in a row, and marks itself idle meanwhile so the prefill borrows its cores at its next
+forward. A burst of prompts then clears at the speed of every core while the decode
+has little to do; in a steady state (more streams than queued prompts) nothing yields.
 
 Each engine writes only its own record, at the start and end of each forward, and
 reads the others' when a forward starts (a few bytes of a shared mapping: no system
@@ -63,7 +64,7 @@ class CoreShare:
         finally:
             os.close(fd)
         self.slots, self.slot, self.share = engines, slot, max(1, share)
-        self._backlog = False
+        self._backlog = 0
         self._applied = threading.local()
         self._write(0.0, 0)
 
@@ -80,15 +81,17 @@ class CoreShare:
     def end(self) -> None:
         self._write(time.monotonic(), 0)
 
-    def set_backlog(self, backlog: bool) -> None:
-        """A prefill engine: whether prompts are queued (or being prefilled) now."""
-        if backlog != self._backlog:
-            self._backlog = backlog
+    def set_backlog(self, prompts: int) -> None:
+        """A prefill engine: how many prompts are queued or being prefilled now."""
+        if prompts != self._backlog:
+            self._backlog = prompts
             self._write(0.0, 0, keep_time=True, keep_computing=True)
 
-    def peer_backlog(self) -> bool:
-        """Does some peer report a backlog?"""
-        return any(RECORD.unpack_from(self._map, i * RECORD.size)[3] for i in self._peers())
+    def peer_backlog(self) -> int:
+        """The largest backlog a peer reports (0: none)."""
+        return max(
+            (RECORD.unpack_from(self._map, i * RECORD.size)[3] for i in self._peers()), default=0
+        )
 
     def yield_now(self) -> None:
         """This engine steps aside: peers may count its cores as idle at once."""
@@ -112,7 +115,7 @@ class CoreShare:
             last_end = old[0]
         if keep_computing:
             computing = old[1]
-        RECORD.pack_into(self._map, off, last_end, computing, self.share, int(self._backlog), 0)
+        RECORD.pack_into(self._map, off, last_end, computing, self.share, self._backlog, 0)
 
     def close(self) -> None:
         self._map.close()

@@ -107,11 +107,12 @@ class DecodeEngine:
         return events
 
     def _yield_to_prefill(self) -> bool:
-        """Prefill first (kernels/core_share): while a prefill on this host has prompts
-        queued, skip this step (new requests are still admitted and their first tokens
-        emitted), for at most max_yield_s in a row; then one step runs regardless."""
+        """Prefill first (kernels/core_share): while a prefill on this host has more
+        prompts queued than this decode has streams running, skip this step (new
+        requests are still admitted and their first tokens emitted), for at most
+        max_yield_s in a row; then one step runs regardless."""
         share = self.runner.core_share
-        if share is None or self.max_yield_s <= 0 or not share.peer_backlog():
+        if share is None or self.max_yield_s <= 0 or share.peer_backlog() <= len(self.running):
             self._yield_since = None
             return False
         now = time.monotonic()

@@ -100,11 +100,11 @@ class PrefillEngine:
         chunk = self._plan_chunk()
         share = self.runner.core_share
         if share is not None:  # a decode on this host may step aside for it (prefill first)
-            share.set_backlog(bool(chunk))
+            share.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
         if chunk:
             self._run(chunk)
             if share is not None:
-                share.set_backlog(self._backlog_tokens() > 0)
+                share.set_backlog(len(self.prefilling) + len(self.waiting))
         events, self.events = self.events, []
         return events
 
@@ -129,11 +129,6 @@ class PrefillEngine:
             self.prefilling.append(req)
             req.stages["prefill_start"] = time.time()
             self.sink.on_admit(req)
-
-    def _backlog_tokens(self) -> int:
-        """Prompt tokens not yet prefilled, admitted or waiting."""
-        left = sum(r.prompt_len - r.prefilled for r in self.prefilling)
-        return left + sum(r.prompt_len for r in self.waiting)
 
     def _plan_chunk(self) -> list[tuple[Req, int, int]]:
         """(req, start, end) prompt ranges for this step, within the token budget."""

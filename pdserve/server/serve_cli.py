@@ -77,10 +77,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--core-share", default="", metavar="PATH:SLOT:ENGINES",
                    help="borrow the cores of idle peer engines on this host through this "
                         "shared file (`pdserve up` sets it; see pdserve/kernels/core_share.py)")  # fmt: skip
-    g.add_argument("--prefill-first-ms", type=int, default=0, metavar="MS",
-                   help="decode on a shared host (--core-share): while the prefill has prompts "
-                        "queued, skip decode steps for at most MS ms in a row and lend it the "
-                        "cores (shorter TTFT under bursts, longer TPOT; default 0: off)")  # fmt: skip
+    g.add_argument("--prefill-first-ms", type=int, default=SchedulerConfig.prefill_first_ms,
+                   metavar="MS",
+                   help="decode on a shared host (--core-share): while the prefill has more "
+                        "prompts queued than the decode runs streams, skip decode steps for at "
+                        "most MS ms in a row and lend it the cores (bursts get their first "
+                        "tokens sooner, running streams wait; 0: off; default %(default)s)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
                    help="no native (C) CPU decode attention: the portable torch path (same tokens)")  # fmt: skip
 
