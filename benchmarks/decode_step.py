@@ -13,7 +13,8 @@ forward, sample, publish) and reports the share of each part:
                torch.mm on [in, out]-contiguous copies, and the model's own projections
                (oneDNN's prepacked layout on CPU, model/linear.py): what a step cannot beat
                without changing the arithmetic
-    ratio      step / floor
+    ratio      step / floor: medians over reps that alternate a step and each floor,
+               so the machine's noisy stretches fall on both sides
 
     python benchmarks/decode_step.py [--model DIR] [--batch 1 8 32 64] [--context 128 1024]
         [--threads 1 2] [--quick] [--json]
@@ -131,16 +132,6 @@ def floor_fns(runner: ModelRunner, batch: int) -> list[Callable[[], None]]:
     return [mm, served]
 
 
-def best_of(fn: Callable[[], None], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
     torch.set_num_threads(threads)
     runner = make_runner(model, batch, context, compile_)
@@ -153,10 +144,24 @@ def measure(model: str, batch: int, context: int, threads: int, reps: int, compi
         one_step(runner, future, reqs, {})
     timed.seconds = 0.0
     t: dict[str, float] = {}
+    floors = floor_fns(runner, batch)
+    for fn in floors:
+        fn()
+    steps: list[float] = []
+    floor_times: list[list[float]] = [[] for _ in floors]
+    # interleaved: each rep times one step, then each floor once, so a noisy stretch of
+    # the machine lands on both sides of the ratio; medians, not means, on both sides
     for _ in range(reps):
+        before = t.get("step", 0.0)
         one_step(runner, future, reqs, t)
-    floor = min(best_of(fn, reps) for fn in floor_fns(runner, batch))
-    step = t["step"] / reps
+        steps.append(t["step"] - before)
+        for fn, times in zip(floors, floor_times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    floor = min(statistics.median(times) for times in floor_times)
+    step = statistics.median(steps)
+    mean_step = t["step"] / reps
     row = {"batch": batch, "context": context, "threads": threads}
     row.update({"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio": step / floor})
     parts = {
@@ -165,7 +170,7 @@ def measure(model: str, batch: int, context: int, threads: int, reps: int, compi
         "futuremap": t["futuremap"] / reps,
         "scheduler": t["scheduler"] / reps,
     }
-    row.update({f"{k}_share": v / step for k, v in parts.items()})
+    row.update({f"{k}_share": v / mean_step for k, v in parts.items()})
     return row
 
 
