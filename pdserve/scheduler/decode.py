@@ -56,6 +56,7 @@ class DecodeEngine:
         self.in_flight: StepResult | None = None
         self.deferred_pages: list[tuple[Event, list[int]]] = []
         self.events: list[TokenEvent] = []
+        self._flushed = False  # the last step() returned early with arrivals' first tokens
         self.forward_hook: ForwardHook | None = None  # tests only
         self.busy_s = 0.0
         self.started = time.perf_counter()
@@ -95,6 +96,14 @@ class DecodeEngine:
         """receive -> schedule -> launch -> process previous -> return."""
         self._release_deferred_pages()
         self.receive()
+        if self.events and not self._flushed:
+            # first tokens of arrivals: out now, before _schedule waits for the in-flight
+            # forward (or a forward runs, without overlap); the next step() schedules
+            # (never two early returns in a row: arrivals cannot starve the batch)
+            self._flushed = True
+            events, self.events = self.events, []
+            return events
+        self._flushed = False
         batch = self._schedule()
         launched = self._launch(batch) if batch and not self._yield_to_prefill() else None
         previous, self.in_flight = self.in_flight, launched
@@ -171,6 +180,12 @@ class DecodeEngine:
             layout = self.runner.layout
             self.transfer_totals.completed(req, layout.num_layers * layout.token_bytes_per_layer)
             self.prebuilt.append(req)
+            # The first token is known now (the prefill sampled it): emit it at once, not
+            # when the request joins a step, which waits for the in-flight forward (the
+            # row fence) or for room in the batch. It may end the request (a stop token,
+            # max_tokens 1): _end takes it out of `prebuilt` and frees what it holds.
+            req.stages["running"] = time.time()
+            self._append(req, req.first_token, req.first_logprob)
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
@@ -196,7 +211,8 @@ class DecodeEngine:
         return take
 
     def process_prebuilt(self, reqs: list[Req]) -> None:
-        """Write each request's req_to_token row, stash its first token, emit it."""
+        """Write each request's req_to_token row and stash its first token (emitted
+        already, on arrival) as the input of its first decode step."""
         table = self.runner.req_pool.req_to_token
         ps = self.runner.layout.page_size
         for req in reqs:
@@ -204,8 +220,6 @@ class DecodeEngine:
             table[req.row, : len(slots)] = slots.to(device=table.device, dtype=table.dtype)
             self.future.stash(req.row, req.first_token)
             req.state = State.RUNNING
-            req.stages["running"] = time.time()
-            self._append(req, req.first_token, req.first_logprob)
 
     # ---- 3. launch -------------------------------------------------------------------
     def _launch(self, reqs: list[Req]) -> StepResult:

@@ -71,7 +71,9 @@ def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
                ─decode_admission─▶ running
 
     Without prefill stamps (the decode never sees them) `kv_transfer` is the whole
-    wait from reserved to kv_done, prefill compute included.
+    wait from reserved to kv_done, prefill compute included. `running` is stamped
+    when the decode emits the first token, which it does as soon as the KV has landed
+    (the request joins a step later), so `decode_admission` is near zero.
     """
     out: dict[str, float] = {}
 
