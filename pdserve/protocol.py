@@ -90,7 +90,7 @@ class EngineReady(_Msg, tag="ready" + _V):
 
 
 class Events(_Msg, tag="events" + _V):
-    """All TokenEvents one engine step produced, in order."""
+    """TokenEvents in the order the engine produced them (a step sends one or more)."""
 
     events: list[TokenEvent]
 

@@ -154,7 +154,9 @@ def generate(url: str, ids: list[int], **sp: object) -> dict:
 
 def check_breakdown(b: object) -> None:
     assert isinstance(b, dict), b
-    assert {"queue", "kv_transfer", "decode_admission"} <= b.keys(), b
+    # prefill_queue and prefill come from the prefill's stamps, carried over the wire
+    want = {"queue", "prefill_queue", "prefill", "kv_transfer", "decode_admission"}
+    assert want <= b.keys(), b
     assert all(isinstance(v, float) and v >= 0 for v in b.values()), b
 
 
@@ -350,4 +352,8 @@ def test_ttft_breakdown_spans():
     assert ttft_breakdown(st) == pytest.approx(want)
     full = ttft_breakdown({**st, "prefill_start": 1.625, "prefill_end": 2.0})
     assert full == pytest.approx({**want, "prefill": 0.375, "kv_transfer": 0.25})
+    both = ttft_breakdown({**st, "prefill_arrive": 1.25, "prefill_start": 1.625, "prefill_end": 2})
+    assert both == pytest.approx(
+        {**want, "prefill_queue": 0.375, "prefill": 0.375, "kv_transfer": 0.25}
+    )
     assert ttft_breakdown({"arrive": 1.0}) == {}

@@ -24,6 +24,7 @@ class RecordingSink:
         self.done: dict[str, int] = {}
         self.aborted: list[str] = []
         self.pending: list[SinkEvent] = []
+        self.stages: dict[str, dict] = {}
 
     def on_admit(self, req: Req) -> None:
         pass
@@ -31,8 +32,11 @@ class RecordingSink:
     def on_chunk(self, req: Req, pool: KVPool, slots: torch.Tensor, start: int, end: int) -> None:
         self.chunks.append((req.rid, start, end))
 
-    def on_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def on_done(
+        self, req: Req, first_token: int, first_logprob: float, stages: dict | None = None
+    ) -> None:
         self.done[req.rid] = first_token
+        self.stages[req.rid] = dict(stages or {})
 
     def on_abort(self, req: Req, reason: str) -> None:
         self.aborted.append(req.rid)
@@ -66,6 +70,8 @@ def test_chunks_cover_the_prompt_once_and_first_token_is_greedy(tiny_model) -> N
         engine.step()
     assert sink.chunks == [("a", 0, 16), ("a", 16, 32), ("a", 32, 40)]
     assert sink.done["a"] == hf_greedy(tiny_model, prompt, 1)[0]
+    st = sink.stages["a"]  # the stamps that travel to the decode, in order
+    assert st["prefill_arrive"] <= st["prefill_start"] <= st["prefill_end"], st
     held = engine.stats()
     assert held["free_kv_pages"] < held["total_kv_pages"]  # KV held for the transfer
     sink.pending.append(SinkEvent("a", ok=True))

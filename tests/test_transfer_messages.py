@@ -47,6 +47,16 @@ MESSAGES = [
     KVDone(
         room=1, session=2, first_token=3, first_logprob=-0.25, prompt_len=4, num_chunks=1, digest=7
     ),
+    KVDone(
+        room=1,
+        session=2,
+        first_token=3,
+        first_logprob=-0.25,
+        prompt_len=4,
+        num_chunks=1,
+        digest=7,
+        stages={"prefill_arrive": 1.0, "prefill_start": 1.5, "prefill_end": 2.0},
+    ),
     Ack(room=1, session=2),
     Abort(room=1, reason="why"),
     Heartbeat(sender="p", seq=3),
@@ -58,6 +68,13 @@ def test_round_trip(msg) -> None:
     dec = Decoder()
     assert dec.decode(encode(msg)) == msg
     assert sum(dec.dropped.values()) == 0
+
+
+def test_prefill_stamps_off_the_wire_keep_only_known_finite_ones() -> None:
+    from pdserve.transfer.base import prefill_stages
+
+    raw = {"prefill_start": 1.5, "prefill_end": float("nan"), "evil": 3.0, "prefill_arrive": 1}
+    assert prefill_stages(raw) == {"prefill_start": 1.5, "prefill_arrive": 1.0}
 
 
 def test_missing_field_is_malformed() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
@@ -35,6 +36,7 @@ from pdserve.transfer.base import KVSource
 
 log = logging.getLogger(__name__)
 YIELD_POLL_S = 0.002  # how often a yielding decode looks again
+ARRIVAL_POLL_S = 0.005  # while a step's forward runs, how often to look for landed KV
 
 
 class DecodeEngine:
@@ -57,6 +59,9 @@ class DecodeEngine:
         self.deferred_pages: list[tuple[Event, list[int]]] = []
         self.events: list[TokenEvent] = []
         self._flushed = False  # the last step() returned early with arrivals' first tokens
+        # Set by the engine process: sends events now, from inside step(), on the thread
+        # that calls step(). Without it events wait for step() to return.
+        self.publish: Callable[[list[TokenEvent]], None] | None = None
         self.forward_hook: ForwardHook | None = None  # tests only
         self.busy_s = 0.0
         self.started = time.perf_counter()
@@ -175,6 +180,7 @@ class DecodeEngine:
                 self._end(req)
                 continue
             req.first_token, req.first_logprob = ev.first_token, ev.first_logprob
+            req.stages.update(ev.stages)  # the prefill's stamps (PREFILL_STAGES)
             req.state = State.PREBUILT
             req.stages["kv_done"] = time.time()
             layout = self.runner.layout
@@ -236,13 +242,28 @@ class DecodeEngine:
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:
         assert result.copy_done is not None
-        result.copy_done.wait()
+        self._wait_publishing_arrivals(result.copy_done)
         t = result.timing
         self.busy_s += t.get("end", 0.0) - t.get("start", 0.0)
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         for req, tok, lp in zip(result.reqs, tokens, logprobs):
             if not req.finished:  # a finished request's redundant step is discarded
                 self._append(req, tok, lp)
+
+    def _wait_publishing_arrivals(self, done: Event) -> None:
+        """Wait for a step's tokens. Meanwhile KV that lands has its first token sent
+        at once (with any event already pending, in order), not a whole step later.
+        Taking arrivals here is what receive() does at a step's start, where a forward
+        may be in flight too: it touches the transfer and prebuilt queues, never the
+        running batch nor a row's req_to_token (written behind the fence)."""
+        if self.publish is None:
+            done.wait()
+            return
+        while not done.wait(ARRIVAL_POLL_S):
+            self._receive()
+            if self.events:
+                events, self.events = self.events, []
+                self.publish(events)
 
     def _append(self, req: Req, token: int, logprob: float) -> None:
         req.output_ids.append(token)

@@ -10,6 +10,7 @@ The engine process (pdserve.server) owns one engine and calls, from one thread:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.protocol import EngineRequest, TokenEvent
@@ -17,6 +18,10 @@ from pdserve.protocol import EngineRequest, TokenEvent
 
 class Engine(Protocol):
     role: str  # "prefill" | "decode"
+    # Set by the process loop: the engine may send events through it from inside step(),
+    # on the same thread (the decode does, for first tokens whose KV lands while a
+    # forward runs). None: events go out only when step() returns.
+    publish: Callable[[list[TokenEvent]], None] | None
 
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Invalid or unservable requests are not raised: they end

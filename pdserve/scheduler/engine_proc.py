@@ -33,6 +33,7 @@ import zmq
 
 from pdserve import protocol as P
 from pdserve.config import EngineConfig, TransferConfig
+from pdserve.protocol import TokenEvent
 from pdserve.scheduler.engine_api import Engine
 
 log = logging.getLogger("pdserve.engine_proc")
@@ -59,6 +60,10 @@ class EngineLoop:
         self.poller.register(self.pull, zmq.POLLIN)
         self.stopping = False
         self._last_beat = 0.0
+        engine.publish = self.publish  # the loop's thread calls step(), hence publish too
+
+    def publish(self, events: list[TokenEvent]) -> None:
+        self.send(P.Events(events=events))
 
     def send(self, msg: P._Msg) -> None:
         self.push.send(P.encode(msg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class PrefillEngine:
         self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
         self.reqs: dict[str, Req] = {}
         self.events: list[TokenEvent] = []
+        self.publish: Callable[[list[TokenEvent]], None] | None = None  # unused (engine_api)
         self.busy_s = 0.0
         self.started = time.perf_counter()
 
@@ -127,7 +129,6 @@ class PrefillEngine:
             req.slots = slots.to(self.runner.device)
             table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
             self.prefilling.append(req)
-            req.stages["prefill_start"] = time.time()
             self.sink.on_admit(req)
 
     def _plan_chunk(self) -> list[tuple[Req, int, int]]:
@@ -145,6 +146,10 @@ class PrefillEngine:
 
     def _run(self, plan: list[tuple[Req, int, int]]) -> None:
         t0 = time.perf_counter()
+        now = time.time()
+        for req, start, _ in plan:
+            if start == 0:  # its first chunk computes now (the prefill queue ends here)
+                req.stages["prefill_start"] = now
         batch = self._batch(plan)
         logits = self.runner.forward(batch)
         finished = [(i, r) for i, (r, _, end) in enumerate(plan) if end == r.prompt_len]
@@ -192,7 +197,12 @@ class PrefillEngine:
         req.first_token, req.first_logprob = token, logprob
         req.output_ids.append(token)
         req.stages["prefill_end"] = time.time()
-        self.sink.on_done(req, token, logprob)
+        stamps = {
+            "prefill_arrive": req.stages["arrive"],
+            "prefill_start": req.stages["prefill_start"],
+            "prefill_end": req.stages["prefill_end"],
+        }
+        self.sink.on_done(req, token, logprob, stamps)
 
     def _finish(self, req: Req) -> None:
         """Terminal: free row and pages (the sink no longer reads them), emit one event."""

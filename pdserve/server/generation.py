@@ -65,15 +65,22 @@ def _pick(v, i: int):  # type: ignore[no-untyped-def]
 
 def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
     """Seconds per TTFT stage from the engines' time.time() stamps; a stage whose
-    stamps are missing is left out.
+    stamps are missing is left out. The router sends a request to both legs at once:
 
-        arrive ─queue─▶ reserved ─[prefill: prefill_start..prefill_end]─ kv_transfer ─▶ kv_done
-               ─decode_admission─▶ running
+        decode:  arrive ─queue─▶ reserved ·······································▶ kv_done
+        prefill: prefill_arrive ─prefill_queue─▶ prefill_start ─prefill─▶ prefill_end ─┘
+                                                                   kv_transfer ──────┘
+        decode:  kv_done ─decode_admission─▶ running (the first token is emitted)
 
-    Without prefill stamps (the decode never sees them) `kv_transfer` is the whole
-    wait from reserved to kv_done, prefill compute included. `running` is stamped
-    when the decode emits the first token, which it does as soon as the KV has landed
-    (the request joins a step later), so `decode_admission` is near zero.
+    `queue`: the decode reserves a row and KV pages; `prefill_queue`: the prompt waits
+    for the prefill (a row, pages, its turn in the chunk budget); `prefill`: its first
+    chunk starts computing until its first token is sampled (chunks of other prompts
+    share those steps); `kv_transfer`: the rest of the KV goes over the wire (and any
+    wait for the decode's reservation). The prefill's stamps come with its KV
+    (transfer/base.py PREFILL_STAGES); on different hosts they carry the clocks' skew.
+    Without them `kv_transfer` is the whole wait from reserved to kv_done. The decode
+    emits the first token as soon as the KV has landed, so `decode_admission` is
+    near zero.
     """
     out: dict[str, float] = {}
 
@@ -82,6 +89,7 @@ def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
             out[name] = stages[b] - stages[a]
 
     span("queue", "arrive", "reserved")
+    span("prefill_queue", "prefill_arrive", "prefill_start")
     if "prefill_start" in stages and "prefill_end" in stages:
         span("prefill", "prefill_start", "prefill_end")
         span("kv_transfer", "prefill_end", "kv_done")

@@ -11,6 +11,7 @@ Decode side,  per request:    expect -> poll() says done(first_token) | failed(r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +19,20 @@ import msgspec
 import torch
 
 from pdserve.kvcache.pools import KVPool
+
+# The prefill's own time.time() stamps of a request, carried to the decode with the first
+# token for the TTFT breakdown (server/generation.py): it reached the prefill, its first
+# prompt chunk started computing, its first token was sampled.
+PREFILL_STAGES = ("prefill_arrive", "prefill_start", "prefill_end")
+
+
+def prefill_stages(raw: dict[str, float]) -> dict[str, float]:
+    """The known, finite stamps of `raw` (it came off the wire: anything else is dropped)."""
+    return {
+        k: float(v)
+        for k, v in raw.items()
+        if k in PREFILL_STAGES and isinstance(v, (int, float)) and math.isfinite(v)
+    }
 
 
 class Ticket(Protocol):
@@ -77,6 +92,7 @@ class SourceEvent(msgspec.Struct, frozen=True):
     first_token: int = -1
     first_logprob: float = 0.0
     reason: str = ""
+    stages: dict[str, float] = msgspec.field(default_factory=dict)  # the prefill's stamps
 
 
 class KVSink(Protocol):
@@ -93,8 +109,15 @@ class KVSink(Protocol):
         memory stays untouched until poll() reports this request released.
         """
 
-    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
-        """The whole prompt is computed and the first token sampled."""
+    def on_done(
+        self,
+        req: Ticket,
+        first_token: int,
+        first_logprob: float,
+        stages: dict[str, float] | None = None,
+    ) -> None:
+        """The whole prompt is computed and the first token sampled. `stages`: the
+        prefill's PREFILL_STAGES stamps, passed on to the decode for its TTFT breakdown."""
 
     def on_abort(self, req: Ticket, reason: str) -> None:
         """The prefill gives up on the request (client gone, rejected); tell the decode.

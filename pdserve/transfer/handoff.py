@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvcache.pools import KVPool
-from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket
+from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket, prefill_stages
 
 
 @dataclass
@@ -27,6 +27,7 @@ class _Prefilled:
     slots: torch.Tensor
     first_token: int
     first_logprob: float
+    stages: dict[str, float]
 
 
 @dataclass
@@ -65,7 +66,11 @@ class InProcessHandoff:
         self.sink_events.append(SinkEvent(src.rid, ok=True))
         self.source_events.append(
             SourceEvent(
-                dst.rid, ok=True, first_token=src.first_token, first_logprob=src.first_logprob
+                dst.rid,
+                ok=True,
+                first_token=src.first_token,
+                first_logprob=src.first_logprob,
+                stages=src.stages,
             )
         )
 
@@ -88,11 +93,20 @@ class _Sink:
         if self.h.admitted.get(req.room) == req.rid:  # not refused meanwhile
             self.where[req.rid] = (pool, slots)  # copied whole at on_done: no pipelining
 
-    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
+    def on_done(
+        self,
+        req: Ticket,
+        first_token: int,
+        first_logprob: float,
+        stages: dict[str, float] | None = None,
+    ) -> None:
         if req.rid not in self.where:
             return  # the decode refused it; the release event is already out
         pool, slots = self.where.pop(req.rid)
-        self.h.prefilled[req.room] = _Prefilled(req.rid, pool, slots, first_token, first_logprob)
+        stamps = prefill_stages(stages or {})
+        self.h.prefilled[req.room] = _Prefilled(
+            req.rid, pool, slots, first_token, first_logprob, stamps
+        )
         self.h._try_copy(req.room)
 
     def on_abort(self, req: Ticket, reason: str) -> None:

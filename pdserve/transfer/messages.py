@@ -63,6 +63,9 @@ class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
     prompt_len: int
     num_chunks: int
     digest: int  # done_digest(): every chunk's (index, checksum) and the fields above
+    # The prefill's time.time() stamps of this request (PREFILL_STAGES), for the TTFT
+    # breakdown only: informational, outside the digest, never used to decide anything.
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Ack(_Msg, tag="ack", kw_only=True, frozen=True):

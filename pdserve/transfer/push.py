@@ -41,6 +41,7 @@ class Room:
     peer: bytes = b""  # decode's identity on the bootstrap ROUTER
     pending: list[tuple[KVPool, torch.Tensor, int, int]] = field(default_factory=list)
     done: tuple[int, float] | None = None  # (first_token, first_logprob) from on_done
+    stages: dict[str, float] = field(default_factory=dict)  # from on_done, for KVDone
     sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
     done_sent: bool = False
     deadline: float = 0.0
@@ -105,6 +106,7 @@ class Pusher:
             prompt_len=st.req.prompt_len,
             num_chunks=len(st.sent),
             digest=done_digest(st.sent, *st.done, st.req.prompt_len),
+            stages=st.stages,
         )
         sock.send(done)
         st.done_sent = True

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from pdserve.kvcache.pools import KVLayout, KVPool
-from pdserve.transfer.base import SourceEvent, Ticket
+from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
@@ -211,7 +211,9 @@ class KVReceiver:
             self._fail(x, f"KVDone refused: {reason}")
             return
         if self._close(x):
-            self._io.emit(SourceEvent(x.req.rid, True, done.first_token, done.first_logprob))
+            stages = prefill_stages(done.stages)
+            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
+            self._io.emit(ok)
             self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from pdserve.kvcache.pools import KVLayout, KVPool
-from pdserve.transfer.base import SinkEvent, Ticket
+from pdserve.transfer.base import SinkEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
@@ -97,8 +97,15 @@ class KVSender:
             event.record()
         self._io.submit(lambda: self._chunk(req, pool, slots, start, end, event))
 
-    def on_done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
-        self._io.submit(lambda: self._done(req, first_token, first_logprob))
+    def on_done(
+        self,
+        req: Ticket,
+        first_token: int,
+        first_logprob: float,
+        stages: dict[str, float] | None = None,
+    ) -> None:
+        stamps = prefill_stages(stages or {})
+        self._io.submit(lambda: self._done(req, first_token, first_logprob, stamps))
 
     def on_abort(self, req: Ticket, reason: str) -> None:
         self._io.submit(lambda: self._abort_local(req, reason))
@@ -151,11 +158,13 @@ class KVSender:
             st.pending.append((pool, slots, s, min(end, s + self._max_tokens)))
         self._flush(st)
 
-    def _done(self, req: Ticket, first_token: int, first_logprob: float) -> None:
+    def _done(
+        self, req: Ticket, first_token: int, first_logprob: float, stages: dict[str, float]
+    ) -> None:
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return
-        st.done = (first_token, first_logprob)
+        st.done, st.stages = (first_token, first_logprob), stages
         self._flush(st)
 
     def _abort_local(self, req: Ticket, reason: str) -> None:
