@@ -9,10 +9,13 @@ forward, sample, publish) and reports the share of each part:
     attention  the attention backend's forward, summed over layers (KV write included)
     sampling   sample() on the logits
     floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), every
-               weight streamed once, in the faster of two layouts measured side by side:
-               torch.mm on [in, out]-contiguous copies, and the model's own projections
-               (oneDNN's prepacked layout on CPU, model/linear.py): what a step cannot beat
-               without changing the arithmetic
+               weight streamed once, the fastest of three measured side by side: torch.mm
+               on [in, out]-contiguous copies, oneDNN's prepacked linear, and the model's
+               own projections (on CPU the native linear, kernels/cpu/linear_f32.c, after
+               the decode's warm-up; model/linear.py): what a step cannot beat without
+               changing the arithmetic
+    onednn/own the oneDNN floor over the model's own projections' floor (> 1: the native
+               linear streams the weights faster)
     ratio      step / floor: medians over reps that alternate a step and each floor,
                so the machine's noisy stretches fall on both sides
 
@@ -33,6 +36,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.model.linear import Linear
 from pdserve.model.make import default_model_path
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
@@ -111,25 +115,31 @@ def one_step(runner: ModelRunner, future: FutureMap, reqs: list[Req], t: dict[st
     t["step"] = t.get("step", 0.0) + t5 - t0
 
 
+FLOORS = ("mm", "onednn", "own")
+
+
 def floor_fns(runner: ModelRunner, batch: int) -> list[Callable[[], None]]:
-    """The step's GEMMs, twice: on [in, out]-contiguous copies of the model's weights
-    (torch.mm), and through the model's own Linear objects (their served layout)."""
-    m = runner.model
-    linears = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    linears.append(m.lm_head)
+    """The step's GEMMs, three ways (FLOORS): torch.mm on [in, out]-contiguous weights,
+    oneDNN's prepacked linear, and the model's own Linear objects (their served layout)."""
+    linears = runner.model.linears()
     # weights as [in, out]; shapes are [out, in] in the checkpoint's convention
     weights = [torch.randn(w.shape[1], w.shape[0], dtype=runner.dtype) for w in linears]
     xs = [torch.randn(batch, w.shape[0], dtype=runner.dtype) for w in weights]
+    onednn = [Linear(w.t()) for w in weights]  # oneDNN's layout where it applies
 
     def mm() -> None:
         for x, w in zip(xs, weights, strict=True):
             torch.mm(x, w)
 
+    def prepacked() -> None:
+        for x, lin in zip(xs, onednn, strict=True):
+            lin(x)
+
     def served() -> None:
         for x, lin in zip(xs, linears, strict=True):
             lin(x)
 
-    return [mm, served]
+    return [mm, prepacked, served]
 
 
 def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
@@ -159,11 +169,14 @@ def measure(model: str, batch: int, context: int, threads: int, reps: int, compi
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    floor = min(statistics.median(times) for times in floor_times)
+    medians = dict(zip(FLOORS, (statistics.median(t) for t in floor_times), strict=True))
+    floor = min(medians.values())
     step = statistics.median(steps)
     mean_step = t["step"] / reps
     row = {"batch": batch, "context": context, "threads": threads}
     row.update({"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio": step / floor})
+    row.update({f"floor_{k}_ms": v * 1e3 for k, v in medians.items()})
+    row["onednn_over_own"] = medians["onednn"] / medians["own"]
     parts = {
         "attention": timed.seconds / reps,
         "sampling": t["sampling"] / reps,
@@ -204,12 +217,14 @@ def main() -> None:
     attn = "torch (gather)" if args.disable_compile else "native"
     print(f"model {model}  loadavg {' '.join(load)}  torch {torch.__version__}  attention {attn}")
     head = f"{'thr':>3} {'ctx':>5} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6}"
-    print(head + f" {'attn':>6} {'sample':>6} {'future':>6} {'sched':>6}")
+    print(head + f" {'attn':>6} {'sample':>6} {'future':>6} {'sched':>6} {'onednn/own':>10}")
     for r in rows:
         shares = [r[f"{k}_share"] for k in ("attention", "sampling", "futuremap", "scheduler")]
         print(
             f"{r['threads']:>3} {r['context']:>5} {r['batch']:>5} {r['step_ms']:>8.2f} "
-            f"{r['floor_ms']:>8.2f} {r['ratio']:>6.2f} " + " ".join(f"{s:>6.1%}" for s in shares)
+            f"{r['floor_ms']:>8.2f} {r['ratio']:>6.2f} "
+            + " ".join(f"{s:>6.1%}" for s in shares)
+            + f" {r['onednn_over_own']:>10.2f}"
         )
 
 

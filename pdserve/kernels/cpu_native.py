@@ -157,3 +157,71 @@ class PagedDecode:
 def paged_decode(cache_dir: Path) -> PagedDecode | None:
     lib = load("paged_decode", cache_dir)
     return None if lib is None else PagedDecode(lib)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    """Helper threads for kernels split over the caller's torch thread count."""
+    global _POOL
+    with _lock:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "native-linear")
+        return _POOL
+
+
+class LinearF32:
+    """kernels/cpu/linear_f32.c: y = x @ W.T + b for fp32, weights in 16-column panels."""
+
+    PANEL = 16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._pack = lib.pd_linear_pack
+        self._pack.restype = None
+        self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
+        self._fn = lib.pd_linear_f32
+        self._fn.restype = None
+        self._fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
+
+    def pack(
+        self, w: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W [N, K] fp32 -> panels [ceil(N/16), K, 16] (zero-padded); bias -> padded [panels*16]."""
+        n, k = w.shape
+        panels = -(-n // self.PANEL)
+        w = w.detach().contiguous()
+        out = torch.empty(panels, k, self.PANEL, dtype=torch.float32)
+        self._pack(w.data_ptr(), out.data_ptr(), n, k)
+        if bias is None:
+            return out, None
+        padded = torch.zeros(panels * self.PANEL, dtype=torch.float32)
+        padded[:n] = bias
+        return out, padded
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """x [M, K] fp32 -> [M, n]; the panels are split over this thread's torch threads
+        (ctypes drops the GIL; each part writes its own columns)."""
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        panels = packed.shape[0]
+        b = 0 if bias is None else bias.data_ptr()
+        args = (x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
+        parts = min(torch.get_num_threads(), panels)
+        cuts = [panels * i // parts for i in range(parts + 1)]
+        pieces = list(zip(cuts, cuts[1:]))
+        futs = [_shared_pool().submit(self._fn, *args, lo, hi) for lo, hi in pieces[1:]]
+        self._fn(*args, *pieces[0])
+        for f in futs:
+            f.result()
+        return y
+
+
+def linear_f32(cache_dir: Path) -> LinearF32 | None:
+    lib = load("linear_f32", cache_dir)
+    return None if lib is None else LinearF32(lib)

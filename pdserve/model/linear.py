@@ -9,12 +9,22 @@ weight is laid out for it (benchmarks/decode_step.py measures the floor), so at 
                                    with oneDNN's linear; the layout is opaque
     otherwise                      W.T is kept contiguous [in, out] and applied with mm/addmm
 
+A decode engine then moves every Linear to the native kernel (`use_native`, from
+ModelRunner.warm_up_decode): W in 16-column panels, kernels/cpu/linear_f32.c, which
+streams the weights 1.1-1.9x faster than oneDNN for a decode's few rows
+(benchmarks/decode_step.py).
+
 Either way y equals x @ W.T + b up to float rounding; the original W is not kept.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.kernels.cpu_native import LinearF32
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size works with it
 _BATCH_HINT = 64
@@ -32,19 +42,30 @@ def _onednn_ok(w: torch.Tensor) -> bool:
 class Linear:
     """y = x @ W.T + b for x [T, in] -> [T, out]."""
 
-    __slots__ = ("bias", "in_features", "onednn", "out_features", "weight")
+    __slots__ = ("bias", "in_features", "native", "onednn", "out_features", "weight")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """`w`: [out, in] as in the checkpoint; `bias`: [out] or None."""
         self.out_features, self.in_features = w.shape
         self.bias = bias
+        self.native: LinearF32 | None = None
         self.onednn = _onednn_ok(w)
         if self.onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _BATCH_HINT)
         else:
             self.weight = w.t().contiguous()  # [in, out]
 
+    def use_native(self, kernel: LinearF32) -> None:
+        """Repack W (and b) for `kernel`; a no-op when it is on already or W is not fp32."""
+        if self.native is not None or self.weight.dtype != torch.float32:
+            return
+        w = self.weight.to_dense() if self.onednn else self.weight.t()  # [out, in]
+        self.weight, self.bias = kernel.pack(w, self.bias)
+        self.native, self.onednn = kernel, False
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(x, self.weight, self.bias, self.out_features)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.bias is None:

@@ -57,6 +57,11 @@ class LlamaModel:
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, dtype, str(device)
         )
 
+    def linears(self) -> list[Linear]:
+        """Every projection, in the order a forward applies them."""
+        per_layer = [(x.qkv, x.o, x.gate_up, x.down) for x in self.layers]
+        return [lin for group in per_layer for lin in group] + [self.lm_head]
+
     def _lm_head(self, w: StateReader) -> torch.Tensor:
         if not self.arch.tie_word_embeddings:
             return w.take("lm_head.weight", why="tie_word_embeddings is false")

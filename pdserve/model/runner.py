@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV
-from pdserve.kernels import core_share
+from pdserve.kernels import core_share, cpu_native
 from pdserve.kernels.core_share import CoreShare
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
@@ -84,10 +85,21 @@ class ModelRunner:
         return str(cache_root())
 
     def warm_up_decode(self) -> None:
-        """Build what decode steps run natively (start-up; a no-op when compile is off)."""
+        """Build what decode steps run natively (start-up; a no-op when compile is off):
+        the decode attention kernel, and the linear kernel every projection moves to (a
+        model shared with a prefill runner, as in the offline LLM, moves for both)."""
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
             warm_up()
+        native_dir = self._native_dir()
+        if native_dir is None or self.dtype != torch.float32:
+            return
+        kernel = cpu_native.linear_f32(Path(native_dir))
+        if kernel is None:
+            log.warning("decode projections stay on oneDNN (the native linear was not built)")
+            return
+        for lin in self.model.linears():
+            lin.use_native(kernel)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Schedule side: build every index tensor the forward needs (host -> device
