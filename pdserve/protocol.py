@@ -40,6 +40,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     room: int = 0  # 63-bit bootstrap_room chosen by the router; 0: not disaggregated
     bootstrap_host: str | None = None  # prefill's bootstrap address (decode side needs it)
     bootstrap_port: int | None = None
+    # time.time() when the frontend handed the request over; the TTFT breakdown's
+    # "arrive", so its first stage includes the wait in the engine's inbox (an engine
+    # reads new requests between steps). 0: not stamped (the engine stamps its receipt).
+    received_at: float = 0.0
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):

@@ -343,6 +343,22 @@ def test_client_disconnect_frees_resources(stack):
     assert generate(stack.url, ids)["output_ids"] == stack.ref(ids)
 
 
+def test_arrive_is_the_frontends_handoff_when_stamped():
+    """An engine reads new requests between steps: the breakdown's first stage starts at
+    the frontend's handoff (EngineRequest.received_at), not at the engine's read."""
+    import time
+
+    from pdserve.protocol import EngineRequest
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.scheduler.request import Req
+
+    sent = time.time() - 0.25  # a step's worth in the inbox
+    er = EngineRequest(rid="a", input_ids=[1, 2], params=SamplingParams(), received_at=sent)
+    assert Req.from_engine_request(er).stages["arrive"] == sent
+    unstamped = Req.from_engine_request(EngineRequest(rid="b", input_ids=[1], params=er.params))
+    assert unstamped.stages["arrive"] >= sent + 0.25
+
+
 def test_ttft_breakdown_spans():
     """The stage arithmetic, with and without the prefill's stamps (no servers needed)."""
     from pdserve.server.generation import ttft_breakdown

@@ -64,7 +64,7 @@ class Req:
 
     @classmethod
     def from_engine_request(cls, r: EngineRequest) -> Req:
-        return cls(
+        req = cls(
             rid=r.rid,
             prompt_ids=list(r.input_ids),
             params=r.params,
@@ -72,6 +72,9 @@ class Req:
             bootstrap_host=r.bootstrap_host,
             bootstrap_port=r.bootstrap_port,
         )
+        if r.received_at > 0:  # the frontend's stamp (same host as this engine)
+            req.stages["arrive"] = min(r.received_at, req.stages["arrive"])
+        return req
 
     @property
     def prompt_len(self) -> int:

@@ -72,11 +72,13 @@ def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
                                                                    kv_transfer ──────┘
         decode:  kv_done ─decode_admission─▶ running (the first token is emitted)
 
-    `queue`: the decode reserves a row and KV pages; `prefill_queue`: the prompt waits
-    for the prefill (a row, pages, its turn in the chunk budget); `prefill`: its first
-    chunk starts computing until its first token is sampled (chunks of other prompts
-    share those steps); `kv_transfer`: the rest of the KV goes over the wire (and any
-    wait for the decode's reservation). The prefill's stamps come with its KV
+    `arrive` / `prefill_arrive`: each leg's frontend hands the request to its engine
+    (EngineRequest.received_at). `queue`: until the decode has reserved a row and KV
+    pages (the engine reads new requests between steps); `prefill_queue`: until the
+    prompt starts computing (the prefill step in progress, a row, pages, its turn in
+    the chunk budget); `prefill`: from its first chunk to its first token (chunks of
+    other prompts share those steps); `kv_transfer`: the rest of the KV goes over the
+    wire (and any wait for the decode's reservation). The prefill's stamps come with its KV
     (transfer/base.py PREFILL_STAGES); on different hosts they carry the clocks' skew.
     Without them `kv_transfer` is the whole wait from reserved to kv_done. The decode
     emits the first token as soon as the KV has landed, so `decode_admission` is
@@ -175,7 +177,8 @@ class Frontend:
                 p = msgspec.structs.replace(params, seed=params.seed + i)
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
-                                     bootstrap_host=host, bootstrap_port=port))  # fmt: skip
+                                     bootstrap_host=host, bootstrap_port=port,
+                                     received_at=time.time()))  # fmt: skip
         return out
 
 
