@@ -84,7 +84,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "most MS ms in a row and lend it the cores (bursts get their first "
                         "tokens sooner, running streams wait; 0: off; default %(default)s)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
-                   help="no native (C) CPU decode attention: the portable torch path (same tokens)")  # fmt: skip
+                   help="no native (C) CPU kernels (decode attention, the decode's linear): "
+                        "the portable torch and oneDNN paths (same tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
