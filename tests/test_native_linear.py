@@ -53,6 +53,14 @@ def test_non_contiguous_rows_and_empty_batch(kernel) -> None:
     assert lin(torch.empty(0, 32)).shape == (0, 48)
 
 
+def test_wrong_input_is_refused_not_read_out_of_bounds(kernel) -> None:
+    lin = Linear(torch.randn(32, 16))
+    lin.use_native(kernel)
+    for bad in (torch.randn(2, 17), torch.randn(2, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="linear_f32"):
+            lin(bad)
+
+
 def test_threads_split_panels_with_identical_bits(kernel) -> None:
     w, x, b = torch.randn(1000, 300), torch.randn(11, 300), torch.randn(1000)
     lin = Linear(w, b)

@@ -206,6 +206,9 @@ class LinearF32:
         (ctypes drops the GIL; each part writes its own columns)."""
         x = x.contiguous()
         m, k = x.shape
+        # NOTE: the kernel trusts these (it reads K * 16 floats per panel, M * K of x)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or k != packed.shape[1]:
+            raise ValueError(f"linear_f32: x {x.dtype} {tuple(x.shape)} for panels {packed.shape}")
         y = torch.empty(m, n, dtype=torch.float32)
         if m == 0:
             return y
