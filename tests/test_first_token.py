@@ -4,19 +4,20 @@ The prefill sampled the first token; it travels with the KV. Before the request 
 join a step, the decode must wait for the forward in flight (the row fence of DESIGN
 §3) and for room in the batch, but the token itself needs neither. Here the forward
 in flight is held on the forward stream while request Y's KV arrives: the step() that
-sees the arrival must return Y's first token while the forward is still held. (Emitted
-at admission into the batch instead, step() blocks in the fence until the hold times
-out, and the assertion on `forward_done` fails.) Y's tokens still equal transformers'.
-
-Under an engine process the decode also looks for landed KV while it waits for a
-step's forward, and sends the first token through `publish` from inside step(): the
-second test lands Y's KV while a step() is blocked on the held forward.
+sees the arrival must send Y's first token (through `publish`, as under an engine
+process) while the forward is still held, whether the KV landed before that step()
+started (it publishes before waiting on the fence) or while it waits on the forward
+(it polls for landed KV). Emitted at admission into the batch instead, or only when
+step() returns, the token waits for the hold to end and the test fails. Y's tokens
+still equal transformers'.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+
+import pytest
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model.runner import ModelRunner
@@ -108,39 +109,30 @@ class _Held:
         decode.close()
 
 
-def test_first_token_is_out_while_the_forward_in_flight_is_held(tiny_model) -> None:
+@pytest.mark.parametrize("lands", ["before the step", "while the step waits"])
+def test_first_token_is_published_while_the_forward_in_flight_is_held(tiny_model, lands) -> None:
     h = _Held(tiny_model)
-    h.start()
-    h.prefill_y()
-    events = h.decode.step()  # sees Y's KV
-    assert not h.forward_done.is_set(), "step() waited for the forward in flight"
-    assert [ev.token_ids for ev in events if ev.rid == "y"] == [hf_greedy(tiny_model, Y_PROMPT, 1)]
-    h.collect(events)
-    h.finish(tiny_model)
-
-
-def test_first_token_is_published_from_inside_a_step_waiting_on_the_forward(tiny_model) -> None:
-    h = _Held(tiny_model)
-    published: list[TokenEvent] = []
+    want = hf_greedy(tiny_model, Y_PROMPT, 1)
     y_out = threading.Event()
 
     def publish(events: list[TokenEvent]) -> None:
-        published.extend(events)
+        h.collect(events)
         if any(ev.rid == "y" for ev in events):
             y_out.set()
 
-    h.decode.publish = publish
+    h.decode.publish = publish  # as the engine process sets it
     h.start()
+    if lands == "before the step":
+        h.prefill_y()  # step() sees the KV at its start, then waits on the fence
     waiting = threading.Thread(target=lambda: h.collect(h.decode.step()))
-    waiting.start()  # launches one more step, then waits for the held one's tokens
-    time.sleep(0.2)  # (the KV must land after that step() looked for it at its start)
-    assert waiting.is_alive() and not h.forward_done.is_set()
-    h.prefill_y()
-    assert y_out.wait(timeout=HOLD_S / 2), "no first token while the step waits"
+    waiting.start()
+    if lands == "while the step waits":
+        time.sleep(0.2)  # past the step's start: it is blocked on the held forward
+        assert waiting.is_alive() and not h.forward_done.is_set()
+        h.prefill_y()
+    assert y_out.wait(timeout=HOLD_S / 2), "no first token while the forward is held"
     assert not h.forward_done.is_set(), "published only after the forward"
-    want = hf_greedy(tiny_model, Y_PROMPT, 1)
-    assert [ev.token_ids for ev in published if ev.rid == "y"] == [want]
-    h.collect(published)
+    assert h.tokens["y"] == want
     h.release.set()
     waiting.join(timeout=HOLD_S)
     assert not waiting.is_alive()

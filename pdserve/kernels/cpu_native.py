@@ -22,8 +22,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +38,7 @@ FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fno-trapping-math", "-ffp-co
 FLAGS += ("-std=c11", "-fPIC", "-shared")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+T = TypeVar("T")
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -101,6 +104,25 @@ def load(name: str, cache_dir: Path) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def run_split(call: Callable[[int, int], T], n: int) -> list[T]:
+    """call(lo, hi) over [0, n) cut into as many parts as this thread's torch thread
+    count: the first part on this thread, the rest on helper threads (the kernels are
+    ctypes calls, which drop the GIL). Results in part order."""
+    global _POOL
+    parts = max(1, min(torch.get_num_threads(), n))
+    if parts == 1:
+        return [call(0, n)]
+    with _lock:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "native-kernel")
+    cuts = [n * i // parts for i in range(parts + 1)]
+    futs = [_POOL.submit(call, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+    return [call(cuts[0], cuts[1])] + [f.result() for f in futs]
+
+
 class PagedDecode:
     """kernels/cpu/paged_decode.c: fp32 decode attention read in place from the pool."""
 
@@ -110,7 +132,6 @@ class PagedDecode:
         fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
         fn.argtypes += [_i64, _i64, _i64, _f32, _ptr]
         self._fn = fn
-        self._threads: ThreadPoolExecutor | None = None
 
     @staticmethod
     def supports(q: torch.Tensor, kc: torch.Tensor) -> bool:
@@ -138,37 +159,15 @@ class PagedDecode:
         args = (q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
                 slots.stride(0), bounds.data_ptr())  # fmt: skip
         tail = (h, kc.shape[1], d, scale, out.data_ptr())
-        # requests split over this thread's torch thread count (ctypes drops the GIL)
-        parts = min(torch.get_num_threads(), b)
-        cuts = [b * i // parts for i in range(parts + 1)]
-        pieces = list(zip(cuts, cuts[1:]))
-        futs = [self._pool().submit(self._fn, *args, lo, hi, *tail) for lo, hi in pieces[1:]]
-        rcs = [self._fn(*args, *pieces[0], *tail)] + [f.result() for f in futs]
+        rcs = run_split(lambda lo, hi: self._fn(*args, lo, hi, *tail), b)  # requests
         if any(rcs):
             raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
         return out
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "paged-decode")
-        return self._threads
 
 
 def paged_decode(cache_dir: Path) -> PagedDecode | None:
     lib = load("paged_decode", cache_dir)
     return None if lib is None else PagedDecode(lib)
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _shared_pool() -> ThreadPoolExecutor:
-    """Helper threads for kernels split over the caller's torch thread count."""
-    global _POOL
-    with _lock:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "native-linear")
-        return _POOL
 
 
 class LinearF32:
@@ -202,8 +201,8 @@ class LinearF32:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        """x [M, K] fp32 -> [M, n]; the panels are split over this thread's torch threads
-        (ctypes drops the GIL; each part writes its own columns)."""
+        """x [M, K] fp32 -> [M, n]; the panels split by run_split (each part writes its
+        own columns)."""
         x = x.contiguous()
         m, k = x.shape
         # NOTE: the kernel trusts these (it reads K * 16 floats per panel, M * K of x)
@@ -212,16 +211,9 @@ class LinearF32:
         y = torch.empty(m, n, dtype=torch.float32)
         if m == 0:
             return y
-        panels = packed.shape[0]
         b = 0 if bias is None else bias.data_ptr()
         args = (x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
-        parts = min(torch.get_num_threads(), panels)
-        cuts = [panels * i // parts for i in range(parts + 1)]
-        pieces = list(zip(cuts, cuts[1:]))
-        futs = [_shared_pool().submit(self._fn, *args, lo, hi) for lo, hi in pieces[1:]]
-        self._fn(*args, *pieces[0])
-        for f in futs:
-            f.result()
+        run_split(lambda lo, hi: self._fn(*args, lo, hi), packed.shape[0])
         return y
 
 

@@ -58,7 +58,6 @@ class DecodeEngine:
         self.in_flight: StepResult | None = None
         self.deferred_pages: list[tuple[Event, list[int]]] = []
         self.events: list[TokenEvent] = []
-        self._flushed = False  # the last step() returned early with arrivals' first tokens
         # Set by the engine process: sends events now, from inside step(), on the thread
         # that calls step(). Without it events wait for step() to return.
         self.publish: Callable[[list[TokenEvent]], None] | None = None
@@ -101,14 +100,7 @@ class DecodeEngine:
         """receive -> schedule -> launch -> process previous -> return."""
         self._release_deferred_pages()
         self.receive()
-        if self.events and not self._flushed:
-            # first tokens of arrivals: out now, before _schedule waits for the in-flight
-            # forward (or a forward runs, without overlap); the next step() schedules
-            # (never two early returns in a row: arrivals cannot starve the batch)
-            self._flushed = True
-            events, self.events = self.events, []
-            return events
-        self._flushed = False
+        self._publish_pending()  # arrivals' first tokens, before _schedule waits on the fence
         batch = self._schedule()
         launched = self._launch(batch) if batch and not self._yield_to_prefill() else None
         previous, self.in_flight = self.in_flight, launched
@@ -261,9 +253,13 @@ class DecodeEngine:
             return
         while not done.wait(ARRIVAL_POLL_S):
             self._receive()
-            if self.events:
-                events, self.events = self.events, []
-                self.publish(events)
+            self._publish_pending()
+
+    def _publish_pending(self) -> None:
+        """Send the events so far now, when the engine process set `publish`."""
+        if self.publish is not None and self.events:
+            events, self.events = self.events, []
+            self.publish(events)
 
     def _append(self, req: Req, token: int, logprob: float) -> None:
         req.output_ids.append(token)

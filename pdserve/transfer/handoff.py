@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvcache.pools import KVPool
-from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket, prefill_stages
+from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket
 
 
 @dataclass
@@ -103,9 +103,8 @@ class _Sink:
         if req.rid not in self.where:
             return  # the decode refused it; the release event is already out
         pool, slots = self.where.pop(req.rid)
-        stamps = prefill_stages(stages or {})
         self.h.prefilled[req.room] = _Prefilled(
-            req.rid, pool, slots, first_token, first_logprob, stamps
+            req.rid, pool, slots, first_token, first_logprob, stages or {}
         )
         self.h._try_copy(req.room)
 

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from pdserve.kvcache.pools import KVLayout, KVPool
-from pdserve.transfer.base import SinkEvent, Ticket, prefill_stages
+from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
@@ -104,7 +104,7 @@ class KVSender:
         first_logprob: float,
         stages: dict[str, float] | None = None,
     ) -> None:
-        stamps = prefill_stages(stages or {})
+        stamps = stages or {}  # the engine's own; the receiver filters what comes off the wire
         self._io.submit(lambda: self._done(req, first_token, first_logprob, stamps))
 
     def on_abort(self, req: Ticket, reason: str) -> None:
