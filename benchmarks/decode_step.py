@@ -104,7 +104,8 @@ def one_step(runner: ModelRunner, future: FutureMap, reqs: list[Req], t: dict[st
     t2 = time.perf_counter()
     logits = runner.forward(batch)
     t3 = time.perf_counter()
-    tokens, _ = sample(logits, [r.params for r in reqs], [0] * len(reqs), out_index)
+    params = [r.params for r in reqs]
+    tokens, _ = sample(logits, params, [0] * len(reqs), out_index, argmax=runner.model.ops.argmax)
     t4 = time.perf_counter()
     future.publish(batch.rows, tokens)
     t5 = time.perf_counter()

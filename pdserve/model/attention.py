@@ -17,8 +17,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels import cpu_native, cpu_ops
 from pdserve.kernels.cpu_native import PagedDecode
+from pdserve.kernels.cpu_ops import DecodeOps
 from pdserve.kvcache.pools import KVPool
 from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
@@ -61,6 +62,7 @@ class TorchAttention:
         self.windows = windows
         self.native_dir = native_dir
         self._native: PagedDecode | None = None
+        self._kv_write: DecodeOps | None = None  # the pool write in one call, with _native
 
     def warm_up(self) -> None:
         """Build (or load) the native decode kernel now: the decode engine calls it at
@@ -70,6 +72,7 @@ class TorchAttention:
         cache_dir, self.native_dir = Path(self.native_dir), None
         if self.pool.k.device.type == "cpu":
             self._native = cpu_native.paged_decode(cache_dir)
+            self._kv_write = cpu_ops.decode_ops(cache_dir) if self._native else None
         if self._native is None:
             log.warning("decode attention stays eager (the native kernel was not built)")
 
@@ -90,8 +93,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         plan = batch.attn_plan
         assert isinstance(plan, _Plan), "prepare() must run before forward()"
-        self.pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = self.pool.k[layer], self.pool.v[layer]
+        if self._kv_write is not None:
+            self._kv_write.kv_write(kc, vc, batch.out_cache_loc, k, v)
+        else:
+            self.pool.write(layer, batch.out_cache_loc, k, v)
         window = self.windows[layer] if layer < len(self.windows) else 0
         if not plan.extends:  # a decode step: token i is request i's one token
             return self._decode(q, kc, vc, plan, window).reshape(q.shape[0], -1)

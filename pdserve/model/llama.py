@@ -2,7 +2,8 @@
 
 Weights are plain tensors (no nn.Module): q/k/v and gate/up are fused at load
 time so each layer runs four matmuls, each a `Linear` whose weight is stored in the
-layout the device's fast GEMM reads (pdserve.model.linear).
+layout the device's fast GEMM reads (pdserve.model.linear). The passes between them
+(norms, rotation, activation, residual adds) go through `self.ops` (pdserve.model.ops).
 """
 
 from __future__ import annotations
@@ -17,15 +18,9 @@ from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.linear import Linear
-from pdserve.model.rope import RotaryEmbedding, rotate
+from pdserve.model.ops import TorchOps, rms_norm
+from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.state_reader import CheckpointMismatch, StateReader
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # computed in float32 and cast back, as the reference implementation does
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 @dataclass
@@ -53,6 +48,7 @@ class LlamaModel:
         self.lm_head = Linear(self._lm_head(w))
         w.check_all_used()
         self.act = ACTIVATIONS[arch.hidden_act]
+        self.ops = TorchOps()  # NativeOps once a CPU decode engine turns them on
         self.rope = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, dtype, str(device)
         )
@@ -109,14 +105,17 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Runs all T tokens; returns logits [B, vocab] at each request's last token.
         Precondition: `batch` was prepared (ModelRunner.prepare); only device work here."""
+        ops, eps = self.ops, self.arch.rms_norm_eps
         h = F.embedding(batch.input_ids, self.embed)
         rope = self.rope.tables(batch.positions)
+        delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.arch.rms_norm_eps)
-            h = h + self._attention(i, layer, x, rope, batch, attn)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.arch.rms_norm_eps))
-        last = h[batch.last_index]
-        return self.lm_head(rms_norm(last, self.norm, self.arch.rms_norm_eps)).float()
+            h, x = ops.add_norm(h, delta, layer.input_norm, eps)
+            delta = self._attention(i, layer, x, rope, batch, attn)
+            h, x = ops.add_norm(h, delta, layer.post_norm, eps)
+            delta = self._mlp(layer, x)
+        _, x = ops.add_norm(h, delta, self.norm, eps)
+        return self.lm_head(x[batch.last_index]).float()
 
     def _attention(
         self,
@@ -127,23 +126,22 @@ class LlamaModel:
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        a = self.arch
+        a, ops = self.arch, self.ops
         t, h = x.shape[0], a.num_heads
         qkv = w.qkv(x)
         v = qkv[:, a.q_size + a.kv_size :].view(t, a.num_kv_heads, a.head_dim)
         if w.q_norm is not None and w.k_norm is not None:
             q = rms_norm(qkv[:, : a.q_size].view(t, h, a.head_dim), w.q_norm, a.rms_norm_eps)
             k = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
-            q, k = rotate(q, rope), rotate(rms_norm(k, w.k_norm, a.rms_norm_eps), rope)
+            q = ops.rotate(q, rope)
+            k = ops.rotate(rms_norm(k, w.k_norm, a.rms_norm_eps), rope)
         else:  # q and k sit side by side in qkv: one rotation for both
-            qk = rotate(qkv[:, : a.q_size + a.kv_size].view(t, h + a.num_kv_heads, -1), rope)
+            qk = ops.rotate(qkv[:, : a.q_size + a.kv_size].view(t, h + a.num_kv_heads, -1), rope)
             q, k = qk[:, :h], qk[:, h:]
-        out = attn.forward(i, q, k.contiguous(), v.contiguous(), batch)
-        return w.o(out)
+        return w.o(attn.forward(i, q, k, v, batch))  # k, v: views of rows (backends take them)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return w.down(self.act(gate) * up)
+        return w.down(self.ops.act_mul(self.act, w.gate_up(x)))
 
 
 def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV
-from pdserve.kernels import core_share, cpu_native
+from pdserve.kernels import core_share, cpu_native, cpu_ops
 from pdserve.kernels.core_share import CoreShare
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
@@ -18,6 +18,7 @@ from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
 from pdserve.model.make import cache_root
+from pdserve.model.ops import NativeOps
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,11 @@ class ModelRunner:
         native_dir = self._native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
+        ops = cpu_ops.decode_ops(Path(native_dir))
+        if ops is None:
+            log.warning("decode norms, rotation and activation stay on torch (not built)")
+        else:
+            self.model.ops = NativeOps(ops)
         kernel = cpu_native.linear_f32(Path(native_dir))
         if kernel is None:
             log.warning("decode projections stay on oneDNN (the native linear was not built)")

@@ -8,6 +8,8 @@ with, with overlap on or off, and across the prefill/decode split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.sampling_params import SamplingParams
@@ -21,6 +23,7 @@ def sample(
     seeds: list[int],
     out_index: list[int],
     logprobs: bool | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
 
@@ -30,8 +33,10 @@ def sample(
     cost a log-softmax over [B, V] (as much as the argmax again), so by default they
     are computed only when some request asked for them (`SamplingParams.logprobs`),
     and are NaN otherwise; `logprobs=True` computes them regardless.
+    `argmax`: the greedy pick, [B, V] -> [B] as logits.argmax(-1) (the model's ops,
+    pdserve.model.ops; torch's when None).
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = _sample_one(logits[i], p, seeds[i], out_index[i])

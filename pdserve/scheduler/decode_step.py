@@ -105,12 +105,13 @@ def launch_step(
     )
     params = [r.params for r in reqs]
     req_seeds = [r.seed for r in reqs]
+    argmax = runner.model.ops.argmax
 
     def forward() -> None:
         result.timing["start"] = time.perf_counter()
         batch.input_ids = future.resolve(batch.rows)
         logits = runner.forward(batch)
-        tokens, logprobs = sample(logits, params, req_seeds, out_index)
+        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax)
         if hook is not None:
             hook(result)
         future.publish(batch.rows, tokens)

@@ -1,0 +1,168 @@
+/* The elementwise passes of a decode step, one call each instead of 5-10 torch ops (fp32).
+ *
+ * At a decode's few rows every torch op costs more in dispatch than in arithmetic: a
+ * layer's norms, rotation, activation and residual adds were ~30 ops. Here they are
+ * four loops over contiguous rows, each value read once:
+ *
+ *   pd_add_rms_norm  h[r] += delta[r] (when delta is given), then
+ *                    out[r] = w * (h[r] * 1 / sqrt(sum(h[r]^2) / n + eps))
+ *   pd_silu_mul      out[r][i] = silu(gu[r][i]) * gu[r][I + i]     gu = [gate | up]
+ *   pd_rope          x[t][head] rotated in place (rotate-half: the pair (j, j + D/2) by
+ *                    the angle of position t, tables cos[t][j], sin[t][j] with the first
+ *                    half of sin negated, as model/rope.py keeps them)
+ *   pd_kv_write      k_pool[slot[t]] = k[t], v_pool[slot[t]] = v[t]; 1 (nothing written)
+ *                    when a slot is outside the pool
+ *   pd_argmax        the index of each row's first largest value; a NaN counts as the
+ *                    largest (the first NaN wins), as torch.argmax does
+ *
+ * Each operation keeps the reference's order (torch's rms_norm: sum of squares, divide by
+ * n, add eps, 1/sqrt, scale, then weight), so results differ from torch's only in the
+ * rounding of the sum's partial order and of exp (a polynomial within 2 ulp of expf).
+ * Plain C in lanes of 8 that the compiler vectorises, except the argmax (a max with its
+ * index does not vectorise from C): AVX2 intrinsics where the compiler targets AVX2, a
+ * scalar loop elsewhere; so it builds anywhere a C compiler is. The callers check
+ * shapes and strides (kernels/cpu_ops.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8
+
+void pd_add_rms_norm(float *h, const float *delta, const float *w, float *out, int64_t m,
+                     int64_t n, float eps) {
+    for (int64_t r = 0; r < m; r++) {
+        float *hr = h + r * n;
+        if (delta)
+            for (int64_t i = 0; i < n; i++) hr[i] += delta[r * n + i];
+        float acc[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += hr[i + l] * hr[i + l];
+        for (int l = 0; i < n; i++, l++) acc[l] += hr[i] * hr[i];
+        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        float *o = out + r * n;
+        for (int64_t j = 0; j < n; j++) o[j] = w[j] * (hr[j] * inv);
+    }
+}
+
+static inline float exp_poly(float x) {
+    /* expf(x) for all x (Cephes' coefficients): overflow gives inf, underflow 0 */
+    float big = x > 88.72f ? INFINITY : 0.0f;
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return big != 0.0f ? big : p * scale;
+}
+
+void pd_silu_mul(const float *gu, float *out, int64_t m, int64_t inter) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+    }
+}
+
+void pd_rope(float *x, int64_t ld, const float *cos, const float *sin, int64_t t,
+             int64_t heads, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *c = cos + i * d, *s = sin + i * d;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *a = x + i * ld + hd * d, *b = a + half;
+            for (int64_t j = 0; j < half; j++) {
+                float aj = a[j], bj = b[j];
+                a[j] = aj * c[j] + bj * s[j];
+                b[j] = bj * c[half + j] + aj * s[half + j];
+            }
+        }
+    }
+}
+
+int pd_kv_write(float *kc, float *vc, int64_t num_slots, const int64_t *slots, const float *k,
+                int64_t ldk, const float *v, int64_t ldv, int64_t t, int64_t row) {
+    for (int64_t i = 0; i < t; i++) /* all checked before any is written */
+        if (slots[i] < 0 || slots[i] >= num_slots) return 1;
+    for (int64_t i = 0; i < t; i++) {
+        memcpy(kc + slots[i] * row, k + i * ldk, (size_t)row * sizeof(float));
+        memcpy(vc + slots[i] * row, v + i * ldv, (size_t)row * sizeof(float));
+    }
+    return 0;
+}
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* the maximum of x[0, n) (NaNs skipped) and whether a NaN is there, 8 lanes at a time */
+static float max_and_nan(const float *x, int64_t n, int *any_nan) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top8 = _mm256_max_ps(v, top8); /* a NaN in v yields top8: skipped */
+    }
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, top8);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    *any_nan = _mm256_movemask_ps(nan8) != 0;
+    for (; i < n; i++) {
+        *any_nan |= x[i] != x[i];
+        top = x[i] > top ? x[i] : top;
+    }
+    return top;
+}
+
+/* the first i with x[i] == top (top a number), 8 lanes at a time */
+static int64_t first_equal(const float *x, int64_t n, float top) {
+    __m256 t8 = _mm256_set1_ps(top);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t8, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == top) return i;
+    return 0;
+}
+#else
+static float max_and_nan(const float *x, int64_t n, int *any_nan) {
+    float top = -INFINITY;
+    *any_nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        *any_nan |= x[i] != x[i];
+        top = x[i] > top ? x[i] : top;
+    }
+    return top;
+}
+
+static int64_t first_equal(const float *x, int64_t n, float top) {
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] == top) return i;
+    return 0;
+}
+#endif
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    int any_nan;
+    float top = max_and_nan(x, n, &any_nan);
+    if (any_nan) /* rare: the first NaN, found one by one */
+        for (int64_t i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    return first_equal(x, n, top); /* all -inf: top is -inf, found at 0 */
+}
+
+void pd_argmax(const float *x, int64_t m, int64_t n, int64_t ld, int64_t *out) {
+    for (int64_t r = 0; r < m; r++) out[r] = argmax_row(x + r * ld, n);
+}

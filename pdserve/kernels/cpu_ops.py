@@ -1,0 +1,124 @@
+"""kernels/cpu/decode_ops.c: a decode step's elementwise passes, one ctypes call each.
+
+A decode engine on CPU turns them on at start-up with its native linear
+(ModelRunner.warm_up_decode); the model then calls these instead of the torch ops that
+compute the same values (model/ops.py holds both sides). Each wrapper checks what the
+C code trusts (dtype, device, contiguity, widths) and raises ValueError otherwise, so
+a bad call fails here and never reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.kernels.cpu_native import load
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
+    """x: fp32 on the CPU, [T, width] with contiguous rows."""
+    ok = x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+    ok = ok and x.stride(1) == 1 and (width is None or x.shape[1] == width)
+    if not ok:
+        raise ValueError(f"decode_ops: {name} {x.dtype} {tuple(x.shape)} {x.stride()}")
+
+
+class DecodeOps:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        def fn(name: str, *args: type, ret: type | None = None) -> Any:
+            f = getattr(lib, name)
+            f.restype, f.argtypes = ret, list(args)
+            return f
+
+        self._norm = fn("pd_add_rms_norm", _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32)
+        self._silu_mul = fn("pd_silu_mul", _ptr, _ptr, _i64, _i64)
+        self._rope = fn("pd_rope", _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64)
+        kv_args = (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64)
+        self._kv_write = fn("pd_kv_write", *kv_args, ret=ctypes.c_int)
+        self._argmax = fn("pd_argmax", _ptr, _i64, _i64, _i64, _ptr)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """h += delta (in place, when given); returns w * rms_norm(h). h, delta [T, n]."""
+        t, n = h.shape
+        if not h.is_contiguous() or w.shape != (n,) or not w.is_contiguous():
+            raise ValueError(f"decode_ops: norm of {tuple(h.shape)} by {tuple(w.shape)}")
+        _rows(h, "h")
+        if delta is not None:
+            delta = delta.contiguous()
+            _rows(delta, "delta", n)
+            if delta.shape[0] != t:
+                raise ValueError(f"decode_ops: delta {tuple(delta.shape)} for h {(t, n)}")
+        _rows(w[None], "weight")
+        out = torch.empty_like(h)
+        d = 0 if delta is None else delta.data_ptr()
+        self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+        gate_up = gate_up.contiguous()
+        _rows(gate_up, "gate_up")
+        t, two = gate_up.shape
+        out = torch.empty(t, two // 2, dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
+        return out
+
+    def rope_(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """x [T, heads, D] (heads and D contiguous, rows strided) rotated in place by the
+        (cos, sin_signed) tables of its positions, each [T, 1, D] over contiguous [T, D]."""
+        t, heads, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d or d % 2:
+            raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()}")
+        _rows(x[:, 0], "x")
+        cos, sin = (tab.reshape(tab.shape[0], -1) for tab in tables)
+        for tab in (cos, sin):
+            _rows(tab, "rope table", d)
+            if tab.shape[0] != t or not tab.is_contiguous():
+                raise ValueError(f"decode_ops: rope table {tuple(tab.shape)} for {t} tokens")
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
+
+    def kv_write(
+        self,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """kc[slots] = k, vc[slots] = v: one layer's pool [S, KH, D] (contiguous); k, v
+        [T, KH, D], each row's KH * D contiguous (rows may be strided); slots [T] int64 in
+        [0, S) (a slot outside: ValueError, nothing written)."""
+        t, kh, d = k.shape
+        ok = kc.is_contiguous() and vc.is_contiguous() and kc.shape == vc.shape
+        ok = ok and kc.shape[1:] == (kh, d) and v.shape == k.shape and kc.dtype == torch.float32
+        ok = ok and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (t,)
+        for x in (k, v):
+            ok = ok and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == d
+        if not ok:
+            raise ValueError(f"decode_ops: kv write of {tuple(k.shape)} into {tuple(kc.shape)}")
+        ptrs = (kc.data_ptr(), vc.data_ptr(), kc.shape[0], slots.data_ptr())
+        rows = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+        if self._kv_write(*ptrs, *rows, t, kh * d):
+            raise ValueError(f"decode_ops: a KV slot outside the pool's {kc.shape[0]}")
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B] int64, as x.argmax(dim=-1) (first largest; NaN counts as largest)."""
+        _rows(x, "logits")
+        b, v = x.shape
+        out = torch.empty(b, dtype=torch.int64)
+        if v == 0:
+            raise ValueError("decode_ops: argmax of an empty row")
+        self._argmax(x.data_ptr(), b, v, x.stride(0), out.data_ptr())
+        return out
+
+
+def decode_ops(cache_dir: Path) -> DecodeOps | None:
+    lib = load("decode_ops", cache_dir)
+    return None if lib is None else DecodeOps(lib)
