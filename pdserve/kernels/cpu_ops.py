@@ -1,10 +1,10 @@
-"""kernels/cpu/decode_ops.c: a decode step's elementwise passes, one ctypes call each.
+"""kernels/cpu/decode_ops.c: a forward's elementwise passes, one ctypes call each.
 
-A decode engine on CPU turns them on at start-up with its native linear
-(ModelRunner.warm_up_decode); the model then calls these instead of the torch ops that
-compute the same values (model/ops.py holds both sides). Each wrapper checks what the
-C code trusts (dtype, device, contiguity, widths) and raises ValueError otherwise, so
-a bad call fails here and never reads out of bounds.
+CPU engines turn them on at start-up (ModelRunner.warm_up_decode, warm_up_prefill); the
+model then calls these instead of the torch ops that compute the same values
+(model/ops.py holds both sides). Each wrapper checks what the C code trusts (dtype,
+device, contiguity, widths) and raises ValueError otherwise, so a bad call fails here
+and never reads or writes out of bounds.
 """
 
 from __future__ import annotations

@@ -85,27 +85,39 @@ class ModelRunner:
             return None  # CUDA runs the Triton backend
         return str(cache_root())
 
+    def warm_up_prefill(self) -> None:
+        """Build what prefill steps run natively (start-up; a no-op when compile is off):
+        the native norms, rotation and activation (model/ops.py). The projections stay
+        on oneDNN, which is faster at a prompt's many rows."""
+        native_dir = self._native_dir()
+        if native_dir is not None and self.dtype == torch.float32:
+            self._native_ops(Path(native_dir))
+
     def warm_up_decode(self) -> None:
         """Build what decode steps run natively (start-up; a no-op when compile is off):
-        the decode attention kernel, and the linear kernel every projection moves to (a
-        model shared with a prefill runner, as in the offline LLM, moves for both)."""
+        the decode attention kernel, the native norms, rotation and activation, and the
+        linear kernel every projection moves to (a model shared with a prefill runner, as
+        in the offline LLM, moves for both)."""
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
             warm_up()
         native_dir = self._native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
-        ops = cpu_ops.decode_ops(Path(native_dir))
-        if ops is None:
-            log.warning("decode norms, rotation and activation stay on torch (not built)")
-        else:
-            self.model.ops = NativeOps(ops)
+        self._native_ops(Path(native_dir))
         kernel = cpu_native.linear_f32(Path(native_dir))
         if kernel is None:
             log.warning("decode projections stay on oneDNN (the native linear was not built)")
             return
         for lin in self.model.linears():
             lin.use_native(kernel)
+
+    def _native_ops(self, native_dir: Path) -> None:
+        ops = cpu_ops.decode_ops(native_dir)
+        if ops is None:
+            log.warning("norms, rotation and activation stay on torch (native ops not built)")
+        else:
+            self.model.ops = NativeOps(ops)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Schedule side: build every index tensor the forward needs (host -> device

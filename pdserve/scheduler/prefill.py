@@ -37,6 +37,7 @@ class PrefillEngine:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, sink: KVSink) -> None:
         self.cfg = cfg
         self.runner = runner
+        runner.warm_up_prefill()  # builds the native elementwise ops before any step runs
         self.sink = sink
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt partly computed
