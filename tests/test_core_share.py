@@ -108,7 +108,7 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
     path = str(tmp_path / "cores")
     prefill, share = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
     dec = SimpleNamespace(runner=SimpleNamespace(core_share=share), max_yield_s=0.05)
-    dec._yield_since, dec.running = None, ["a", "b"]
+    dec._yield_since, dec.running, dec.yield_always = None, ["a", "b"], False
     step_aside = lambda: DecodeEngine._yield_to_prefill(dec)  # noqa: E731
 
     share.begin()
@@ -129,6 +129,21 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
     assert step_aside()  # and it steps aside again
     prefill.set_backlog(0)
     assert not step_aside()
+    dec.yield_always = True
+    prefill.set_backlog(1)
+    assert step_aside()  # "always": one prompt held is enough, with streams running
+    prefill.set_backlog(0)
+    assert not step_aside()
     dec.max_yield_s = 0.0
     prefill.set_backlog(3)
     assert not step_aside()  # off: the decode never waits
+
+
+def test_prefill_first_mode_is_checked() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="prefill_first must be one of"):
+        SchedulerConfig(prefill_first="sometimes")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--prefill-first", "sometimes"])

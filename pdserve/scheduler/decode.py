@@ -66,6 +66,7 @@ class DecodeEngine:
         self.started = time.perf_counter()
         self.steps = 0
         self.max_yield_s = cfg.scheduler.prefill_first_ms / 1e3
+        self.yield_always = cfg.scheduler.prefill_first == "always"  # else only in a burst
         self._yield_since: float | None = None
         self.transfer_totals = TransferTotals()
 
@@ -113,12 +114,13 @@ class DecodeEngine:
         return events
 
     def _yield_to_prefill(self) -> bool:
-        """Prefill first (kernels/core_share): while a prefill on this host has more
-        prompts queued than this decode has streams running, skip this step (new
-        requests are still admitted and their first tokens emitted), for at most
-        max_yield_s in a row; then one step runs regardless."""
+        """Prefill first (kernels/core_share): while a prefill on this host holds prompts
+        (with yield_always) or more prompts than this decode runs streams (a burst), skip
+        this step (new requests are still admitted and their first tokens emitted), for
+        at most max_yield_s in a row; then one step runs regardless."""
         share = self.runner.core_share
-        if share is None or self.max_yield_s <= 0 or share.peer_backlog() <= len(self.running):
+        floor = 0 if self.yield_always else len(self.running)
+        if share is None or self.max_yield_s <= 0 or share.peer_backlog() <= floor:
             self._yield_since = None
             return False
         now = time.monotonic()
