@@ -1,8 +1,9 @@
-/* The elementwise passes of a decode step, one call each instead of 5-10 torch ops (fp32).
+/* The elementwise passes of a forward, one call each instead of 5-10 torch ops (fp32).
  *
  * At a decode's few rows every torch op costs more in dispatch than in arithmetic: a
  * layer's norms, rotation, activation and residual adds were ~30 ops. Here they are
- * four loops over contiguous rows, each value read once:
+ * loops over contiguous rows, each value read once (a prefill uses them too: fewer
+ * passes over its activations):
  *
  *   pd_add_rms_norm  h[r] += delta[r] (when delta is given), then
  *                    out[r] = w * (h[r] * 1 / sqrt(sum(h[r]^2) / n + eps))
