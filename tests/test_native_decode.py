@@ -5,6 +5,7 @@ greedy tokens as transformers. Without a C compiler the engine falls back to the
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -94,6 +95,20 @@ def test_build_is_cached_and_keyed(tmp_path) -> None:
     mtime = a.stat().st_mtime_ns
     assert cpu_native.build("paged_decode", tmp_path) == a and a.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp files left
+
+
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch) -> None:
+    """The key covers the headers the sources include, not only the .c file."""
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    shutil.copytree(cpu_native.SRC_DIR, src)
+    monkeypatch.setattr(cpu_native, "SRC_DIR", src)
+    a = cpu_native.build("paged_decode", tmp_path)
+    header = src / "exp_poly.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    b = cpu_native.build("paged_decode", tmp_path)
+    assert a is not None and b is not None and a != b and a.exists() and b.exists()
 
 
 def _greedy(model, prompts, monkeypatch, native: str):

@@ -1,7 +1,8 @@
 """Native CPU kernels: C sources under kernels/cpu/, built once per machine, called via ctypes.
 
     build:  $CC (else cc, gcc) -O3 -march=native -shared  kernels/cpu/<name>.c
-            -> <cache>/native/<name>-<key>.so      key = hash(source, compiler, flags, CPU)
+            -> <cache>/native/<name>-<key>.so      key = hash(source and the folder's
+                                                   headers, compiler, flags, CPU)
     call:   ctypes, which releases the GIL for the length of the call (the decode's
             forward thread computes while the schedule thread runs Python)
 
@@ -74,6 +75,7 @@ def build(name: str, cache_dir: Path) -> Path | None:
         log.warning("no C compiler (set CC): native CPU kernel %s not built", name)
         return None
     src = (SRC_DIR / f"{name}.c").read_bytes()
+    src += b"".join(h.read_bytes() for h in sorted(SRC_DIR.glob("*.h")))  # what it includes
     out = cache_dir / "native" / f"{name}-{_key(src, cc)}.so"
     if out.exists():
         return out

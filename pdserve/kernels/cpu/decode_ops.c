@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_poly.h"
+
 #define LANES 8
 
 void pd_add_rms_norm(float *h, const float *delta, const float *w, float *out, int64_t m,
@@ -49,22 +51,10 @@ void pd_add_rms_norm(float *h, const float *delta, const float *w, float *out, i
 }
 
 static inline float exp_poly(float x) {
-    /* expf(x) for all x (Cephes' coefficients): overflow gives inf, underflow 0 */
+    /* expf(x) for all x: overflow gives inf, underflow ~0 */
     float big = x > 88.72f ? INFINITY : 0.0f;
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return big != 0.0f ? big : p * scale;
+    float e = pd_exp_in_range(x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x));
+    return big != 0.0f ? big : e;
 }
 
 void pd_silu_mul(const float *gu, float *out, int64_t m, int64_t inter) {

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_poly.h"
+
 #define BLOCK 32
 #define LANES 8
 #define MAX_D 256
@@ -42,20 +44,7 @@
 
 static inline float exp_poly(float x) {
     /* exp(x) for x <= 0 (softmax arguments); below -87.3 the result is 0. */
-    if (x < -87.3f) x = -87.3f;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return pd_exp_in_range(x < -87.3f ? -87.3f : x);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
