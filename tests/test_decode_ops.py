@@ -119,6 +119,8 @@ def test_bad_input_is_refused(native) -> None:
                    torch.randn(1, 1, 8), torch.randn(1, 1, 8))  # fmt: skip
     with pytest.raises(ValueError, match="decode_ops"):
         k.argmax(torch.randn(2, 0))
+    with pytest.raises(ValueError, match="odd width"):
+        k.silu_mul(torch.randn(2, 7))
 
 
 def test_engine_runs_them_and_matches_transformers(native, monkeypatch, tiny_model) -> None:

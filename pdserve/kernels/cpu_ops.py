@@ -22,7 +22,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
     """x: fp32 on the CPU, [T, width] with contiguous rows."""
-    ok = x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+    ok = x.dtype == torch.float32 and x.is_cpu and x.dim() == 2
     ok = ok and x.stride(1) == 1 and (width is None or x.shape[1] == width)
     if not ok:
         raise ValueError(f"decode_ops: {name} {x.dtype} {tuple(x.shape)} {x.stride()}")
@@ -47,15 +47,14 @@ class DecodeOps:
     ) -> torch.Tensor:
         """h += delta (in place, when given); returns w * rms_norm(h). h, delta [T, n]."""
         t, n = h.shape
-        if not h.is_contiguous() or w.shape != (n,) or not w.is_contiguous():
-            raise ValueError(f"decode_ops: norm of {tuple(h.shape)} by {tuple(w.shape)}")
-        _rows(h, "h")
+        ok = h.is_contiguous() and h.dtype == torch.float32 and h.is_cpu
+        ok = ok and w.shape == (n,) and w.is_contiguous() and w.dtype == torch.float32 and w.is_cpu
         if delta is not None:
             delta = delta.contiguous()
-            _rows(delta, "delta", n)
-            if delta.shape[0] != t:
-                raise ValueError(f"decode_ops: delta {tuple(delta.shape)} for h {(t, n)}")
-        _rows(w[None], "weight")
+            ok = ok and delta.shape == h.shape and delta.dtype == torch.float32 and delta.is_cpu
+        if not ok:
+            got = "" if delta is None else f" + {tuple(delta.shape)}"
+            raise ValueError(f"decode_ops: norm of {h.dtype} {tuple(h.shape)}{got} by {w.shape}")
         out = torch.empty_like(h)
         d = 0 if delta is None else delta.data_ptr()
         self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
@@ -66,22 +65,22 @@ class DecodeOps:
         gate_up = gate_up.contiguous()
         _rows(gate_up, "gate_up")
         t, two = gate_up.shape
+        if two % 2:
+            raise ValueError(f"decode_ops: gate_up of odd width {two}")
         out = torch.empty(t, two // 2, dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
         return out
 
     def rope_(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
         """x [T, heads, D] (heads and D contiguous, rows strided) rotated in place by the
-        (cos, sin_signed) tables of its positions, each [T, 1, D] over contiguous [T, D]."""
+        (cos, sin_signed) tables of its positions, each [T, 1, D] contiguous."""
         t, heads, d = x.shape
-        if x.stride(2) != 1 or x.stride(1) != d or d % 2:
-            raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()}")
-        _rows(x[:, 0], "x")
-        cos, sin = (tab.reshape(tab.shape[0], -1) for tab in tables)
-        for tab in (cos, sin):
-            _rows(tab, "rope table", d)
-            if tab.shape[0] != t or not tab.is_contiguous():
-                raise ValueError(f"decode_ops: rope table {tuple(tab.shape)} for {t} tokens")
+        cos, sin = tables
+        ok = x.stride(2) == 1 and x.stride(1) == d and d % 2 == 0
+        ok = ok and x.dtype == cos.dtype == sin.dtype == torch.float32
+        ok = ok and x.is_cpu and cos.is_cpu and sin.is_cpu and cos.shape == sin.shape == (t, 1, d)
+        if not (ok and cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()} by {cos.shape}")
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
 
     def kv_write(
