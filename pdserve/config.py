@@ -55,7 +55,8 @@ class SchedulerConfig:
     prefill_first_ms: int = 250
     # when the decode steps aside: "burst" while the prefill holds more prompts than the
     # decode runs streams (a burst; never in a steady state), "always" while it holds any
-    # (first tokens ~2x sooner in a steady state, ~14% fewer tokens/s: docs/benchmarks.md)
+    # (first tokens sooner in a steady state, fewer tokens/s and a longer TPOT:
+    # benchmarks/prefill_first.py, figures in docs/benchmarks.md)
     prefill_first: str = "burst"
 
     def __post_init__(self) -> None:

@@ -123,6 +123,20 @@ def test_bad_input_is_refused(native) -> None:
         k.silu_mul(torch.randn(2, 7))
 
 
+def test_a_prefill_runner_takes_the_passes_not_the_linear(native, monkeypatch, tiny_model):
+    """A prefill engine's own model (its own process under `pdserve up`) runs the native
+    passes and keeps its projections on oneDNN."""
+    from pdserve.config import EngineConfig
+    from pdserve.model.runner import ModelRunner
+
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
+    runner = ModelRunner(EngineConfig(model_path=str(tiny_model)))
+    assert type(runner.model.ops) is TorchOps
+    runner.warm_up_prefill()
+    assert isinstance(runner.model.ops, NativeOps)
+    assert all(lin.native is None for lin in runner.model.linears())
+
+
 def test_engine_runs_them_and_matches_transformers(native, monkeypatch, tiny_model) -> None:
     from pdserve.llm import LLM
 

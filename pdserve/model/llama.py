@@ -114,8 +114,9 @@ class LlamaModel:
             delta = self._attention(i, layer, x, rope, batch, attn)
             h, x = ops.add_norm(h, delta, layer.post_norm, eps)
             delta = self._mlp(layer, x)
-        _, x = ops.add_norm(h, delta, self.norm, eps)
-        return self.lm_head(x[batch.last_index]).float()
+        last = batch.last_index  # the final norm and the head only at each request's last token
+        _, x = ops.add_norm(h[last], None if delta is None else delta[last], self.norm, eps)
+        return self.lm_head(x).float()
 
     def _attention(
         self,

@@ -93,12 +93,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    default=SchedulerConfig.prefill_first,
                    help="when the decode steps aside for the prefill (--prefill-first-ms): "
                         "'burst' while the prefill holds more prompts than the decode runs "
-                        "streams; 'always' while it holds any (steady-state first tokens ~2x "
-                        "sooner, ~14%% fewer tokens/s on the bench workloads; default "
+                        "streams; 'always' while it holds any (first tokens sooner in a "
+                        "steady state, fewer tokens/s: benchmarks/prefill_first.py; default "
                         "%(default)s)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
-                   help="no native (C) CPU kernels (decode attention, the decode's linear): "
-                        "the portable torch and oneDNN paths (same tokens)")  # fmt: skip
+                   help="no native (C) CPU kernels (decode attention, the decode's linear, "
+                        "the norms, rotation and activation of both engines): the portable "
+                        "torch and oneDNN paths (same tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
