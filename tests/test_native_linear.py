@@ -6,6 +6,7 @@ AVX2), the projections stay on oneDNN."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -28,7 +29,9 @@ def kernel(tmp_path_factory) -> cpu_native.LinearF32:
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 24, 64, 257])
-@pytest.mark.parametrize(("n", "k"), [(16, 8), (40, 33), (384, 256), (1376, 688), (4096, 256)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(16, 8), (40, 33), (48, 20), (384, 256), (1376, 688), (4096, 256)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(kernel, m, n, k, bias) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -74,6 +77,32 @@ def test_threads_split_panels_with_identical_bits(kernel) -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, three)
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 path needs an AVX-512 CPU")
+@pytest.mark.parametrize("m", [1, 8, 13, 64])
+def test_avx512_and_avx2_paths_give_the_same_bits(kernel, tmp_path, m) -> None:
+    """The AVX-512 blocks (12 rows x two panels) add the same products in the same order
+    as the AVX2 blocks (6 rows x one panel): the same W gives the same bits on either CPU.
+    Panels 0-1 pair, panel 2 goes alone, panel 3 is padded (N = 60)."""
+    lib = cpu_native.build("linear_f32", tmp_path, ("-mno-avx512f",))
+    assert lib is not None
+    avx2 = cpu_native.LinearF32(ctypes.CDLL(str(lib)))
+    w, b = torch.randn(60, 70), torch.randn(60)
+    x = torch.randn(m, 70)
+    wide, packed = kernel.pack(w, b), avx2.pack(w, b)
+    assert torch.equal(wide[0], packed[0])  # one layout for both
+    got, want = kernel(x, *wide, 60), avx2(x, *packed, 60)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, x @ w.T + b, rtol=1e-5, atol=1e-4)
 
 
 def test_use_native_is_idempotent_from_either_layout(kernel) -> None:

@@ -60,29 +60,31 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(keep))  # the first core's lines (all cores alike)
 
 
-def _key(src: bytes, cc: str) -> str:
+def _key(src: bytes, cc: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256(src)
-    for part in (version, " ".join(FLAGS), _cpu_id()):
+    for part in (version, " ".join(flags), _cpu_id()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
-def build(name: str, cache_dir: Path) -> Path | None:
-    """Path of the built library `name` (from kernels/cpu/<name>.c), building it if needed."""
+def build(name: str, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:
+    """Path of the built library `name` (from kernels/cpu/<name>.c), building it if needed.
+    `extra_flags` (tests): e.g. -mno-avx512f builds the AVX2 path on an AVX-512 CPU."""
     cc = compiler()
     if cc is None:
         log.warning("no C compiler (set CC): native CPU kernel %s not built", name)
         return None
     src = (SRC_DIR / f"{name}.c").read_bytes()
     src += b"".join(h.read_bytes() for h in sorted(SRC_DIR.glob("*.h")))  # what it includes
-    out = cache_dir / "native" / f"{name}-{_key(src, cc)}.so"
+    flags = FLAGS + extra_flags
+    out = cache_dir / "native" / f"{name}-{_key(src, cc, flags)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, str(SRC_DIR / f"{name}.c"), "-lm"]
+    cmd = [cc, *flags, "-o", tmp, str(SRC_DIR / f"{name}.c"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
