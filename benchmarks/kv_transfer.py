@@ -36,6 +36,7 @@ import torch
 
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
+from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
@@ -62,6 +63,7 @@ def prefill_side(
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
     at expect(), covers Ready + gather + send + receive + scatter + KVDone)."""
+    keep_freed_memory()  # as the engine process does, before its sockets exist
     tx = KVSender(
         "127.0.0.1",
         0,
@@ -94,7 +96,7 @@ def zmq_run(
         target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
     )
     child.start()
-    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)
+    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
     stages.reset()
     try:
         port = port_q.get(timeout=120)
@@ -223,6 +225,7 @@ def main() -> None:
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    keep_freed_memory()  # as the engine process does (the decode side runs here)
     results = [measure(n, args) for n in args.tokens]
     if args.json:
         print(json.dumps({"results": results}))

@@ -35,6 +35,7 @@ from pdserve import protocol as P
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.protocol import TokenEvent
 from pdserve.scheduler.engine_api import Engine
+from pdserve.transfer.heap import keep_freed_memory
 
 log = logging.getLogger("pdserve.engine_proc")
 
@@ -136,6 +137,7 @@ def _default_builder() -> EngineBuilder:
 
 def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) -> int:
     build = build or _default_builder()
+    keep_freed_memory()  # before the transfer's sockets and the model's buffers exist
     ctx = zmq.Context()
     try:
         engine = build(spec.role, spec.engine, spec.transfer)

@@ -10,4 +10,5 @@ faults.py     seeded fault injection in the send path
 curve.py      optional CURVE encryption + ZAP authentication
 loopback.py   a model-free prefill/decode pair for tests and benchmarks
 stages.py     seconds spent per transfer stage (benchmarks/kv_transfer.py)
+heap.py       keeps freed frames mapped (glibc malloc thresholds), set per engine process
 """
