@@ -95,7 +95,7 @@ def test_avx512_and_avx2_paths_give_the_same_bits(kernel, tmp_path, m) -> None:
     Panels 0-1 pair, panel 2 goes alone, panel 3 is padded (N = 60)."""
     lib = cpu_native.build("linear_f32", tmp_path, ("-mno-avx512f",))
     assert lib is not None
-    avx2 = cpu_native.LinearF32(ctypes.CDLL(str(lib)))
+    avx2 = cpu_native.LinearF32(ctypes.CDLL(str(lib)), cpu_native.Split(tmp_path))
     w, b = torch.randn(60, 70), torch.randn(60)
     x = torch.randn(m, 70)
     wide, packed = kernel.pack(w, b), avx2.pack(w, b)

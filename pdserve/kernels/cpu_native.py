@@ -5,6 +5,9 @@
                                                    headers, compiler, flags, CPU)
     call:   ctypes, which releases the GIL for the length of the call (the decode's
             forward thread computes while the schedule thread runs Python)
+    split:  a kernel's range function over as many parts as the calling thread's torch
+            thread count, on par.c's spinning workers (~1 us a hand-off; Python helper
+            threads cost ~100 us, more than a small projection's whole work)
 
 The library is built for the CPU it runs on (-march=native), so the key includes the
 CPU's model and feature flags: a cache directory shared between machines never hands
@@ -23,10 +26,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import torch
 
@@ -36,10 +37,10 @@ SRC_DIR = Path(__file__).parent / "cpu"
 # -ffp-contract=fast: a * b + c becomes one fused multiply-add (-std=c11 alone forbids it,
 # which doubles the kernel's arithmetic instructions)
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fno-trapping-math", "-ffp-contract=fast")
-FLAGS += ("-std=c11", "-fPIC", "-shared")
+FLAGS += ("-std=c11", "-fPIC", "-shared", "-pthread")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-T = TypeVar("T")
+_CFn = Any  # a ctypes foreign function (typeshed has no public name for its class)
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -108,34 +109,49 @@ def load(name: str, cache_dir: Path) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
-_POOL: ThreadPoolExecutor | None = None
+class Split:
+    """Runs a kernel's range function `fn(args, lo, hi)` over [0, n) in parts: on
+    kernels/cpu/par.c's workers, or on this thread alone where par.c is not built."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        lib = load("par", cache_dir)
+        self._run = None if lib is None else lib.pd_par_run
+        if self._run is not None:
+            self._run.restype = ctypes.c_int
+            self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
+
+    def __call__(self, fn: _CFn, args: ctypes.Structure, n: int) -> None:
+        parts = max(1, min(torch.get_num_threads(), n))  # this thread's torch threads
+        if self._run is None or parts == 1:
+            fn(ctypes.byref(args), 0, n)
+        else:
+            self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
 
 
-def run_split(call: Callable[[int, int], T], n: int) -> list[T]:
-    """call(lo, hi) over [0, n) cut into as many parts as this thread's torch thread
-    count: the first part on this thread, the rest on helper threads (the kernels are
-    ctypes calls, which drop the GIL). Results in part order."""
-    global _POOL
-    parts = max(1, min(torch.get_num_threads(), n))
-    if parts == 1:
-        return [call(0, n)]
-    with _lock:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), "native-kernel")
-    cuts = [n * i // parts for i in range(parts + 1)]
-    futs = [_POOL.submit(call, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
-    return [call(cuts[0], cuts[1])] + [f.result() for f in futs]
+def _range_fn(lib: ctypes.CDLL, name: str) -> _CFn:
+    fn = lib[name]
+    fn.restype, fn.argtypes = None, [_ptr, _i64, _i64]
+    return fn
+
+
+class _PagedDecodeArgs(ctypes.Structure):  # paged_decode.c PagedDecodeArgs
+    _fields_ = [("q", _ptr), ("q_stride", _i64), ("k_pool", _ptr), ("v_pool", _ptr),
+                ("slots", _ptr), ("slot_stride", _i64), ("bounds", _ptr), ("h", _i64),
+                ("kh", _i64), ("d", _i64), ("scale", _f32), ("out", _ptr),
+                ("status", ctypes.c_int32)]  # fmt: skip
+
+
+class _LinearArgs(ctypes.Structure):  # linear_f32.c LinearArgs
+    _fields_ = [("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
+                ("n", _i64), ("k_dim", _i64)]  # fmt: skip
 
 
 class PagedDecode:
     """kernels/cpu/paged_decode.c: fp32 decode attention read in place from the pool."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.pd_paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
-        fn.argtypes += [_i64, _i64, _i64, _f32, _ptr]
-        self._fn = fn
+    def __init__(self, lib: ctypes.CDLL, split: Split) -> None:
+        self._fn = _range_fn(lib, "pd_paged_decode_range")
+        self._split = split
 
     @staticmethod
     def supports(q: torch.Tensor, kc: torch.Tensor) -> bool:
@@ -160,18 +176,18 @@ class PagedDecode:
         out = torch.empty(b, h, d, dtype=q.dtype)
         if b == 0:
             return out
-        args = (q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
-                slots.stride(0), bounds.data_ptr())  # fmt: skip
-        tail = (h, kc.shape[1], d, scale, out.data_ptr())
-        rcs = run_split(lambda lo, hi: self._fn(*args, lo, hi, *tail), b)  # requests
-        if any(rcs):
+        args = _PagedDecodeArgs(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
+                                slots.data_ptr(), slots.stride(0), bounds.data_ptr(), h,
+                                kc.shape[1], d, scale, out.data_ptr(), 0)  # fmt: skip
+        self._split(self._fn, args, b)  # requests
+        if args.status:
             raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
         return out
 
 
 def paged_decode(cache_dir: Path) -> PagedDecode | None:
     lib = load("paged_decode", cache_dir)
-    return None if lib is None else PagedDecode(lib)
+    return None if lib is None else PagedDecode(lib, Split(cache_dir))
 
 
 class LinearF32:
@@ -179,13 +195,12 @@ class LinearF32:
 
     PANEL = 16
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, split: Split) -> None:
         self._pack = lib.pd_linear_pack
         self._pack.restype = None
         self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
-        self._fn = lib.pd_linear_f32
-        self._fn.restype = None
-        self._fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
+        self._fn = _range_fn(lib, "pd_linear_f32_range")
+        self._split = split
 
     def pack(
         self, w: torch.Tensor, bias: torch.Tensor | None
@@ -205,7 +220,7 @@ class LinearF32:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        """x [M, K] fp32 -> [M, n]; the panels split by run_split (each part writes its
+        """x [M, K] fp32 -> [M, n]; the panels split over threads (each part writes its
         own columns)."""
         x = x.contiguous()
         m, k = x.shape
@@ -216,11 +231,11 @@ class LinearF32:
         if m == 0:
             return y
         b = 0 if bias is None else bias.data_ptr()
-        args = (x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
-        run_split(lambda lo, hi: self._fn(*args, lo, hi), packed.shape[0])
+        args = _LinearArgs(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
+        self._split(self._fn, args, packed.shape[0])
         return y
 
 
 def linear_f32(cache_dir: Path) -> LinearF32 | None:
     lib = load("linear_f32", cache_dir)
-    return None if lib is None else LinearF32(lib)
+    return None if lib is None else LinearF32(lib, Split(cache_dir))

@@ -180,3 +180,15 @@ void pd_linear_f32(const float *x, const float *packed, const float *bias, float
         }
     }
 }
+
+/* pd_linear_f32's arguments for a thread pool (par.c): one struct, panels [lo, hi). */
+typedef struct {
+    const float *x, *packed, *bias;
+    float *y;
+    int64_t m, n, k_dim;
+} LinearArgs;
+
+void pd_linear_f32_range(const void *args, int64_t lo, int64_t hi) {
+    const LinearArgs *a = args;
+    pd_linear_f32(a->x, a->packed, a->bias, a->y, a->m, a->n, a->k_dim, lo, hi);
+}

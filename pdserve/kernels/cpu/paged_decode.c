@@ -315,3 +315,26 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
     }
     return 0;
 }
+
+/* pd_paged_decode_f32's arguments for a thread pool (par.c): requests [lo, hi). Every
+   part checks the same shape limits, so `status` ends the same whichever writes it. */
+typedef struct {
+    const float *q;
+    int64_t q_stride;
+    const float *k_pool, *v_pool;
+    const int64_t *slots;
+    int64_t slot_stride;
+    const int64_t *bounds;
+    int64_t h, kh, d;
+    float scale;
+    float *out;
+    int32_t status;
+} PagedDecodeArgs;
+
+void pd_paged_decode_range(const void *args, int64_t lo, int64_t hi) {
+    const PagedDecodeArgs *a = args;
+    int rc = pd_paged_decode_f32(a->q, a->q_stride, a->k_pool, a->v_pool, a->slots,
+                                 a->slot_stride, a->bounds, lo, hi, a->h, a->kh, a->d,
+                                 a->scale, a->out);
+    if (rc) __atomic_store_n(&((PagedDecodeArgs *)a)->status, rc, __ATOMIC_RELAXED);
+}

@@ -1,0 +1,184 @@
+/* A small pool of worker threads for the native kernels: fn(args, lo, hi) over [0, n)
+ * cut into `parts` ranges, part 0 on the calling thread, part i offered to worker i.
+ *
+ * Why: a decode step calls ~40 kernels of 20-500 us each. Handing parts to Python
+ * helper threads (a ThreadPoolExecutor: a futex wake, the GIL, a ctypes call) cost
+ * ~100 us a call, more than a small projection's whole work on one core. Here a worker
+ * spins (pause) for SPIN_NS after each part, so the next call of the same step finds it
+ * awake (~1 us a hand-off); past that it sleeps on its condition variable, so an idle
+ * engine burns nothing.
+ *
+ * Protocol, per worker w: one ticket, odd = a part offered, even = taken.
+ *     caller: mailbox[w] = (fn, args, lo, hi); ticket = 2j+1 (release); wake w if asleep
+ *     taking: CAS ticket 2j+1 -> 2j+2; only the winner reads the mailbox and runs it
+ *     worker: takes it -> runs it -> done = j (release)
+ *     caller: after its own part takes back every part no worker took (a worker asleep,
+ *             or descheduled by a busy machine, is never waited for), runs those, then
+ *             waits for done == j of the parts workers took (they are running)
+ * The caller writes a mailbox only when its last part was taken back or done, so no
+ * worker reads it meanwhile. Sleeping (Dekker, seq_cst): the worker stores asleep = 1,
+ * then re-reads the ticket under its mutex before waiting; the caller stores the ticket,
+ * then reads asleep and, if set, signals under the same mutex: no lost wake-up.
+ *
+ * One caller at a time owns the workers (a try-lock); a second concurrent caller (the
+ * offline LLM runs prefill and decode forwards on two threads) runs all its parts on
+ * its own thread: same results, no waiting. After fork() the child has no workers; the
+ * atfork handler forgets them, and the child starts its own on first use. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PAUSE() _mm_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+#define MAX_WORKERS 63
+#define SPIN_NS 200000 /* 0.2 ms: longer than the host work between two kernels of a step */
+
+typedef void (*range_fn)(const void *args, int64_t lo, int64_t hi);
+
+typedef struct {
+    _Atomic uint64_t ticket, done;
+    _Atomic int asleep;
+    range_fn fn;
+    const void *args;
+    int64_t lo, hi;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char pad[64];
+} Worker;
+
+static Worker workers[MAX_WORKERS];
+static uint64_t jobs; /* parts offered so far (guarded by owner) */
+static int started;   /* workers running (guarded by owner) */
+static pthread_mutex_t owner = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Take worker w's offered part (ticket odd); true if this thread won it. */
+static int take(Worker *w, uint64_t *t) {
+    uint64_t odd = atomic_load(&w->ticket);
+    if (!(odd & 1)) return 0;
+    *t = odd;
+    return atomic_compare_exchange_strong(&w->ticket, &odd, odd + 1);
+}
+
+static void wait_for_offer(Worker *w) {
+    int64_t until = now_ns() + SPIN_NS;
+    for (int i = 0; !(atomic_load(&w->ticket) & 1); i++) {
+        PAUSE();
+        if ((i & 63) == 63 && now_ns() > until) {
+            pthread_mutex_lock(&w->mu);
+            atomic_store(&w->asleep, 1);
+            while (!(atomic_load(&w->ticket) & 1)) pthread_cond_wait(&w->cv, &w->mu);
+            atomic_store(&w->asleep, 0);
+            pthread_mutex_unlock(&w->mu);
+            return;
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    Worker *w = arg;
+    for (;;) {
+        wait_for_offer(w);
+        uint64_t t;
+        if (take(w, &t)) { /* else the caller took it back: wait for the next */
+            w->fn(w->args, w->lo, w->hi);
+            atomic_store_explicit(&w->done, t, memory_order_release);
+        }
+    }
+    return 0;
+}
+
+static void forget_workers(void) { /* in the child after fork: the threads are gone */
+    started = 0;
+    pthread_mutex_init(&owner, 0);
+}
+
+static void register_atfork(void) { pthread_atfork(0, 0, forget_workers); }
+
+static int start_workers(int want) { /* caller holds owner; returns min(want, running) */
+    pthread_once(&atfork_once, register_atfork);
+    while (started < want) {
+        Worker *w = &workers[started];
+        atomic_store(&w->ticket, 0);
+        atomic_store(&w->done, 0);
+        atomic_store(&w->asleep, 0);
+        pthread_mutex_init(&w->mu, 0);
+        pthread_cond_init(&w->cv, 0);
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, worker_main, w);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        started++;
+    }
+    return started < want ? started : want;
+}
+
+static void offer(Worker *w, range_fn fn, const void *args, int64_t lo, int64_t hi) {
+    w->fn = fn;
+    w->args = args;
+    w->lo = lo;
+    w->hi = hi;
+    jobs++;
+    atomic_store(&w->ticket, 2 * jobs + 1);
+    if (atomic_load(&w->asleep)) {
+        pthread_mutex_lock(&w->mu);
+        pthread_cond_signal(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    }
+}
+
+/* fn(args, lo, hi) for the `parts` near-equal ranges of [0, n); returns when all ran.
+ * Returns the number of parts that ran on workers (0: all on this thread). */
+int pd_par_run(range_fn fn, const void *args, int64_t n, int parts) {
+    if (parts > n) parts = (int)n;
+    if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
+    if (parts <= 1 || pthread_mutex_trylock(&owner) != 0) {
+        if (n > 0) fn(args, 0, n);
+        return 0;
+    }
+    int helpers = start_workers(parts - 1);
+    parts = helpers + 1;
+    for (int i = 0; i < helpers; i++)
+        offer(&workers[i], fn, args, n * (i + 1) / parts, n * (i + 2) / parts);
+    fn(args, 0, n / parts);
+    int on_workers = 0;
+    for (int i = 0; i < helpers; i++) {
+        Worker *w = &workers[i];
+        uint64_t t;
+        if (take(w, &t)) { /* not started: run it here rather than wait for a wake-up */
+            fn(args, w->lo, w->hi);
+            continue;
+        }
+        uint64_t mine = atomic_load(&w->ticket) - 1; /* the odd ticket the worker took */
+        for (int k = 0; atomic_load_explicit(&w->done, memory_order_acquire) != mine; k++) {
+            PAUSE();
+            if (k > 4096) sched_yield(); /* a worker descheduled mid-part: let it run */
+        }
+        on_workers++;
+    }
+    pthread_mutex_unlock(&owner);
+    return on_workers;
+}
+
+/* Tests: out[i] += 1 for i in [lo, hi) (each index must be visited exactly once). */
+void pd_par_selftest(const void *args, int64_t lo, int64_t hi) {
+    int64_t *out = *(int64_t *const *)args;
+    for (int64_t i = lo; i < hi; i++) out[i] += 1;
+}
