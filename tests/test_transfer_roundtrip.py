@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -187,3 +188,20 @@ def test_cancel_stops_writes_and_tells_prefill(pair) -> None:
     assert wait_for(rx.poll, 1, 0.3) == []  # cancel reports nothing
     assert torch.equal(dec.pool.k, before[0]) and torch.equal(dec.pool.v, before[1])
     assert_no_state(tx, rx)
+
+
+def test_wait_blocks_until_the_transfer_ends_or_times_out(pair) -> None:
+    """KVReceiver.wait (benchmarks): [] after its timeout with nothing in flight; with a
+    transfer in flight it returns that transfer's event, before its timeout."""
+    tx, rx, lay = pair
+    t0 = time.monotonic()
+    assert rx.wait(0.2) == []
+    assert time.monotonic() - t0 >= 0.19
+    pre, dec = sides(lay, 40, seed=4)
+    rx.expect(make_req("w", 9, 40, tx.bootstrap_port), dec.pool, dec.slots)
+    push_prompt(tx, make_req("w", 9, 40, tx.bootstrap_port), pre, chunk=16)
+    t0 = time.monotonic()
+    [ev] = rx.wait(10)
+    assert ev.ok and ev.rid == "w" and time.monotonic() - t0 < 5
+    assert rx.poll() == []
+    assert [e.ok for e in wait_for(tx.poll)] == [True]

@@ -70,6 +70,14 @@ class IOThread:
             except queue.Empty:
                 return out
 
+    def wait(self, timeout_s: float) -> list:
+        """drain(), after blocking up to `timeout_s` for the first event ([] if none came)."""
+        try:
+            first = self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        return [first, *self.drain()]
+
     def stop(self, kill: bool = False) -> None:
         """Stop the thread. `kill`: exit at once without any goodbye (fault injection)."""
         self._killed = kill

@@ -126,6 +126,11 @@ class KVReceiver:
     def poll(self) -> list[SourceEvent]:
         return self._io.drain()
 
+    def wait(self, timeout_s: float) -> list[SourceEvent]:
+        """poll(), after blocking up to `timeout_s` for the first event (tools and
+        benchmarks: an engine polls between steps and never blocks)."""
+        return self._io.wait(timeout_s)
+
     def stats(self) -> dict[str, int]:
         """Counters of refused and dropped messages, and the active transfers."""
         with self._lock:
