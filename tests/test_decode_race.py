@@ -63,7 +63,8 @@ def _run_race(model, fence: bool) -> tuple[list[int], bool]:
 
     def process_prebuilt(reqs) -> None:
         original(reqs)
-        written.set()
+        if any(r.rid == "y" for r in reqs):  # NOTE: X passes through here first, at arrival
+            written.set()
 
     decode.forward_hook = hold_redundant_step
     decode.process_prebuilt = process_prebuilt  # type: ignore[method-assign]
