@@ -25,7 +25,7 @@ from pdserve.transfer.sender import KVSender
 pytestmark = pytest.mark.timeout(60)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
-N, CHUNK = 30, 10  # three chunks: indices 0, 1, 2
+N, CHUNK = 30, 10  # three pieces, each a K chunk and a V chunk: indices 0-5
 HB_TIMEOUT = 0.6
 
 
@@ -60,7 +60,7 @@ def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
     [
         (Fault("drop", "KVChunk", nth=1), "never arrived"),
         (Fault("duplicate", "KVChunk", nth=0), "duplicate chunk"),
-        (Fault("reorder", "KVChunk", nth=2), "never arrived"),  # KVDone overtakes the last chunk
+        (Fault("reorder", "KVChunk", nth=5), "never arrived"),  # KVDone overtakes the last chunk
         (Fault("truncate", "KVChunk", nth=1), "byte count"),
         (Fault("corrupt", "KVChunk", nth=2), "checksum mismatch"),
         (Fault("corrupt", "KVDone", nth=0), ""),  # refused or dropped (then timed out)
