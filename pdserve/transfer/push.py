@@ -16,8 +16,9 @@ writes it, while V is gathered; the next piece's K is gathered while V is on the
     decode I/O thread                           verify, scatter K_i │ verify, scatter V_i
 
 (Sending K and V as one two-frame message serialised them: at 1k tokens one message
-is the whole transfer, and nothing overlapped. Split: 0.36-0.41 -> 0.46-0.47 of raw
-TCP at 1k tokens, 0.61-0.68 -> 0.74-0.75 at 8k; benchmarks/kv_transfer.py.)
+is the whole transfer, and nothing overlapped. benchmarks/kv_transfer.py, two runs each
+taking turns: 1k 0.39/0.39 -> 0.41/0.43 of raw TCP, 8k 0.64/0.64 -> 0.77/0.75, 32k
+0.72/0.71 -> 0.80/0.76.)
 The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
 it goes back to the pool only when its tracker says libzmq is done.
 """
@@ -31,7 +32,7 @@ import torch
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import combine, frame_hash
+from pdserve.transfer.checksum import frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import MsgSocket
@@ -79,7 +80,7 @@ class Pusher:
         for kind, src in (("k", pool.k), ("v", pool.v)):
             buf, frame = staging.gather(src, idx)
             with stages.timed("checksum"):
-                checksum = combine([frame_hash(frame)])
+                checksum = frames_checksum([frame])
             hdr = KVChunk(
                 room=st.room,
                 session=st.ready.session,

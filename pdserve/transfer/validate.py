@@ -19,7 +19,7 @@ import torch
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import done_digest, frames_checksum_parallel
+from pdserve.transfer.checksum import done_digest, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone
 from pdserve.transfer.staging import scatter_rows
 
@@ -66,8 +66,8 @@ def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryvie
     for kind in _KINDS[h.kind]:
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
-    # NOTE: last, so a frame of the wrong size is never hashed; frames hash in parallel
-    if frames_checksum_parallel(bufs) != h.checksum:
+    # NOTE: last, so a frame of the wrong size is never hashed
+    if frames_checksum(bufs) != h.checksum:
         return "checksum mismatch"
     return ""
 
