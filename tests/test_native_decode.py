@@ -4,6 +4,7 @@ greedy tokens as transformers. Without a C compiler the engine falls back to the
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
@@ -155,3 +156,20 @@ def test_unwritable_cache_dir_means_no_kernel_not_a_crash(tmp_path, monkeypatch,
     caplog.set_level(logging.WARNING)
     assert cpu_native.paged_decode(blocker) is None  # <blocker>/native cannot be made
     assert "unavailable" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "b,length,kh,h,d,window",
+    [(5, 97, 3, 9, 64, 0), (4, 90, 2, 8, 64, 33), (2, 70, 4, 4, 128, 0), (2, 40, 1, 16, 128, 5)],
+)
+def test_avx512_and_8_lane_walks_agree(kernel, tmp_path, b, length, kh, h, d, window) -> None:
+    """On an AVX-512 CPU the D = 64 / 128 paths run the 4-heads-a-vector walk
+    (attend_quad.h); built with -mno-avx512f the same source runs the 8-lane walk. Both
+    give the gather's result to fp32 rounding (the sums run in different orders)."""
+    lib = cpu_native.build("paged_decode", tmp_path, ("-mno-avx512f",))
+    assert lib is not None
+    narrow = cpu_native.PagedDecode(ctypes.CDLL(str(lib)), cpu_native.Split(tmp_path))
+    q, kc, vc, slots, hidden, bounds = _case(b, length, kh, h, d, window, seed=length + h)
+    got, want = kernel(q, kc, vc, slots, bounds, 0.3), narrow(q, kc, vc, slots, bounds, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, da.gathered(q, kc, vc, slots, hidden, 0.3))
