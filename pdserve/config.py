@@ -58,15 +58,28 @@ class SchedulerConfig:
     # (first tokens sooner in a steady state, fewer tokens/s and a longer TPOT:
     # benchmarks/prefill_first.py, figures in docs/benchmarks.md)
     prefill_first: str = "burst"
+    # which admitted prompts a prefill step computes first: "shortest" (the fewest prompt
+    # tokens left; a burst's median first token comes sooner, its longest prompts later)
+    # or "arrival". A prompt waiting longer than prefill_max_wait_ms goes ahead of
+    # every younger one in either order, so a stream of short prompts cannot starve it.
+    prefill_order: str = "shortest"
+    prefill_max_wait_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.prefill_first not in PREFILL_FIRST_MODES:
             raise ValueError(
                 f"prefill_first must be one of {PREFILL_FIRST_MODES}, got {self.prefill_first!r}"
             )
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}"
+            )
+        if self.prefill_max_wait_ms < 0:
+            raise ValueError(f"prefill_max_wait_ms must be >= 0, got {self.prefill_max_wait_ms}")
 
 
 PREFILL_FIRST_MODES = ("burst", "always")
+PREFILL_ORDERS = ("shortest", "arrival")
 
 
 @dataclass(frozen=True)

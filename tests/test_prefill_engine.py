@@ -3,6 +3,7 @@ aborted request's KV stays allocated until the sink reports it released."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, prefill_budget
@@ -10,7 +11,7 @@ from pdserve.kvcache.pools import KVPool
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.prefill import PrefillEngine
+from pdserve.scheduler.prefill import PrefillEngine, prefill_order
 from pdserve.scheduler.request import Req
 from pdserve.transfer.base import SinkEvent
 from tests.conftest import hf_greedy
@@ -121,3 +122,57 @@ def test_rejected_prompt_is_reported_to_the_sink(tiny_model) -> None:
     (event,) = engine.step()
     assert event.finished and event.error and "context length" in event.error
     assert sink.aborted == ["long"]  # the decode must learn the room will never come
+
+
+def _waiting(rid: str, length: int, arrive: float, prefilled: int = 0) -> Req:
+    req = Req.from_engine_request(_req(rid, list(range(3, 3 + length))))
+    req.stages["arrive"], req.prefilled = arrive, prefilled
+    return req
+
+
+def test_prefill_order_shortest_left_first_aged_ahead() -> None:
+    now = 1000.0
+    a = _waiting("a", 300, now - 3.0)
+    b = _waiting("b", 50, now - 2.0)
+    c = _waiting("c", 200, now - 1.0, prefilled=180)  # 20 tokens left
+    d = _waiting("d", 50, now - 0.5)  # ties with b: admission order
+    reqs = [a, b, c, d]
+    shortest = SchedulerConfig(prefill_max_wait_ms=10_000)
+    assert [r.rid for r in prefill_order(reqs, shortest, now)] == ["c", "b", "d", "a"]
+    arrival = SchedulerConfig(prefill_order="arrival")
+    assert [r.rid for r in prefill_order([d, c, b, a], arrival, now)] == ["a", "b", "c", "d"]
+    aged = SchedulerConfig(prefill_max_wait_ms=1500)  # a and b have waited longer
+    assert [r.rid for r in prefill_order(reqs, aged, now)] == ["a", "b", "c", "d"]
+
+
+def test_prefill_order_is_checked() -> None:
+    with pytest.raises(ValueError, match="prefill_order must be one of"):
+        SchedulerConfig(prefill_order="random")
+    with pytest.raises(ValueError, match="prefill_max_wait_ms"):
+        SchedulerConfig(prefill_max_wait_ms=-1)
+
+
+def test_a_short_prompt_overtakes_a_long_one_in_the_same_step(tiny_model) -> None:
+    """Shortest first (the default): a 10-token prompt queued behind a 60-token one is
+    computed in the first step and reaches its first token there; "arrival" spends the
+    first 32-token steps on the long one. Both first tokens are the greedy ones."""
+    long, short = list(range(100, 160)), list(range(5, 15))
+    for order, first in (("shortest", [("s", 0, 10), ("l", 0, 22)]), ("arrival", [("l", 0, 32)])):
+        cfg = EngineConfig(
+            model_path=str(tiny_model),
+            cache=CacheConfig(page_size=4, max_total_tokens=256, max_context=128),
+            scheduler=SchedulerConfig(max_prefill_tokens=32, prefill_order=order),
+        )
+        sink = RecordingSink()
+        engine = PrefillEngine(cfg, ModelRunner(cfg), sink)
+        engine.add_request(_req("l", long))
+        engine.add_request(_req("s", short))
+        engine.step()
+        assert sink.chunks == first, order
+        assert ("s" in sink.done) == (order == "shortest")
+        for _ in range(4):
+            engine.step()
+        assert sink.done == {
+            "l": hf_greedy(tiny_model, long, 1)[0],
+            "s": hf_greedy(tiny_model, short, 1)[0],
+        }

@@ -3,8 +3,10 @@ request's KV until the sink reports the decode has it (or gave up), then frees i
 
     waiting --(row + prompt pages)--> prefilling (chunk by chunk) --(first token)--> holding --> freed
 
-One step packs up to `prefill_budget(max_prefill_tokens)` prompt tokens: the unfinished request
-first, then new ones; a prompt longer than the budget is split across steps.
+One step packs up to `prefill_budget(max_prefill_tokens)` prompt tokens from the admitted
+prompts in `prefill_order` (shortest remaining first by default: in a burst the median
+prompt's first token comes sooner; one that has waited `prefill_max_wait_ms` goes first
+whatever its length); a prompt longer than the budget is split across steps.
 The prefill never decodes; it runs on the calling thread (no overlap needed).
 """
 
@@ -17,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.config import EngineConfig, prefill_budget
+from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
@@ -136,7 +138,7 @@ class PrefillEngine:
         """(req, start, end) prompt ranges for this step, within the token budget."""
         budget = prefill_budget(self.cfg.scheduler.max_prefill_tokens, self.cfg.device)
         plan = []
-        for req in self.prefilling:
+        for req in prefill_order(self.prefilling, self.cfg.scheduler, time.time()):
             if budget <= 0:
                 break
             start = req.prefilled
@@ -247,3 +249,19 @@ class PrefillEngine:
         close = getattr(self.sink, "close", None)
         if close is not None:
             close()
+
+
+def prefill_order(reqs: list[Req], sched: SchedulerConfig, now: float) -> list[Req]:
+    """`reqs` (in admission order) in the order a step computes them: first those that
+    have waited longer than `prefill_max_wait_ms`, oldest first; then the rest, oldest
+    first or ("shortest") fewest prompt tokens left first, ties in admission order."""
+    cutoff = now - sched.prefill_max_wait_ms / 1e3
+    aged = sorted(
+        (r for r in reqs if r.stages["arrive"] <= cutoff), key=lambda r: r.stages["arrive"]
+    )
+    young = [r for r in reqs if r.stages["arrive"] > cutoff]
+    if sched.prefill_order == "shortest":
+        young.sort(key=lambda r: r.prompt_len - r.prefilled)  # stable: ties keep their order
+    else:
+        young.sort(key=lambda r: r.stages["arrive"])
+    return aged + young

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.config import (
     PREFILL_FIRST_MODES,
+    PREFILL_ORDERS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -96,6 +97,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "streams; 'always' while it holds any (first tokens sooner in a "
                         "steady state, fewer tokens/s: benchmarks/prefill_first.py; default "
                         "%(default)s)")  # fmt: skip
+    g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=SchedulerConfig.prefill_order,
+                   help="which admitted prompts a prefill step computes first: 'shortest' "
+                        "(fewest prompt tokens left: a burst's median first token sooner, its "
+                        "longest prompts later) or 'arrival' (default %(default)s)")  # fmt: skip
+    g.add_argument("--prefill-max-wait-ms", type=int, metavar="MS",
+                   default=SchedulerConfig.prefill_max_wait_ms,
+                   help="a prompt waiting longer than MS ms goes ahead of younger ones whatever "
+                        "--prefill-order says (no starvation; default %(default)s)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
                    help="no native (C) CPU kernels (decode attention, the decode's linear, "
                         "the norms, rotation and activation of both engines): the portable "
@@ -216,7 +225,9 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
                                   max_queued_requests=args.max_queued_requests,
                                   disable_overlap=args.disable_overlap,
                                   prefill_first_ms=args.prefill_first_ms,
-                                  prefill_first=args.prefill_first),
+                                  prefill_first=args.prefill_first,
+                                  prefill_order=args.prefill_order,
+                                  prefill_max_wait_ms=args.prefill_max_wait_ms),
     )  # fmt: skip
     transfer = TransferConfig(
         host=args.transfer_host,
