@@ -182,7 +182,7 @@ def _sse_error(e: LegError) -> bytes:
 async def _chunks(resp: httpx.Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
     """The decode's raw body chunks; raises the prefill's LegError as soon as it fails."""
     it = resp.aiter_raw().__aiter__()
-    while True:
+    while not (prefill.done() and prefill.exception() is None):
         nxt = asyncio.ensure_future(it.__anext__())
         try:
             await asyncio.wait(
@@ -203,6 +203,10 @@ async def _chunks(resp: httpx.Response, prefill: asyncio.Task) -> AsyncIterator[
         else:
             await nxt  # only reached once the prefill succeeded; keep waiting on the chunk
             yield nxt.result()
+    # NOTE: the prefill leg ended well (it usually has by the first token): nothing left
+    # to race, so the chunks pass straight through, without a task and a wait per token
+    async for chunk in it:
+        yield chunk
 
 
 def _drain(task: asyncio.Future) -> None:
