@@ -4,13 +4,14 @@ borrows the shares of peers that are idle, and gives them back when a peer compu
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import threading
 
 import pytest
 import torch
 
-from pdserve.kernels import core_share
+from pdserve.kernels import core_share, cpu_native
 from pdserve.kernels.core_share import IDLE_S, CoreShare
 
 
@@ -147,3 +148,35 @@ def test_prefill_first_mode_is_checked() -> None:
         SchedulerConfig(prefill_first="sometimes")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--prefill-first", "sometimes"])
+
+
+def test_kernel_threads_follow_the_peer_at_once(tmp_path, monkeypatch) -> None:
+    """Unlike begin(), the per-kernel count asks for no idle time: the decode's kernels
+    use the prefill's core between two of its forwards and give it back at the next."""
+    clock = [100.0]
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: clock[0])
+    path = str(tmp_path / "cores")
+    prefill, decode = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
+    decode.begin()
+    assert prefill.begin() == 1 and decode.kernel_threads() == 1  # the prefill computes
+    prefill.end()
+    assert decode.kernel_threads() == 2  # at once: begin() would wait IDLE_S
+    assert decode.begin() == 1
+    prefill.begin()
+    assert decode.kernel_threads() == 1  # given back within the decode's step
+
+
+def test_split_asks_the_budget_at_every_call(tmp_path, monkeypatch) -> None:
+    split = cpu_native.Split(tmp_path)
+    calls: list[int] = []
+    split._run = lambda fn, args, n, parts: calls.append(parts)
+    budget = iter([2, 1, 3])
+    monkeypatch.setattr(cpu_native.Split, "budget", lambda: next(budget))
+    ran: list[tuple[int, int]] = []
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
+        lambda args, lo, hi: ran.append((lo, hi))
+    )
+    args = ctypes.c_int(0)
+    for _ in range(3):
+        split(fn, args, 10)
+    assert calls == [2, 3] and ran == [(0, 10)]  # the 1-thread call runs here, unsplit

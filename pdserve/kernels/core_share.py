@@ -23,7 +23,9 @@ has little to do; in a steady state (more streams than queued prompts) nothing y
 
 Each engine writes only its own record, at the start and end of each forward, and
 reads the others' when a forward starts (a few bytes of a shared mapping: no system
-call). Reads may race with writes; the worst outcome is one forward with one thread
+call), and again before each native kernel call (kernel_threads): between two prompts
+the decode's kernels run on the prefill's cores too, and give them back as soon as the
+prefill's next forward starts. Reads may race with writes; the worst outcome is one forward with one thread
 too many or too few. CLOCK_MONOTONIC is one clock for every process on the host.
 
 `torch.set_num_threads` is per thread for OpenMP (a thread keeps the count it first
@@ -80,6 +82,19 @@ class CoreShare:
 
     def end(self) -> None:
         self._write(time.monotonic(), 0)
+
+    def kernel_threads(self) -> int:
+        """Threads for this engine's next native kernel call (kernels/cpu_native.Split):
+        its own share plus the shares of peers not computing at this moment. No idle
+        time is asked for, unlike begin(): the count is read again at every call, so a
+        peer that starts a forward gets its cores back within one kernel (~0.1-1 ms),
+        not one step later."""
+        threads = self.share
+        for i in self._peers():
+            _, computing, share, _, _ = RECORD.unpack_from(self._map, i * RECORD.size)
+            if not computing:
+                threads += share
+        return threads
 
     def set_backlog(self, prompts: int) -> None:
         """A prefill engine: how many prompts are queued or being prefilled now."""

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,13 @@ class Split:
             self._run.restype = ctypes.c_int
             self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
 
+    # threads for each call; None: the calling thread's torch threads. An engine sharing
+    # its host's cores (kernels/core_share.py) sets CoreShare.kernel_threads here.
+    budget: Callable[[], int] | None = None
+
     def __call__(self, fn: _CFn, args: ctypes.Structure, n: int) -> None:
-        parts = max(1, min(torch.get_num_threads(), n))  # this thread's torch threads
+        want = torch.get_num_threads() if Split.budget is None else Split.budget()
+        parts = max(1, min(want, n))
         if self._run is None or parts == 1:
             fn(ctypes.byref(args), 0, n)
         else:

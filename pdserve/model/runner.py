@@ -37,6 +37,7 @@ class ModelRunner:
         if cfg.core_share and cfg.device.startswith("cpu"):
             path, slot, engines = core_share.parse(cfg.core_share)
             self.core_share = CoreShare(path, slot, engines, torch.get_num_threads())
+            cpu_native.Split.budget = self.core_share.kernel_threads  # one engine a process
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(
