@@ -59,6 +59,8 @@ def _case(b: int, length: int, kh: int, h: int, d: int, window: int, seed: int):
         (3, 64, 1, 2, 16, 64),  # a window as long as the context
         (2, 45, 16, 128, 64, 0),  # 128 query heads: two row walks of 64 heads each
         (3, 300, 2, 8, 64, 0),  # long rows: the prefetch runs ahead of the walk
+        (3, 50, 4, 8, 64, 0),  # groups of 2 and 1: the 8-lane walk on every CPU
+        (2, 33, 8, 8, 64, 0),
     ],
 )
 def test_native_matches_gather(kernel, b, length, kh, h, d, window) -> None:
@@ -160,12 +162,13 @@ def test_unwritable_cache_dir_means_no_kernel_not_a_crash(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize(
     "b,length,kh,h,d,window",
-    [(5, 97, 3, 9, 64, 0), (4, 90, 2, 8, 64, 33), (2, 70, 4, 4, 128, 0), (2, 40, 1, 16, 128, 5)],
+    [(5, 97, 3, 9, 64, 0), (4, 90, 2, 8, 64, 33), (3, 70, 2, 16, 128, 0), (2, 40, 1, 16, 128, 5)],
 )
 def test_avx512_and_8_lane_walks_agree(kernel, tmp_path, b, length, kh, h, d, window) -> None:
-    """On an AVX-512 CPU the D = 64 / 128 paths run the 4-heads-a-vector walk
-    (attend_quad.h); built with -mno-avx512f the same source runs the 8-lane walk. Both
-    give the gather's result to fp32 rounding (the sums run in different orders)."""
+    """On an AVX-512 CPU the D = 64 / 128 paths with groups of 3 or more query heads run
+    the 4-heads-a-vector walk (attend_quad.h); built with -mno-avx512f the same source
+    runs the 8-lane walk. Both give the gather's result to fp32 rounding (the sums run
+    in different orders)."""
     lib = cpu_native.build("paged_decode", tmp_path, ("-mno-avx512f",))
     assert lib is not None
     narrow = cpu_native.PagedDecode(ctypes.CDLL(str(lib)), cpu_native.Split(tmp_path))

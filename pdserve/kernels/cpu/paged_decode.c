@@ -27,8 +27,8 @@
    vectorisable polynomial (Cephes' expf coefficients, within 2 ulp of expf over the
    range softmax uses). Called through ctypes, which releases the GIL for the call.
 
-   On an AVX-512 build, D = 64 and 128 take attend_quad.h's walk instead (four query
-   heads per vector; 0.82x the 8-lane walk's time here, from L3 or from memory alike:
+   On an AVX-512 build, D = 64 and 128 with groups of 3 or more query heads take
+   attend_quad.h's walk instead (four query heads per vector; 0.82x the 8-lane walk's time here, from L3 or from memory alike:
    from memory both read the KV at ~75% of a sequential sum's speed, so the rest is the
    memory's, not the arithmetic's). */
 
@@ -282,18 +282,31 @@ static inline void prefetch_rows(const float *k_pool, const float *v_pool,
         }                                                                                    \
     }
 
-#if defined(__AVX512F__)
-#include "attend_quad.h"
-#define FIXED_64 attend_quads_64
-#define FIXED_128 attend_quads_128
-#define FIXED_SPAN(g) (QUADS / (((g) + 3) / 4)) /* kv heads per walk: at most QUADS quads */
-#else
 DEFINE_ROWS_FIXED(attend_rows_64, 8)
 DEFINE_ROWS_FIXED(attend_rows_128, 16)
-#define FIXED_64 attend_rows_64
-#define FIXED_128 attend_rows_128
-#define FIXED_SPAN(g) (MAX_H / (g))
+
+typedef void (*fixed_walk)(const float *, const float *, const float *, const int64_t *,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                           float *);
+
+#if defined(__AVX512F__)
+#include "attend_quad.h"
+#define QUADS_FROM_G 3 /* below, a padded quad wastes half or more of its lanes: the
+                          8-lane walk is as fast at g = 2 and faster at g = 1 */
+#else
+#define QUADS_FROM_G (MAX_G + 1) /* never */
+#define attend_quads_64 attend_rows_64
+#define attend_quads_128 attend_rows_128
+#define QUADS 1
 #endif
+
+/* The walk for D = 64 / 128 and group size g, and how many kv heads one call takes. */
+static fixed_walk pick_walk(int64_t d, int64_t g, int64_t *span) {
+    int quads = g >= QUADS_FROM_G;
+    *span = quads ? QUADS / ((g + 3) / 4) : MAX_H / g;
+    if (d == 64) return quads ? attend_quads_64 : attend_rows_64;
+    return quads ? attend_quads_128 : attend_rows_128;
+}
 
 /* Requests [b0, b1) of the batch. q rows are q + b * q_stride (H * D contiguous);
    slots is [B, slot_stride] row-major; bounds is [B, 2] = (start, len) per request.
@@ -303,7 +316,8 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
                         const int64_t *bounds, int64_t b0, int64_t b1, int64_t h, int64_t kh,
                         int64_t d, float scale, float *out) {
     if (kh <= 0 || h % kh != 0 || h / kh > MAX_G || d > MAX_D) return -1;
-    int64_t g = h / kh, span = d == 64 || d == 128 ? FIXED_SPAN(g) : MAX_H / g;  // kv heads per walk
+    int64_t g = h / kh, span = MAX_H / g;  // kv heads per walk
+    fixed_walk walk = d == 64 || d == 128 ? pick_walk(d, g, &span) : NULL;
     for (int64_t b = b0; b < b1; b++) {
         if (b + 1 < b1 && (d == 64 || d == 128)) {  // the next request's first rows
             int64_t lo1 = bounds[2 * b + 2], n1 = bounds[2 * b + 3] - lo1;
@@ -318,10 +332,8 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
             int64_t k1 = k0 + span < kh ? k0 + span : kh;
             const float *qk = qb + k0 * g * d;
             float *ok = ob + k0 * g * d;
-            if (d == 64)
-                FIXED_64(qk, k_pool, v_pool, sb, lo, hi, k0, k1, kh, g, scale, ok);
-            else if (d == 128)
-                FIXED_128(qk, k_pool, v_pool, sb, lo, hi, k0, k1, kh, g, scale, ok);
+            if (walk)
+                walk(qk, k_pool, v_pool, sb, lo, hi, k0, k1, kh, g, scale, ok);
             else
                 for (int64_t k = k0; k < k1; k++)
                     attend_group(qb + k * g * d, k_pool, v_pool, sb, lo, hi, k, kh, g, d,
