@@ -18,7 +18,9 @@
    heads: acc_h += p_h,t * v_t, with acc_h in registers for 64 dimensions at a time.
 
    Groups of g != 4 heads run in quads padded with zero queries (their scores are 0, their
-   outputs are not written): g = 3 uses 3 of 4, g = 8 two full quads. The walk keeps the
+   outputs are not written): g = 3 uses 3 of 4, g = 8 two full quads. Groups of 1 and 2
+   stay on the 8-lane walk (paged_decode.c's pick_walk): a quad padded to 4 wastes half
+   or more of its lanes there. The walk keeps the
    8-lane walk's order of memory: a block of BLOCK keys is read whole (all kv heads of a
    slot), once, in slot order, and the next rows are prefetched. Results agree with the
    8-lane walk to fp32 rounding, not bit for bit (the sums are added in another order). */
