@@ -25,8 +25,9 @@ Each engine writes only its own record, at the start and end of each forward, an
 reads the others' when a forward starts (a few bytes of a shared mapping: no system
 call), and again before each native kernel call (kernel_threads): between two prompts
 the decode's kernels run on the prefill's cores too, and give them back as soon as the
-prefill's next forward starts. Reads may race with writes; the worst outcome is one forward with one thread
-too many or too few. CLOCK_MONOTONIC is one clock for every process on the host.
+prefill's next forward starts. Reads may race with writes; the worst outcome is one
+forward (or kernel) with one thread too many or too few. CLOCK_MONOTONIC is one clock
+for every process on the host.
 
 `torch.set_num_threads` is per thread for OpenMP (a thread keeps the count it first
 saw), so the count is applied by the thread that runs the forward, when it changes.
