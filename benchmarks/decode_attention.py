@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -35,6 +36,7 @@ from pdserve.kernels import cpu_native  # noqa: E402
 from pdserve.model import decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
+T = TypeVar("T")
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -63,10 +65,10 @@ def make_case(batch: int, context: int, shuffled: bool) -> tuple[torch.Tensor, .
     return q, kc, vc, slots.contiguous(), bounds, hidden
 
 
-class Rotation:
+class Rotation(Generic[T]):
     """Calls fn(copy) on the next of `n` copies each time: a footprint of n times one copy."""
 
-    def __init__(self, copies: list, fn: Callable[[object], object]) -> None:
+    def __init__(self, copies: list[T], fn: Callable[[T], object]) -> None:
         self.copies, self.fn, self.i = copies, fn, 0
 
     def __call__(self) -> object:
@@ -98,7 +100,7 @@ def sequential_read(nbytes: int, reps: int, rotate_mb: int) -> tuple[float, floa
     """GB/s of torch's sum over `nbytes`: the same tensor each time, then rotating."""
     xs = [torch.randn(nbytes // 4) for _ in range(max(2, rotate_mb * 2**20 // nbytes))]
     cached = median_ms(xs[0].sum, reps)
-    memory = median_ms(Rotation(xs, lambda x: x.sum()), max(reps, 2 * len(xs)))  # type: ignore[attr-defined]
+    memory = median_ms(Rotation(xs, torch.Tensor.sum), max(reps, 2 * len(xs)))
     return nbytes / cached / 1e6, nbytes / memory / 1e6
 
 

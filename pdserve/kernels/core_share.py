@@ -66,7 +66,8 @@ class CoreShare:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.slots, self.slot, self.share = engines, slot, max(1, share)
+        self.slot, self.share = slot, max(1, share)
+        self._peer_offsets = [i * RECORD.size for i in range(engines) if i != slot]
         self._backlog = 0
         self._applied = threading.local()
         self._write(0.0, 0)
@@ -75,8 +76,7 @@ class CoreShare:
         """A forward starts: mark it, and return the threads this engine may use now."""
         self._write(0.0, 1, keep_time=True)
         now, threads = time.monotonic(), self.share
-        for i in self._peers():
-            last_end, computing, share, _, _ = RECORD.unpack_from(self._map, i * RECORD.size)
+        for last_end, computing, share, _, _ in self._peer_records():
             if not computing and now - last_end > IDLE_S:
                 threads += share
         return threads
@@ -91,8 +91,7 @@ class CoreShare:
         peer that starts a forward gets its cores back within one kernel (~0.1-1 ms),
         not one step later."""
         threads = self.share
-        for i in self._peers():
-            _, computing, share, _, _ = RECORD.unpack_from(self._map, i * RECORD.size)
+        for _, computing, share, _, _ in self._peer_records():
             if not computing:
                 threads += share
         return threads
@@ -105,16 +104,15 @@ class CoreShare:
 
     def peer_backlog(self) -> int:
         """The largest backlog a peer reports (0: none)."""
-        return max(
-            (RECORD.unpack_from(self._map, i * RECORD.size)[3] for i in self._peers()), default=0
-        )
+        return max((backlog for _, _, _, backlog, _ in self._peer_records()), default=0)
 
     def yield_now(self) -> None:
         """This engine steps aside: peers may count its cores as idle at once."""
         self._write(0.0, 0)
 
-    def _peers(self) -> list[int]:
-        return [i for i in range(self.slots) if i != self.slot]
+    def _peer_records(self) -> list[tuple]:
+        """Every peer's record (last_end, computing, share, backlog, pad), as it is now."""
+        return [RECORD.unpack_from(self._map, off) for off in self._peer_offsets]
 
     def apply(self, threads: int) -> None:
         """torch.set_num_threads(threads) in the calling thread, if it differs."""

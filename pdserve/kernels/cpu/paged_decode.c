@@ -28,9 +28,9 @@
    range softmax uses). Called through ctypes, which releases the GIL for the call.
 
    On an AVX-512 build, D = 64 and 128 with groups of 3 or more query heads take
-   attend_quad.h's walk instead (four query heads per vector; 0.82x the 8-lane walk's time here, from L3 or from memory alike:
-   from memory both read the KV at ~75% of a sequential sum's speed, so the rest is the
-   memory's, not the arithmetic's). */
+   attend_quad.h's walk instead (four query heads per vector): 0.81-0.85x the 8-lane
+   walk's time with the KV in cache. From memory one core's bandwidth bounds both (they
+   read at 70-87% of a sequential sum, benchmarks/decode_attention.py). */
 
 #include <math.h>
 #include <stdint.h>
@@ -291,21 +291,20 @@ typedef void (*fixed_walk)(const float *, const float *, const float *, const in
 
 #if defined(__AVX512F__)
 #include "attend_quad.h"
-#define QUADS_FROM_G 3 /* below, a padded quad wastes half or more of its lanes: the
-                          8-lane walk is as fast at g = 2 and faster at g = 1 */
-#else
-#define QUADS_FROM_G (MAX_G + 1) /* never */
-#define attend_quads_64 attend_rows_64
-#define attend_quads_128 attend_rows_128
-#define QUADS 1
 #endif
 
-/* The walk for D = 64 / 128 and group size g, and how many kv heads one call takes. */
+/* The walk for D = 64 / 128 and group size g, and how many kv heads one call takes. On
+   AVX-512, groups of 3 or more take the quad walk; below that a padded quad wastes half
+   or more of its lanes (the 8-lane walk is as fast at g = 2 and faster at g = 1). */
 static fixed_walk pick_walk(int64_t d, int64_t g, int64_t *span) {
-    int quads = g >= QUADS_FROM_G;
-    *span = quads ? QUADS / ((g + 3) / 4) : MAX_H / g;
-    if (d == 64) return quads ? attend_quads_64 : attend_rows_64;
-    return quads ? attend_quads_128 : attend_rows_128;
+#if defined(__AVX512F__)
+    if (g >= 3) {
+        *span = QUADS / ((g + 3) / 4);
+        return d == 64 ? attend_quads_64 : attend_quads_128;
+    }
+#endif
+    *span = MAX_H / g;
+    return d == 64 ? attend_rows_64 : attend_rows_128;
 }
 
 /* Requests [b0, b1) of the batch. q rows are q + b * q_stride (H * D contiguous);
