@@ -38,6 +38,11 @@ class _Registry:
         "PDSERVE_DISABLE_COMPILE",
         "1: build no native CPU kernels (as --disable-compile)",
     )
+    PER_CALL_DECODE = EnvVar(
+        "PDSERVE_PER_CALL_DECODE",
+        "1: a CPU decode step calls its native kernels one by one from Python instead of "
+        "as one native forward (same results; for comparing the two)",
+    )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",
         "a Python file a frontend runs as its engine process instead of "

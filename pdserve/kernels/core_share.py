@@ -35,6 +35,7 @@ saw), so the count is applied by the thread that runs the forward, when it chang
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -70,6 +71,7 @@ class CoreShare:
         self._peer_offsets = [i * RECORD.size for i in range(engines) if i != slot]
         self._backlog = 0
         self._applied = threading.local()
+        self._view: ctypes.Array | None = None  # the mapping as native code reads it
         self._write(0.0, 0)
 
     def begin(self) -> int:
@@ -95,6 +97,15 @@ class CoreShare:
             if not computing:
                 threads += share
         return threads
+
+    def records(self) -> tuple[int, int, int, int]:
+        """(address of the records, engines, this engine's slot, its share): for native
+        code that computes kernel_threads itself (kernels/cpu/decode_forward.c). The
+        address stays valid until close()."""
+        if self._view is None:
+            self._view = (ctypes.c_char * len(self._map)).from_buffer(self._map)
+        engines = len(self._map) // RECORD.size
+        return ctypes.addressof(self._view), engines, self.slot, self.share
 
     def set_backlog(self, prompts: int) -> None:
         """A prefill engine: how many prompts are queued or being prefilled now."""
@@ -132,4 +143,5 @@ class CoreShare:
         RECORD.pack_into(self._map, off, last_end, computing, self.share, self._backlog, 0)
 
     def close(self) -> None:
+        self._view = None  # NOTE: an exported buffer would keep the mapping from closing
         self._map.close()

@@ -108,6 +108,15 @@ class TorchAttention:
             out[tok] = self._extend(q[tok], kc[slots], vc[slots], window)
         return out.reshape(q.shape[0], -1)
 
+    def decode_keys(
+        self, batch: ForwardBatch, windows: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A prepared pure decode step's keys, as the native kernel reads them: slots
+        [B, Lmax] int64 and, per window, bounds [B, 2] (model/native_forward.py)."""
+        plan = batch.attn_plan
+        assert isinstance(plan, _Plan) and not plan.extends, "a prepared decode step"
+        return plan.decode_slots, [plan.bounds(w) for w in windows]
+
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: _Plan, window: int
     ) -> torch.Tensor:

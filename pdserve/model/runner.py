@@ -9,7 +9,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV
-from pdserve.kernels import core_share, cpu_native, cpu_ops
+from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
 from pdserve.kernels.core_share import CoreShare
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
@@ -18,6 +18,7 @@ from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
 from pdserve.model.make import cache_root
+from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ModelRunner:
         self.cfg = cfg
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
+        self.native_forward: NativeDecodeForward | None = None  # set by warm_up_decode
         self.core_share = None  # cores lent between engines on this host (kernels/core_share)
         if cfg.core_share and cfg.device.startswith("cpu"):
             path, slot, engines = core_share.parse(cfg.core_share)
@@ -112,6 +114,18 @@ class ModelRunner:
             return
         for lin in self.model.linears():
             lin.use_native(kernel)
+        self._native_forward(Path(native_dir))
+
+    def _native_forward(self, native_dir: Path) -> None:
+        """The whole decode step as one native call, where the model fits it."""
+        if ENV.PER_CALL_DECODE.get("0") == "1":
+            return
+        kernel = cpu_forward.decode_forward(native_dir)
+        self.native_forward, why = NativeDecodeForward.build(
+            kernel, self.model, self.attn, self.core_share
+        )
+        if why is not None:
+            log.info("decode steps call their kernels one by one: %s", why)
 
     def _native_ops(self, native_dir: Path) -> None:
         ops = cpu_ops.decode_ops(native_dir)
@@ -133,9 +147,15 @@ class ModelRunner:
             self.prepare(batch)
         share = self.core_share
         if share is None:
-            return self.model.forward(batch, self.attn)
+            return self._forward(batch)
         share.apply(share.begin())  # the cores this engine owns, and idle peers'
         try:
-            return self.model.forward(batch, self.attn)
+            return self._forward(batch)
         finally:
             share.end()
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        native = self.native_forward
+        if native is not None and native.fits(batch):
+            return native(batch)
+        return self.model.forward(batch, self.attn)

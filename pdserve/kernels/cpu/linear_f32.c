@@ -33,6 +33,8 @@
 #endif
 #include <immintrin.h>
 
+#include "kernel_args.h" /* LinearArgs */
+
 #define NR 16
 
 void pd_linear_pack(const float *w, float *out, int64_t n, int64_t k_dim) {
@@ -180,13 +182,6 @@ void pd_linear_f32(const float *x, const float *packed, const float *bias, float
         }
     }
 }
-
-/* pd_linear_f32's arguments for a thread pool (par.c): one struct, panels [lo, hi). */
-typedef struct {
-    const float *x, *packed, *bias;
-    float *y;
-    int64_t m, n, k_dim;
-} LinearArgs;
 
 void pd_linear_f32_range(const void *args, int64_t lo, int64_t hi) {
     const LinearArgs *a = args;

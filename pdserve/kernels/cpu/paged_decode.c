@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "exp_poly.h"
+#include "kernel_args.h" /* PagedDecodeArgs */
 
 #define BLOCK 32
 #define LANES 8
@@ -341,21 +342,6 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
     }
     return 0;
 }
-
-/* pd_paged_decode_f32's arguments for a thread pool (par.c): requests [lo, hi). Every
-   part checks the same shape limits, so `status` ends the same whichever writes it. */
-typedef struct {
-    const float *q;
-    int64_t q_stride;
-    const float *k_pool, *v_pool;
-    const int64_t *slots;
-    int64_t slot_stride;
-    const int64_t *bounds;
-    int64_t h, kh, d;
-    float scale;
-    float *out;
-    int32_t status;
-} PagedDecodeArgs;
 
 void pd_paged_decode_range(const void *args, int64_t lo, int64_t hi) {
     const PagedDecodeArgs *a = args;

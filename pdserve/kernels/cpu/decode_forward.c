@@ -1,0 +1,179 @@
+/* A Llama-family decode forward in one call: embedding -> layers -> final norm -> head.
+ *
+ * Why: the same step issued from Python is ~10 kernel calls per layer, each a ctypes
+ * call that drops and re-takes the GIL. The decode's scheduler thread (which prepares
+ * step N+1 while step N runs) then waits for the GIL at every one of them, so the
+ * overlap gained nothing on CPU, and each call's Python costs 5-20 us. Here the whole
+ * forward is one ctypes call: the GIL is free for its length.
+ *
+ * It computes nothing itself: it calls the same kernels the per-call path calls
+ * (linear_f32.c, paged_decode.c, decode_ops.c, par.c), through function pointers the
+ * caller takes from those libraries, in the same order on the same buffers' shapes. So
+ * its logits equal the per-call path's bit for bit (tests/test_decode_forward.py).
+ *
+ * One token per request, B requests; per layer (x, h, delta [B, hidden]):
+ *
+ *     x = norm(h += delta)            input norm (no delta before layer 0)
+ *     qkv = x @ Wqkv^T + b            [B, (H + 2 KH) D]; q, k rotated in place
+ *     pool[out_slot] = k, v           then attention over the pool -> attn [B, H D]
+ *     delta = attn @ Wo^T
+ *     x = norm(h += delta)            post-attention norm
+ *     delta = silu(gate) * up @ Wdown^T
+ *
+ * then logits = norm(h += delta) @ Whead^T. Ids, positions and slots are checked before
+ * anything is written (status 1, 2, 3); a shape the attention does not take is status
+ * 4 (the pool may hold this step's first layer's K/V then: slots the step owns).
+ *
+ * Threads: a projection splits its panels, the attention its requests, over
+ * threads_now() parts on par.c's workers; the elementwise passes run on this thread.
+ * With a core share (kernels/core_share.py) the count is read before every split from
+ * the shared records, as the per-call path does. */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernel_args.h"
+
+#define MAX_WINDOWS 4 /* distinct attention windows a model may have (0: full) */
+
+typedef int (*par_fn)(pd_range_fn, const void *, int64_t, int);
+typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t, float);
+typedef void (*silu_fn)(const float *, float *, int64_t, int64_t);
+typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t, int64_t,
+                        int64_t);
+typedef int (*kv_fn)(float *, float *, int64_t, const int64_t *, const float *, int64_t,
+                     const float *, int64_t, int64_t, int64_t);
+
+typedef struct { /* a projection: weights in 16-column panels (linear_f32.c) */
+    const float *packed, *bias; /* bias padded to whole panels, or NULL */
+    int64_t n, k_dim, panels;
+} Proj;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    Proj qkv, o, gate_up, down;
+    float *k_pool, *v_pool; /* this layer's [num_slots, KH, D] */
+    int64_t window;         /* index into DecodePlan.bounds */
+} DecodeLayer;
+
+typedef struct {
+    /* kernels */
+    pd_range_fn linear, attend;
+    par_fn par_run; /* NULL: every part on this thread */
+    norm_fn norm;
+    silu_fn silu_mul;
+    rope_fn rope;
+    kv_fn kv_write;
+    /* the model */
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, num_slots, max_pos;
+    float eps, scale;
+    const float *embed;     /* [vocab, hidden] */
+    const float *cos, *sin; /* [max_pos, D] rope tables (sin's first half negated) */
+    const float *final_norm;
+    Proj head;
+    const DecodeLayer *layer;
+    /* threads: `threads`, or with `share` (core_share.py's records, 24 bytes each) own
+     * share plus the shares of peers not computing now */
+    int64_t threads;
+    const uint8_t *share;
+    int64_t share_engines, share_slot, share_own;
+    /* the step */
+    int64_t b;
+    const int64_t *ids, *positions, *out_slots; /* [B] */
+    const int64_t *slots;                       /* [B, slot_stride] the keys' slots */
+    int64_t slot_stride;
+    const int64_t *bounds[MAX_WINDOWS];         /* [B, 2] (first key, keys) per window */
+    float *scratch;                             /* scratch_floats(B) floats */
+    float *logits;                              /* [B, vocab] */
+    int32_t status;
+} DecodePlan;
+
+static int64_t threads_now(const DecodePlan *p) {
+    if (!p->share) return p->threads;
+    int64_t t = p->share_own;
+    for (int64_t e = 0; e < p->share_engines; e++) {
+        if (e == p->share_slot) continue;
+        const uint8_t *rec = p->share + 24 * e; /* f64 last_end, i32 computing, i32 share */
+        int32_t computing = __atomic_load_n((const int32_t *)(rec + 8), __ATOMIC_RELAXED);
+        int32_t share = __atomic_load_n((const int32_t *)(rec + 12), __ATOMIC_RELAXED);
+        if (!computing) t += share;
+    }
+    return t;
+}
+
+static void split(const DecodePlan *p, pd_range_fn fn, const void *args, int64_t n) {
+    int64_t parts = threads_now(p);
+    parts = parts < n ? parts : n;
+    if (p->par_run == NULL || parts <= 1)
+        fn(args, 0, n);
+    else
+        p->par_run(fn, args, n, (int)parts);
+}
+
+static void project(const DecodePlan *p, const Proj *w, const float *x, float *y) {
+    LinearArgs a = {x, w->packed, w->bias, y, p->b, w->n, w->k_dim};
+    split(p, p->linear, &a, w->panels);
+}
+
+static int64_t qkv_width(const DecodePlan *p) {
+    return (p->heads + 2 * p->kv_heads) * p->head_dim;
+}
+
+/* Floats of scratch a step of b requests needs (the caller allocates them). */
+int64_t pd_decode_scratch_floats(const DecodePlan *p, int64_t b) {
+    return b * (3 * p->hidden + qkv_width(p) + p->heads * p->head_dim + 3 * p->inter);
+}
+
+static int32_t check_inputs(const DecodePlan *p) {
+    for (int64_t i = 0; i < p->b; i++) {
+        if (p->ids[i] < 0 || p->ids[i] >= p->vocab) return 1;
+        if (p->positions[i] < 0 || p->positions[i] >= p->max_pos) return 2;
+        if (p->out_slots[i] < 0 || p->out_slots[i] >= p->num_slots) return 3;
+    }
+    return 0;
+}
+
+/* One layer's attention sublayer: x -> delta (qkv and attn are scratch). */
+static int32_t attention(const DecodePlan *p, const DecodeLayer *w, const float *x, float *qkv,
+                         float *attn, float *delta) {
+    int64_t d = p->head_dim, ld = qkv_width(p), q_size = p->heads * d, kv = p->kv_heads * d;
+    project(p, &w->qkv, x, qkv);
+    for (int64_t i = 0; i < p->b; i++) { /* q and k side by side: one rotation */
+        int64_t pos = p->positions[i];
+        p->rope(qkv + i * ld, ld, p->cos + pos * d, p->sin + pos * d, 1, p->heads + p->kv_heads,
+                d);
+    }
+    const float *k = qkv + q_size, *v = qkv + q_size + kv;
+    if (p->kv_write(w->k_pool, w->v_pool, p->num_slots, p->out_slots, k, ld, v, ld, p->b, kv))
+        return 3;
+    PagedDecodeArgs a = {qkv, ld, w->k_pool, w->v_pool, p->slots, p->slot_stride,
+                         p->bounds[w->window], p->heads, p->kv_heads, d, p->scale, attn, 0};
+    split(p, p->attend, &a, p->b);
+    if (a.status) return 4;
+    project(p, &w->o, attn, delta);
+    return 0;
+}
+
+/* The forward of plan->b requests into plan->logits; returns plan->status (0: done). */
+int pd_decode_forward(DecodePlan *p) {
+    int64_t b = p->b, hd = p->hidden;
+    p->status = check_inputs(p);
+    if (p->status || b == 0) return p->status;
+    float *h = p->scratch, *x = h + b * hd, *delta = x + b * hd, *qkv = delta + b * hd;
+    float *attn = qkv + b * qkv_width(p), *gu = attn + b * p->heads * p->head_dim;
+    float *act = gu + 2 * b * p->inter;
+    for (int64_t i = 0; i < b; i++)
+        memcpy(h + i * hd, p->embed + p->ids[i] * hd, (size_t)hd * sizeof(float));
+    for (int64_t l = 0; l < p->layers; l++) {
+        const DecodeLayer *w = &p->layer[l];
+        p->norm(h, l ? delta : NULL, w->input_norm, x, b, hd, p->eps);
+        p->status = attention(p, w, x, qkv, attn, delta);
+        if (p->status) return p->status;
+        p->norm(h, delta, w->post_norm, x, b, hd, p->eps);
+        project(p, &w->gate_up, x, gu);
+        p->silu_mul(gu, act, b, p->inter);
+        project(p, &w->down, act, delta);
+    }
+    p->norm(h, p->layers ? delta : NULL, p->final_norm, x, b, hd, p->eps);
+    project(p, &p->head, x, p->logits);
+    return 0;
+}

@@ -1,0 +1,112 @@
+"""kernels/cpu/decode_forward.c: a whole decode forward in one ctypes call (fp32, CPU).
+
+The C side computes nothing itself: it calls the kernels the per-call path uses
+(linear_f32.c, paged_decode.c, decode_ops.c, par.c), taken here from their loaded
+libraries as function pointers. One ctypes call releases the GIL for the whole forward,
+so the decode's scheduler thread runs its Python while the step computes.
+
+This module knows the C structs and the libraries, not the model: model/native_forward.py
+fills a `DecodePlan` from a model's weights and a step's batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.cpu_native import load
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+MAX_WINDOWS = 4  # decode_forward.c MAX_WINDOWS
+
+
+class Proj(ctypes.Structure):  # decode_forward.c Proj
+    _fields_ = [("packed", _ptr), ("bias", _ptr), ("n", _i64), ("k_dim", _i64), ("panels", _i64)]
+
+
+class DecodeLayer(ctypes.Structure):  # decode_forward.c DecodeLayer
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Proj), ("o", Proj),
+                ("gate_up", Proj), ("down", Proj), ("k_pool", _ptr), ("v_pool", _ptr),
+                ("window", _i64)]  # fmt: skip
+
+
+class DecodePlan(ctypes.Structure):  # decode_forward.c DecodePlan
+    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
+                ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
+                ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
+                ("max_pos", _i64), ("eps", _f32), ("scale", _f32),
+                ("embed", _ptr), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+                ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
+                ("threads", _i64), ("share", _ptr), ("share_engines", _i64),
+                ("share_slot", _i64), ("share_own", _i64),
+                ("b", _i64), ("ids", _ptr), ("positions", _ptr), ("out_slots", _ptr),
+                ("slots", _ptr), ("slot_stride", _i64), ("bounds", _ptr * MAX_WINDOWS),
+                ("scratch", _ptr), ("logits", _ptr), ("status", _i32)]  # fmt: skip
+
+
+# pd_decode_forward's status -> what was wrong (nothing computed, except 4: see the C)
+STATUS = {
+    1: "a token id outside the vocabulary",
+    2: "a position beyond the rotary tables (max_context)",
+    3: "a KV slot outside the pool",
+    4: "an attention shape the native kernel does not take",
+}
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(lib[name], _ptr).value or 0
+
+
+class DecodeForward:
+    """The loaded decode_forward library with the kernel pointers it calls."""
+
+    def __init__(self, libs: dict[str, ctypes.CDLL], par: ctypes.CDLL | None) -> None:
+        lib = libs["decode_forward"]
+        self._run = lib.pd_decode_forward
+        self._run.restype, self._run.argtypes = ctypes.c_int, [ctypes.POINTER(DecodePlan)]
+        self._scratch = lib.pd_decode_scratch_floats
+        self._scratch.restype, self._scratch.argtypes = _i64, [ctypes.POINTER(DecodePlan), _i64]
+        ops, self._libs = libs["decode_ops"], libs  # the libraries stay loaded while used
+        self.kernels = {
+            "linear": _address(libs["linear_f32"], "pd_linear_f32_range"),
+            "attend": _address(libs["paged_decode"], "pd_paged_decode_range"),
+            "par_run": 0 if par is None else _address(par, "pd_par_run"),
+            "norm": _address(ops, "pd_add_rms_norm"),
+            "silu_mul": _address(ops, "pd_silu_mul"),
+            "rope": _address(ops, "pd_rope"),
+            "kv_write": _address(ops, "pd_kv_write"),
+        }
+
+    def plan(self) -> DecodePlan:
+        """A zeroed plan with the kernel pointers filled in."""
+        p = DecodePlan()
+        for name, addr in self.kernels.items():
+            setattr(p, name, addr)
+        return p
+
+    def scratch_floats(self, plan: DecodePlan, b: int) -> int:
+        return int(self._scratch(ctypes.byref(plan), b))
+
+    def __call__(self, plan: DecodePlan) -> None:
+        """Runs plan.b requests into plan.logits; ValueError (STATUS) when an input was
+        out of range."""
+        rc = self._run(ctypes.byref(plan))
+        if rc:
+            raise ValueError(f"decode_forward: {STATUS.get(rc, f'status {rc}')}")
+
+
+def decode_forward(cache_dir: Path) -> DecodeForward | None:
+    """None when any of the libraries it calls is not built (no compiler, no AVX2)."""
+    names = ("decode_forward", "linear_f32", "paged_decode", "decode_ops")
+    libs = {name: load(name, cache_dir) for name in names}
+    if any(lib is None for lib in libs.values()):
+        return None
+    return DecodeForward({k: v for k, v in libs.items() if v is not None}, load("par", cache_dir))
+
+
+def float_ptr(t: torch.Tensor | None) -> int:
+    """A tensor's data address for the plan (0 for None); the caller keeps it alive."""
+    return 0 if t is None else t.data_ptr()

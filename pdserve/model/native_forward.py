@@ -1,0 +1,134 @@
+"""A decode engine's forward as one native call (kernels/cpu_forward.py), where it fits.
+
+`NativeDecodeForward.build` binds a model's weights, its KV pool and the rotary tables
+into a plan once (a decode runner's warm-up); each pure decode step then fills in the
+step's inputs and makes one ctypes call. It fits when the decode runs entirely on the
+native kernels already (fp32 on the CPU, every projection on the native linear, the
+native norms and decode attention) with SiLU and no q/k norm; otherwise `build` says
+why not and the per-call path (LlamaModel.forward) runs, with the same results.
+
+The per-call path computes the same values with the same kernels in the same order:
+the logits are equal bit for bit (tests/test_decode_forward.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.core_share import CoreShare
+from pdserve.kernels.cpu_forward import (
+    MAX_WINDOWS,
+    DecodeForward,
+    DecodeLayer,
+    Proj,
+    float_ptr,
+)
+from pdserve.model.attention import TorchAttention
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.linear import Linear
+from pdserve.model.llama import LlamaModel
+from pdserve.model.ops import NativeOps
+
+
+def refusal(model: LlamaModel, attn: object) -> str | None:
+    """Why `model` cannot run its decode natively (None: it can)."""
+    a = model.arch
+    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
+        return "not fp32 on the CPU"
+    if not isinstance(model.ops, NativeOps) or model.act is not F.silu:
+        return "the native norms are off or the activation is not SiLU"
+    if not all(lin.native is not None for lin in model.linears()):
+        return "a projection is not on the native linear"
+    if not isinstance(attn, TorchAttention) or not attn.native:
+        return "the native decode attention is off"
+    if a.qk_norm:
+        return "q/k norms (Qwen3) are not in the native forward"
+    if len(set(_windows(attn, a.num_layers))) > MAX_WINDOWS:
+        return f"more than {MAX_WINDOWS} distinct attention windows"
+    return None
+
+
+def _windows(attn: TorchAttention, layers: int) -> list[int]:
+    """Each layer's window (0: full attention)."""
+    return [attn.windows[i] if i < len(attn.windows) else 0 for i in range(layers)]
+
+
+def _proj(lin: Linear) -> Proj:
+    return Proj(float_ptr(lin.weight), float_ptr(lin.bias), lin.out_features,
+                lin.in_features, lin.weight.shape[0])  # fmt: skip
+
+
+class NativeDecodeForward:
+    def __init__(
+        self,
+        kernel: DecodeForward,
+        model: LlamaModel,
+        attn: TorchAttention,
+        share: CoreShare | None,
+    ) -> None:
+        """Precondition: refusal(model, attn) is None."""
+        a, pool = model.arch, attn.pool
+        self.kernel, self.model, self.attn = kernel, model, attn
+        self.windows = sorted(set(_windows(attn, a.num_layers)))
+        layers = (DecodeLayer * a.num_layers)()
+        for i, w in enumerate(model.layers):
+            layers[i] = DecodeLayer(
+                float_ptr(w.input_norm), float_ptr(w.post_norm), _proj(w.qkv), _proj(w.o),
+                _proj(w.gate_up), _proj(w.down), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
+                self.windows.index(_windows(attn, a.num_layers)[i]),
+            )  # fmt: skip
+        self._layers = layers  # NOTE: the plan points into it: kept alive with the plan
+        p = self.plan = kernel.plan()
+        p.layers, p.hidden, p.inter = a.num_layers, a.hidden_size, a.intermediate_size
+        p.heads, p.kv_heads, p.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        p.vocab = a.vocab_size
+        p.num_slots, p.max_pos = pool.k.shape[1], model.rope.cos.shape[0]
+        p.eps, p.scale = a.rms_norm_eps, attn.scale
+        p.embed, p.final_norm = float_ptr(model.embed), float_ptr(model.norm)
+        p.cos, p.sin = float_ptr(model.rope.cos), float_ptr(model.rope.sin_signed)
+        p.head, p.layer = _proj(model.lm_head), layers
+        if share is not None:
+            p.share, p.share_engines, p.share_slot, p.share_own = share.records()
+        self._scratch = torch.empty(0)
+
+    @classmethod
+    def build(
+        cls, kernel: DecodeForward | None, model: LlamaModel, attn: object, share: CoreShare | None
+    ) -> tuple[NativeDecodeForward | None, str | None]:
+        """(the forward, None), or (None, why not)."""
+        why = "the native decode forward was not built" if kernel is None else refusal(model, attn)
+        if why is not None or kernel is None or not isinstance(attn, TorchAttention):
+            return None, why
+        return cls(kernel, model, attn, share), None
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """A pure decode step (one token per request), prepared."""
+        return batch.is_decode and batch.attn_plan is not None
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] of a prepared pure decode step (fits(batch))."""
+        p, b = self.plan, batch.batch_size
+        ids, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
+        slots = batch.out_cache_loc.contiguous()
+        for t in (ids, positions, slots):
+            assert t.dtype == torch.int64 and t.shape == (b,), "decode inputs: [B] int64"
+        keys, bounds = self.attn.decode_keys(batch, self.windows)
+        assert keys.dtype == torch.int64 and keys.stride(1) == 1 and keys.shape[0] == b
+        logits = torch.empty(b, self.model.arch.vocab_size, dtype=torch.float32)
+        p.b, p.threads = b, torch.get_num_threads()
+        p.ids, p.positions, p.out_slots = ids.data_ptr(), positions.data_ptr(), slots.data_ptr()
+        p.slots, p.slot_stride = keys.data_ptr(), keys.stride(0)
+        for i, t in enumerate(bounds):
+            p.bounds[i] = t.data_ptr()
+        p.scratch, p.logits = self._scratch_for(b), logits.data_ptr()
+        self.kernel(p)  # NOTE: every tensor the plan points at is alive until it returns
+        return logits
+
+    def _scratch_for(self, b: int) -> int:
+        """The scratch for b requests (grown, never shrunk; one step at a time uses it)."""
+        need = self.kernel.scratch_floats(self.plan, b)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        return self._scratch.data_ptr()
