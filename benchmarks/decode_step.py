@@ -6,7 +6,8 @@ forward, sample, publish) and reports the share of each part:
 
     scheduler  build_batch + ModelRunner.prepare (host side, index tensors, attention plan)
     futuremap  resolve + publish
-    attention  the attention backend's forward, summed over layers (KV write included)
+    attention  the attention backend's forward, summed over layers (KV write included);
+               per-call path only (inside the one native call it is not timed apart)
     sampling   sample() on the logits
     floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), every
                weight streamed once, the fastest of three measured side by side: torch.mm
@@ -19,8 +20,14 @@ forward, sample, publish) and reports the share of each part:
     ratio      step / floor: medians over reps that alternate a step and each floor,
                so the machine's noisy stretches fall on both sides
 
+Each case runs on both forward paths of a CPU decode engine (--paths):
+
+    native     the whole forward as one native call (model/native_forward.py), what a
+               decode engine runs where the model fits it
+    per-call   the same kernels called one by one from Python (PDSERVE_PER_CALL_DECODE=1)
+
     python benchmarks/decode_step.py [--model DIR] [--batch 1 8 32 64] [--context 128 1024]
-        [--threads 1 2] [--quick] [--json]
+        [--threads 1 2] [--paths native per-call] [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -143,10 +150,16 @@ def floor_fns(runner: ModelRunner, batch: int) -> list[Callable[[], None]]:
     return [mm, prepacked, served]
 
 
-def measure(model: str, batch: int, context: int, threads: int, reps: int, compile_: bool) -> dict:
+def measure(
+    model: str, batch: int, context: int, threads: int, reps: int, compile_: bool, path: str
+) -> dict:
     torch.set_num_threads(threads)
     runner = make_runner(model, batch, context, compile_)
     runner.warm_up_decode()  # as the decode engine does at start-up (builds the native kernel)
+    if path == "per-call":
+        runner.native_forward = None
+    elif runner.native_forward is None:
+        path = "per-call (native n/a)"
     timed = TimedAttention(runner.attn)
     runner.attn = timed  # type: ignore[assignment]
     future = FutureMap(runner.cfg.max_rows)
@@ -174,17 +187,17 @@ def measure(model: str, batch: int, context: int, threads: int, reps: int, compi
     floor = min(medians.values())
     step = statistics.median(steps)
     mean_step = t["step"] / reps
-    row = {"batch": batch, "context": context, "threads": threads}
+    row = {"batch": batch, "context": context, "threads": threads, "path": path}
     row.update({"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio": step / floor})
     row.update({f"floor_{k}_ms": v * 1e3 for k, v in medians.items()})
     row["onednn_over_own"] = medians["onednn"] / medians["own"]
     parts = {
-        "attention": timed.seconds / reps,
+        "attention": timed.seconds / reps if timed.seconds else None,
         "sampling": t["sampling"] / reps,
         "futuremap": t["futuremap"] / reps,
         "scheduler": t["scheduler"] / reps,
     }
-    row.update({f"{k}_share": v / mean_step for k, v in parts.items()})
+    row.update({f"{k}_share": None if v is None else v / mean_step for k, v in parts.items()})
     return row
 
 
@@ -199,6 +212,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--disable-compile", action="store_true",
                     help="the portable torch decode attention, as the server's flag")  # fmt: skip
+    ap.add_argument("--paths", nargs="+", default=["native", "per-call"],
+                    choices=["native", "per-call"], help="forward paths to time")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 128, 1 thread")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -206,10 +221,11 @@ def main() -> None:
         args.batch, args.context, args.threads, args.reps = [8, 64], [128], [1], 8
     model = args.model or str(default_model_path("bench"))
     rows = [
-        measure(model, b, c, n, args.reps, not args.disable_compile)
+        measure(model, b, c, n, args.reps, not args.disable_compile, path)
         for n in args.threads
         for c in args.context
         for b in args.batch
+        for path in args.paths
     ]
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
     if args.json:
@@ -217,14 +233,15 @@ def main() -> None:
         return
     attn = "torch (gather)" if args.disable_compile else "native"
     print(f"model {model}  loadavg {' '.join(load)}  torch {torch.__version__}  attention {attn}")
-    head = f"{'thr':>3} {'ctx':>5} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6}"
+    head = f"{'path':>9} {'thr':>3} {'ctx':>5} {'batch':>5} {'step ms':>8} {'floor ms':>8}"
+    head += f" {'ratio':>6}"
     print(head + f" {'attn':>6} {'sample':>6} {'future':>6} {'sched':>6} {'onednn/own':>10}")
     for r in rows:
         shares = [r[f"{k}_share"] for k in ("attention", "sampling", "futuremap", "scheduler")]
         print(
-            f"{r['threads']:>3} {r['context']:>5} {r['batch']:>5} {r['step_ms']:>8.2f} "
+            f"{r['path']:>9} {r['threads']:>3} {r['context']:>5} {r['batch']:>5} {r['step_ms']:>8.2f} "
             f"{r['floor_ms']:>8.2f} {r['ratio']:>6.2f} "
-            + " ".join(f"{s:>6.1%}" for s in shares)
+            + " ".join(f"{'-':>6}" if s is None else f"{s:>6.1%}" for s in shares)
             + f" {r['onednn_over_own']:>10.2f}"
         )
 

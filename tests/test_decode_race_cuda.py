@@ -18,7 +18,6 @@ import torch
 import tests.test_decode_race as race
 from pdserve.config import EngineConfig
 from pdserve.protocol import EngineRequest
-from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode_step import StepResult
 from tests.conftest import hf_greedy
 
@@ -34,15 +33,15 @@ def _run_race_cuda(model, monkeypatch, fence: bool) -> tuple[list[int], bool]:
     held = []
 
     def delay_redundant_publish(step: StepResult) -> None:
-        if any(i >= r.params.max_tokens for r, i in zip(step.reqs, step.out_index)):
+        if race.is_redundant(step):
             held.append(True)
             torch.cuda._sleep(SLEEP_CYCLES)  # on the forward stream: delays the publish
 
     decode.forward_hook = delay_redundant_publish
     if not fence:
         decode.schedule_stream.wait_stream = lambda other: None  # type: ignore[method-assign]
-    for rid, prompt, n in (("x", race.X_PROMPT, race.X_TOKENS), ("y", race.Y_PROMPT, race.Y_TOKENS)):  # fmt: skip
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for rid, prompt in (("x", race.X_PROMPT), ("y", race.Y_PROMPT)):
+        params = race.params_of(model, rid)
         er = EngineRequest(rid=rid, input_ids=prompt, params=params, room=hash(rid) & 0xFFFF)
         prefill.add_request(er)
         decode.add_request(er)

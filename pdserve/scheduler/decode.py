@@ -193,7 +193,12 @@ class DecodeEngine:
         room = self.cfg.scheduler.max_running_requests - len(self.running)
         new = self.get_new_prebuilt_batch(room)
         self.running.extend(r for r in new if not r.finished)
-        return list(self.running)
+        # A request whose launched steps already yield max_tokens outputs (the prefill's
+        # token and one per step) needs no further step: its last token is in flight, and
+        # one more would be a redundant forward of its row. It stays in `running` until
+        # that token is processed. Only requests that end on a token (stop, EOS) still
+        # run a redundant step, unknown until their tokens reach the host.
+        return [r for r in self.running if r.launched_steps + 1 < r.params.max_tokens]
 
     def get_new_prebuilt_batch(self, room: int) -> list[Req]:
         take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
