@@ -96,6 +96,10 @@ class EngineConfig:
     # "PATH:SLOT:ENGINES": borrow idle peer engines' cores on this host (kernels/core_share.py);
     # `pdserve up` sets it when it chooses the thread counts
     core_share: str = ""
+    # added to the engine process's niceness at start (os.nice; 0: unchanged). `pdserve up`
+    # gives a decode that shares its host with a prefill DECODE_NICE: the prefill, whose
+    # step holds back first tokens, then wins the contended core (launch.py)
+    nice: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -84,6 +84,36 @@ def test_launcher_gives_each_engine_its_slot(tmp_path) -> None:
     )  # the user's choice stands: no sharing
 
 
+def test_a_decode_sharing_the_host_with_a_prefill_runs_nicer() -> None:
+    from pdserve.server import launch
+
+    shared = ["--num-threads", "1", "--core-share", "f:1:2"]
+    nicer = launch._decode_nice(shared, prefills=1)
+    assert nicer == [*shared, "--nice", str(launch.DECODE_NICE)]
+    assert launch._decode_nice(shared, prefills=0) == shared  # no prefill beside it
+    assert launch._decode_nice(["--num-threads", "3"], prefills=1) == ["--num-threads", "3"]
+    own = [*shared, "--nice", "0"]
+    assert launch._decode_nice(own, prefills=1) == own  # the user's choice stands
+
+
+def test_the_engine_process_takes_its_niceness(monkeypatch, tmp_path) -> None:
+    from pdserve import protocol as P
+    from pdserve.config import EngineConfig, TransferConfig
+    from pdserve.scheduler import engine_proc
+
+    calls: list[int] = []
+    monkeypatch.setattr(engine_proc.os, "nice", calls.append)
+
+    def no_engine(*_: object) -> object:
+        raise RuntimeError("stop here")  # serve reports it and returns 1
+
+    monkeypatch.setattr(engine_proc, "_report_error", lambda *_: None)
+    spec = P.EngineSpec(role="decode", engine=EngineConfig(model_path="m", nice=7),
+                        transfer=TransferConfig())  # fmt: skip
+    assert engine_proc.serve(spec, str(tmp_path), build=no_engine) == 1
+    assert calls == [7]
+
+
 def test_children_sleep_between_parallel_regions_unless_told_otherwise() -> None:
     from pdserve.server import launch
 

@@ -137,6 +137,8 @@ def _default_builder() -> EngineBuilder:
 
 def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) -> int:
     build = build or _default_builder()
+    if spec.engine.nice:
+        os.nice(spec.engine.nice)  # the whole process: its threads inherit it
     keep_freed_memory()  # before the transfer's sockets and the model's buffers exist
     ctx = zmq.Context()
     try:

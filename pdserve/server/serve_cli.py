@@ -55,6 +55,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "num_threads",
         "torch threads of the engine (0: all cores)",
     )
+    _flag(
+        g,
+        "--nice",
+        EngineConfig,
+        "nice",
+        "add N to the engine process's niceness (pdserve up: 10 for a decode sharing its "
+        "host with a prefill, so the prefill's steps win the contended core)",
+    )
     _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
     _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
     _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
@@ -217,7 +225,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
         num_threads=args.num_threads, compile=not args.disable_compile,
-        core_share=args.core_share,
+        core_share=args.core_share, nice=args.nice,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           max_context=args.max_context),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
