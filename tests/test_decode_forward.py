@@ -1,9 +1,9 @@
 """The whole decode forward in one native call (kernels/cpu/decode_forward.c through
 model/native_forward.py) gives the per-call path's logits bit for bit, over batch sizes,
-thread counts, ragged contexts and sliding windows, for Llama and Qwen2 (q/k/v bias,
-tied head); it refuses out-of-range inputs before writing anything; an engine running
-it produces transformers' greedy tokens; models it does not cover keep the per-call
-path, saying why."""
+thread counts, ragged contexts and sliding windows, for Llama, Qwen2 (q/k/v bias, tied
+head) and Qwen3 (q/k norms); it refuses out-of-range inputs before writing anything; an
+engine running it produces transformers' greedy tokens; models it does not cover keep
+the per-call path, saying why."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _both(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch
     return per_call, native(batch)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 2], [40] * 8, list(range(1, 18))])
 def test_logits_equal_the_per_call_path(monkeypatch, preset, threads, lens) -> None:
@@ -131,13 +131,14 @@ def test_bad_inputs_are_refused_before_anything_is_written(
     assert torch.equal(runner.kv_pool.k, k) and torch.equal(runner.kv_pool.v, v)
 
 
-def test_an_engine_on_it_matches_transformers(monkeypatch) -> None:
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+def test_an_engine_on_it_matches_transformers(monkeypatch, preset) -> None:
     from pdserve.llm import LLM
 
     if cpu_native.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
-    path = model_path("tiny-qwen2")
+    path = model_path(preset)
     llm = LLM(str(path))
     try:
         if llm.decode.runner.native_forward is None:
@@ -150,15 +151,22 @@ def test_an_engine_on_it_matches_transformers(monkeypatch) -> None:
     assert got == [hf_greedy(path, p, 12) for p in prompts]
 
 
-def test_qwen3_keeps_the_per_call_path_and_says_why(monkeypatch, caplog) -> None:
+def test_a_model_it_does_not_cover_keeps_the_per_call_path_and_says_why(
+    monkeypatch, caplog
+) -> None:
+    import torch.nn.functional as F
+
+    from pdserve.model import activations
+
     if cpu_native.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
+    monkeypatch.setitem(activations.ACTIVATIONS, "silu", F.gelu)  # not the native SiLU
     caplog.set_level(logging.INFO)
-    runner = ModelRunner(EngineConfig(model_path=str(model_path("tiny-qwen3"))))
+    runner = ModelRunner(EngineConfig(model_path=str(model_path("tiny"))))
     runner.warm_up_decode()
     assert runner.native_forward is None
-    assert "q/k norms" in caplog.text
+    assert "activation is not SiLU" in caplog.text
 
 
 def test_the_switch_turns_it_off(monkeypatch) -> None:

@@ -31,6 +31,18 @@ def native(tmp_path_factory) -> NativeOps:
 REF = TorchOps()
 
 
+@pytest.mark.parametrize(("t", "heads", "d"), [(1, 2, 64), (3, 6, 128), (17, 3, 37)])
+def test_head_norm_of_strided_rows_in_place(native, t, heads, d) -> None:
+    qkv = torch.randn(t, heads * d + 11)  # heads side by side, rows strided, as in qkv
+    x, w = qkv[:, : heads * d].view(t, heads, d), torch.randn(d)
+    want = REF.head_norm(x.clone(), w, 1e-6)
+    rest = qkv[:, heads * d :].clone()
+    got = native.head_norm(x, w, 1e-6)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads * d :], rest)  # nothing past the heads touched
+
+
 @pytest.mark.parametrize(("t", "n"), [(1, 8), (3, 64), (8, 512), (5, 37), (64, 896)])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_norm(native, t, n, with_delta) -> None:

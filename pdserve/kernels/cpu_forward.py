@@ -27,14 +27,15 @@ class Proj(ctypes.Structure):  # decode_forward.c Proj
 
 
 class DecodeLayer(ctypes.Structure):  # decode_forward.c DecodeLayer
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Proj), ("o", Proj),
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("qkv", Proj), ("o", Proj),
                 ("gate_up", Proj), ("down", Proj), ("k_pool", _ptr), ("v_pool", _ptr),
                 ("window", _i64)]  # fmt: skip
 
 
 class DecodePlan(ctypes.Structure):  # decode_forward.c DecodePlan
     _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
-                ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
+                ("head_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
                 ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
                 ("max_pos", _i64), ("eps", _f32), ("scale", _f32),
@@ -75,6 +76,7 @@ class DecodeForward:
             "attend": _address(libs["paged_decode"], "pd_paged_decode_range"),
             "par_run": 0 if par is None else _address(par, "pd_par_run"),
             "norm": _address(ops, "pd_add_rms_norm"),
+            "head_norm": _address(ops, "pd_rms_norm_heads"),
             "silu_mul": _address(ops, "pd_silu_mul"),
             "rope": _address(ops, "pd_rope"),
             "kv_write": _address(ops, "pd_kv_write"),

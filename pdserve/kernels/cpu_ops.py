@@ -36,6 +36,7 @@ class DecodeOps:
             return f
 
         self._norm = fn("pd_add_rms_norm", _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32)
+        self._norm_heads = fn("pd_rms_norm_heads", _ptr, _i64, _ptr, _i64, _i64, _i64, _f32)
         self._silu_mul = fn("pd_silu_mul", _ptr, _ptr, _i64, _i64)
         self._rope = fn("pd_rope", _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64)
         kv_args = (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64)
@@ -59,6 +60,16 @@ class DecodeOps:
         d = 0 if delta is None else delta.data_ptr()
         self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
         return out
+
+    def rms_norm_heads_(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+        """x [T, heads, D] (heads and D contiguous, rows strided): each head's D values
+        replaced by w * rms_norm of them, in place (Qwen3's q/k norms)."""
+        t, heads, d = x.shape
+        ok = x.stride(2) == 1 and x.stride(1) == d and x.dtype == torch.float32 and x.is_cpu
+        ok = ok and w.shape == (d,) and w.is_contiguous() and w.dtype == torch.float32 and w.is_cpu
+        if not ok:
+            raise ValueError(f"decode_ops: head norm of {tuple(x.shape)} {x.stride()} by {w.shape}")
+        self._norm_heads(x.data_ptr(), x.stride(0), w.data_ptr(), t, heads, d, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""

@@ -18,7 +18,7 @@ from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.linear import Linear
-from pdserve.model.ops import TorchOps, rms_norm
+from pdserve.model.ops import TorchOps
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.state_reader import CheckpointMismatch, StateReader
 
@@ -132,10 +132,10 @@ class LlamaModel:
         qkv = w.qkv(x)
         v = qkv[:, a.q_size + a.kv_size :].view(t, a.num_kv_heads, a.head_dim)
         if w.q_norm is not None and w.k_norm is not None:
-            q = rms_norm(qkv[:, : a.q_size].view(t, h, a.head_dim), w.q_norm, a.rms_norm_eps)
+            q = ops.head_norm(qkv[:, : a.q_size].view(t, h, a.head_dim), w.q_norm, a.rms_norm_eps)
             k = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, a.num_kv_heads, a.head_dim)
             q = ops.rotate(q, rope)
-            k = ops.rotate(rms_norm(k, w.k_norm, a.rms_norm_eps), rope)
+            k = ops.rotate(ops.head_norm(k, w.k_norm, a.rms_norm_eps), rope)
         else:  # q and k sit side by side in qkv: one rotation for both
             qk = ops.rotate(qkv[:, : a.q_size + a.kv_size].view(t, h + a.num_kv_heads, -1), rope)
             q, k = qk[:, :h], qk[:, h:]

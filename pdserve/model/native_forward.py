@@ -4,8 +4,7 @@
 into a plan once (a decode runner's warm-up); each pure decode step then fills in the
 step's inputs and makes one ctypes call. It fits when the decode runs entirely on the
 native kernels already (fp32 on the CPU, every projection on the native linear, the
-native norms and decode attention) with SiLU and no q/k norm; otherwise `build` says
-why not and the per-call path (LlamaModel.forward) runs, with the same results.
+native norms and decode attention) with SiLU; otherwise `build` says why not and the per-call path (LlamaModel.forward) runs, with the same results.
 
 The per-call path computes the same values with the same kernels in the same order:
 the logits are equal bit for bit (tests/test_decode_forward.py).
@@ -42,8 +41,6 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
         return "a projection is not on the native linear"
     if not isinstance(attn, TorchAttention) or not attn.native:
         return "the native decode attention is off"
-    if a.qk_norm:
-        return "q/k norms (Qwen3) are not in the native forward"
     if len(set(_windows(attn, a.num_layers))) > MAX_WINDOWS:
         return f"more than {MAX_WINDOWS} distinct attention windows"
     return None
@@ -74,7 +71,8 @@ class NativeDecodeForward:
         layers = (DecodeLayer * a.num_layers)()
         for i, w in enumerate(model.layers):
             layers[i] = DecodeLayer(
-                float_ptr(w.input_norm), float_ptr(w.post_norm), _proj(w.qkv), _proj(w.o),
+                float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(w.q_norm),
+                float_ptr(w.k_norm), _proj(w.qkv), _proj(w.o),
                 _proj(w.gate_up), _proj(w.down), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
                 self.windows.index(_windows(attn, a.num_layers)[i]),
             )  # fmt: skip

@@ -44,6 +44,10 @@ class TorchOps:
             h = h + delta
         return h, rms_norm(h, w, eps)
 
+    def head_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, heads, D]: each head's D values rms-normed and scaled by w (q/k norms)."""
+        return rms_norm(x, w, eps)
+
     def rotate(self, x: torch.Tensor, tables: Tables) -> torch.Tensor:
         """x [T, heads, D] rotated by the rope tables of its tokens (model/rope.py)."""
         return rotate(x, tables)
@@ -70,6 +74,12 @@ class NativeOps(TorchOps):
         if h.dtype != torch.float32:
             return super().add_norm(h, delta, w, eps)
         return h, self.kernels.add_rms_norm(h, delta, w, eps)  # h += delta in place
+
+    def head_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().head_norm(x, w, eps)
+        self.kernels.rms_norm_heads_(x, w, eps)  # in place: x is a view of the fresh qkv output
+        return x
 
     def rotate(self, x: torch.Tensor, tables: Tables) -> torch.Tensor:
         if x.dtype != torch.float32:

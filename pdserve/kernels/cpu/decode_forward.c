@@ -14,7 +14,8 @@
  * One token per request, B requests; per layer (x, h, delta [B, hidden]):
  *
  *     x = norm(h += delta)            input norm (no delta before layer 0)
- *     qkv = x @ Wqkv^T + b            [B, (H + 2 KH) D]; q, k rotated in place
+ *     qkv = x @ Wqkv^T + b            [B, (H + 2 KH) D]; q, k normed per head (Qwen3)
+ *                                     and rotated in place
  *     pool[out_slot] = k, v           then attention over the pool -> attn [B, H D]
  *     delta = attn @ Wo^T
  *     x = norm(h += delta)            post-attention norm
@@ -38,6 +39,7 @@
 typedef int (*par_fn)(pd_range_fn, const void *, int64_t, int);
 typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t, float);
 typedef void (*silu_fn)(const float *, float *, int64_t, int64_t);
+typedef void (*heads_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, float);
 typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t, int64_t,
                         int64_t);
 typedef int (*kv_fn)(float *, float *, int64_t, const int64_t *, const float *, int64_t,
@@ -50,6 +52,7 @@ typedef struct { /* a projection: weights in 16-column panels (linear_f32.c) */
 
 typedef struct {
     const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm; /* [D] each, or NULL: no q/k norms (all but Qwen3) */
     Proj qkv, o, gate_up, down;
     float *k_pool, *v_pool; /* this layer's [num_slots, KH, D] */
     int64_t window;         /* index into DecodePlan.bounds */
@@ -60,6 +63,7 @@ typedef struct {
     pd_range_fn linear, attend;
     par_fn par_run; /* NULL: every part on this thread */
     norm_fn norm;
+    heads_fn head_norm;
     silu_fn silu_mul;
     rope_fn rope;
     kv_fn kv_write;
@@ -137,6 +141,10 @@ static int32_t attention(const DecodePlan *p, const DecodeLayer *w, const float 
                          float *attn, float *delta) {
     int64_t d = p->head_dim, ld = qkv_width(p), q_size = p->heads * d, kv = p->kv_heads * d;
     project(p, &w->qkv, x, qkv);
+    if (w->q_norm) { /* each head's q and k normed, then rotated (as the per-call path) */
+        p->head_norm(qkv, ld, w->q_norm, p->b, p->heads, d, p->eps);
+        p->head_norm(qkv + q_size, ld, w->k_norm, p->b, p->kv_heads, d, p->eps);
+    }
     for (int64_t i = 0; i < p->b; i++) { /* q and k side by side: one rotation */
         int64_t pos = p->positions[i];
         p->rope(qkv + i * ld, ld, p->cos + pos * d, p->sin + pos * d, 1, p->heads + p->kv_heads,

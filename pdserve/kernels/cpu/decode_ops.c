@@ -7,6 +7,8 @@
  *
  *   pd_add_rms_norm  h[r] += delta[r] (when delta is given), then
  *                    out[r] = w * (h[r] * 1 / sqrt(sum(h[r]^2) / n + eps))
+ *   pd_rms_norm_heads  x[t][head] = w * rms_norm(x[t][head]) in place, each head's D
+ *                    values a row (q/k norms, Qwen3); rows of a token ld apart
  *   pd_silu_mul      out[r][i] = silu(gu[r][i]) * gu[r][I + i]     gu = [gate | up]
  *   pd_rope          x[t][head] rotated in place (rotate-half: the pair (j, j + D/2) by
  *                    the angle of position t, tables cos[t][j], sin[t][j] with the first
@@ -32,22 +34,36 @@
 
 #define LANES 8
 
+/* o = w * (x / sqrt(mean(x^2) + eps)) for one row of n; o may be x (each value is read
+ * before it is written) */
+static void norm_row(const float *x, const float *w, float *o, int64_t n, float eps) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[i + l] * x[i + l];
+    for (int l = 0; i < n; i++, l++) acc[l] += x[i] * x[i];
+    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) o[j] = w[j] * (x[j] * inv);
+}
+
 void pd_add_rms_norm(float *h, const float *delta, const float *w, float *out, int64_t m,
                      int64_t n, float eps) {
     for (int64_t r = 0; r < m; r++) {
         float *hr = h + r * n;
         if (delta)
             for (int64_t i = 0; i < n; i++) hr[i] += delta[r * n + i];
-        float acc[LANES] = {0};
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += hr[i + l] * hr[i + l];
-        for (int l = 0; i < n; i++, l++) acc[l] += hr[i] * hr[i];
-        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        float *o = out + r * n;
-        for (int64_t j = 0; j < n; j++) o[j] = w[j] * (hr[j] * inv);
+        norm_row(hr, w, out + r * n, n, eps);
     }
+}
+
+void pd_rms_norm_heads(float *x, int64_t ld, const float *w, int64_t t, int64_t heads,
+                       int64_t d, float eps) {
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *row = x + i * ld + hd * d;
+            norm_row(row, w, row, d, eps);
+        }
 }
 
 static inline float exp_poly(float x) {
