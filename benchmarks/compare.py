@@ -171,8 +171,7 @@ def stop_server(proc: subprocess.Popen, grace: float = 20.0) -> None:
     seconds. Returns once no process of the group is left: a server's children outlive
     its leader for a while (0.3 s after SIGTERM vLLM's leader was gone and its worker
     still exiting at 95% of a core; the group was gone after 2.2 s), and the next
-    system measured must not run beside them (two 16-prompt pdserve runs that started
-    right after a vLLM run read 342 and 348 tok/s, against 387-420 otherwise)."""
+    system measured must not run beside them."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)

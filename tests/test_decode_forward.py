@@ -60,12 +60,23 @@ def _step(runner: ModelRunner, lens: list[int], seed: int) -> ForwardBatch:
 
 
 def _both(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-call logits, native logits) of one prepared step (both write the same K/V)."""
+    """(per-call logits, native logits) of one prepared step, each run on the same pool
+    as it was before the step; the K/V each path wrote must be the same too (the step's
+    attention reads this step's K/V back from the pool, so a path that skipped its write
+    would read the other's if they ran on one pool)."""
     runner.prepare(batch)
     native = runner.native_forward
     assert native is not None and native.fits(batch)
+    pool = runner.kv_pool
+    k0, v0 = pool.k.clone(), pool.v.clone()
     per_call = runner.model.forward(batch, runner.attn)
-    return per_call, native(batch)
+    k1, v1 = pool.k.clone(), pool.v.clone()
+    pool.k.copy_(k0)
+    pool.v.copy_(v0)
+    got = native(batch)
+    assert torch.equal(pool.k, k1) and torch.equal(pool.v, v1), "the paths wrote different K/V"
+    assert not torch.equal(k1, k0), "the step wrote no K"
+    return per_call, got
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
@@ -85,27 +96,17 @@ def test_logits_equal_the_per_call_path(monkeypatch, preset, threads, lens) -> N
 
 def test_sliding_windows_per_layer(monkeypatch) -> None:
     runner = _runner("tiny", monkeypatch)
-    layers = runner.arch.num_layers
+    assert runner.native_forward is not None
+    kernel, layers = runner.native_forward.kernel, runner.arch.num_layers
     runner.attn.windows = tuple(3 if i % 2 else 0 for i in range(layers))  # as Qwen2's mix
-    native, why = NativeDecodeForward.build(
-        runner.native_forward.kernel if runner.native_forward else None,
-        runner.model,
-        runner.attn,
-        None,
-    )
-    assert why is None and native is not None
-    runner.native_forward = native
+    runner.native_forward, why = NativeDecodeForward.build(kernel, runner.model, runner.attn, None)
+    assert why is None
     per_call, got = _both(runner, _step(runner, [2, 9, 30], seed=3))
     assert torch.equal(got, per_call)
     runner.attn.windows = ()  # full attention differs: the windows were used
-    full = runner.model.forward(runner_prepared(runner, [2, 9, 30]), runner.attn)
-    assert not torch.equal(full, got)
-
-
-def runner_prepared(runner: ModelRunner, lens: list[int]) -> ForwardBatch:
-    batch = _step(runner, lens, seed=3)
-    runner.prepare(batch)
-    return batch
+    full = _step(runner, [2, 9, 30], seed=3)  # the same pool and inputs again
+    runner.prepare(full)
+    assert not torch.equal(runner.model.forward(full, runner.attn), got)
 
 
 @pytest.mark.parametrize(

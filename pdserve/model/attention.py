@@ -98,7 +98,7 @@ class TorchAttention:
             self._kv_write.kv_write(kc, vc, batch.out_cache_loc, k, v)
         else:
             self.pool.write(layer, batch.out_cache_loc, k, v)
-        window = self.windows[layer] if layer < len(self.windows) else 0
+        window = self.window(layer)
         if not plan.extends:  # a decode step: token i is request i's one token
             return self._decode(q, kc, vc, plan, window).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
@@ -107,6 +107,10 @@ class TorchAttention:
         for tok, slots in plan.extends:
             out[tok] = self._extend(q[tok], kc[slots], vc[slots], window)
         return out.reshape(q.shape[0], -1)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (0: full attention)."""
+        return self.windows[layer] if layer < len(self.windows) else 0
 
     def decode_keys(
         self, batch: ForwardBatch, windows: list[int]

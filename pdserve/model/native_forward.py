@@ -4,7 +4,8 @@
 into a plan once (a decode runner's warm-up); each pure decode step then fills in the
 step's inputs and makes one ctypes call. It fits when the decode runs entirely on the
 native kernels already (fp32 on the CPU, every projection on the native linear, the
-native norms and decode attention) with SiLU; otherwise `build` says why not and the per-call path (LlamaModel.forward) runs, with the same results.
+native norms and decode attention) with SiLU; otherwise `build` says why not and the
+per-call path (LlamaModel.forward) runs, with the same results.
 
 The per-call path computes the same values with the same kernels in the same order:
 the logits are equal bit for bit (tests/test_decode_forward.py).
@@ -41,14 +42,9 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
         return "a projection is not on the native linear"
     if not isinstance(attn, TorchAttention) or not attn.native:
         return "the native decode attention is off"
-    if len(set(_windows(attn, a.num_layers))) > MAX_WINDOWS:
+    if len({attn.window(i) for i in range(a.num_layers)}) > MAX_WINDOWS:
         return f"more than {MAX_WINDOWS} distinct attention windows"
     return None
-
-
-def _windows(attn: TorchAttention, layers: int) -> list[int]:
-    """Each layer's window (0: full attention)."""
-    return [attn.windows[i] if i < len(attn.windows) else 0 for i in range(layers)]
 
 
 def _proj(lin: Linear) -> Proj:
@@ -67,14 +63,15 @@ class NativeDecodeForward:
         """Precondition: refusal(model, attn) is None."""
         a, pool = model.arch, attn.pool
         self.kernel, self.model, self.attn = kernel, model, attn
-        self.windows = sorted(set(_windows(attn, a.num_layers)))
+        per_layer = [attn.window(i) for i in range(a.num_layers)]
+        self.windows = sorted(set(per_layer))  # the plan's bounds[k] is windows[k]'s
         layers = (DecodeLayer * a.num_layers)()
         for i, w in enumerate(model.layers):
             layers[i] = DecodeLayer(
                 float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(w.q_norm),
-                float_ptr(w.k_norm), _proj(w.qkv), _proj(w.o),
-                _proj(w.gate_up), _proj(w.down), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
-                self.windows.index(_windows(attn, a.num_layers)[i]),
+                float_ptr(w.k_norm), _proj(w.qkv), _proj(w.o), _proj(w.gate_up),
+                _proj(w.down), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
+                self.windows.index(per_layer[i]),
             )  # fmt: skip
         self._layers = layers  # NOTE: the plan points into it: kept alive with the plan
         p = self.plan = kernel.plan()
