@@ -16,6 +16,9 @@ waiting for a free staging buffer); receiver: receive, verify, scatter. The side
 run concurrently, so shares of different stages overlap; the rest is idle time.
 CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
 ZeroMQ's; on a machine shared with other work it varies less than the wall time.
+tx / rx ns/B: ZeroMQ's CPU per byte in the sender and in the receiver process.
+--no-native: the sender gathers with torch and hashes each frame after, as without a C
+compiler (the default gathers and hashes in one pass, kernels/kv_gather_native.py).
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -35,6 +38,7 @@ import time
 import torch
 
 from pdserve.kvcache.pools import KVLayout
+from pdserve.model.make import cache_root
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
@@ -58,7 +62,12 @@ def cpu_s() -> float:
 
 
 def prefill_side(
-    n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int, curve: CurveKeys | None
+    n: int,
+    rooms: list[int],
+    port_q: mp.Queue,
+    frame_bytes: int,
+    curve: CurveKeys | None,
+    native_dir: str | None,
 ) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
@@ -72,6 +81,7 @@ def prefill_side(
         ack_timeout_s=300,
         max_frame_bytes=frame_bytes,
         curve=curve,
+        native_dir=native_dir,  # as a prefill engine with native kernels on
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1)
     side = Side(pool, *reserve(pool, n, 1))
@@ -86,14 +96,18 @@ def prefill_side(
 
 
 def zmq_run(
-    n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None
-) -> tuple[float, float, dict[str, float]]:
-    """(GB/s: median over the repeats after a warm-up, CPU ns per byte of both processes,
-    stage -> share of the wall time)."""
+    n: int,
+    repeats: int,
+    frame_bytes: int = MAX_FRAME_BYTES,
+    curve: CurveKeys | None = None,
+    native_dir: str | None = None,
+) -> tuple[float, tuple[float, float], dict[str, float]]:
+    """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
+    receiver) process, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, native_dir)
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
@@ -113,7 +127,8 @@ def zmq_run(
         cpu = cpu_s() - c0
         ok, sender_stages, sender_cpu = port_q.get(timeout=60)
         assert ok == len(rooms)
-        cpu_ns = (cpu + sender_cpu) / (kv_bytes(BENCH_LAYOUT, n) * len(rooms)) * 1e9
+        moved = kv_bytes(BENCH_LAYOUT, n) * len(rooms)
+        cpu_ns = (sender_cpu / moved * 1e9, cpu / moved * 1e9)
         seconds = {**sender_stages, **stages.snapshot()}
         shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
@@ -167,14 +182,16 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     scheduler puts the two processes) moves both sides of a pair together."""
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
+    native = None if args.no_native else str(cache_root())
     rounds = []
     for _ in range(args.rounds):
-        z, z_cpu, shares = zmq_run(n, args.repeats, frame)
+        z, z_cpu, shares = zmq_run(n, args.repeats, frame, native_dir=native)
         r, r_cpu = raw_run(nbytes, args.repeats)
         rounds.append((z, r, z_cpu, r_cpu, shares))
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
-    z_cpu, r_cpu = med(x[2] for x in rounds), med(x[3] for x in rounds)
+    z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
+    z_cpu, r_cpu = z_tx + z_rx, med(x[3] for x in rounds)
     out = {
         "tokens": n,
         "bytes": nbytes,
@@ -183,12 +200,14 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "ratio": round(med(x[0] / x[1] for x in rounds), 3),
         "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
         "zmq_cpu_ns_per_byte": round(z_cpu, 3),
+        "zmq_sender_cpu_ns_per_byte": round(z_tx, 3),
+        "zmq_receiver_cpu_ns_per_byte": round(z_rx, 3),
         "raw_cpu_ns_per_byte": round(r_cpu, 3),
         "cpu_ratio": round(r_cpu / z_cpu, 3),
         "shares": rounds[-1][4],
     }
     if not args.no_curve:
-        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
+        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate(), native)
         r2, _ = raw_run(nbytes, args.repeats)
         out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
@@ -201,7 +220,8 @@ def print_table(results: list[dict], repeats: int) -> None:
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
-        f" {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9}  " + " ".join(f"{s:>8}" for s in STAGES)
+        f" {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9} {'tx ns/B':>7} {'rx ns/B':>7}  "
+        + " ".join(f"{s:>8}" for s in STAGES)
     )
     for x in results:
         curve = (
@@ -209,10 +229,12 @@ def print_table(results: list[dict], repeats: int) -> None:
         )
         print(
             f"{x['tokens']:>7} {x['bytes'] / 2**20:>7.1f} {x['zmq_gbps']:>9.2f}"
-            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {curve} {x['cpu_ratio']:>9.2f}  "
+            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {curve} {x['cpu_ratio']:>9.2f}"
+            f" {x['zmq_sender_cpu_ns_per_byte']:>7.2f} {x['zmq_receiver_cpu_ns_per_byte']:>7.2f}  "
             + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
         )
     print("CPU ratio: raw TCP's CPU seconds per byte / ZeroMQ's (both processes, all threads)")
+    print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process")
     print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
 
 
@@ -223,6 +245,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="(ZeroMQ, raw TCP) pairs per size")
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
+    ap.add_argument(
+        "--no-native",
+        action="store_true",
+        help="the sender gathers with torch and hashes after (as without a C compiler)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine process does (the decode side runs here)

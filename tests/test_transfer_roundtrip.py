@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kvcache.pools import KVLayout
+from pdserve.model.make import cache_root
 from pdserve.transfer.loopback import (
     Side,
     gather,
@@ -53,14 +54,28 @@ def assert_no_state(tx: KVSender, rx: KVReceiver) -> None:
     assert rx.active_rooms() == set()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-gather", "native-gather"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-def test_bytes_arrive_exactly(page_size: int, n: int) -> None:
-    lay = layout(page_size)
-    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096)
+def test_bytes_arrive_exactly(page_size: int, n: int, native: bool) -> None:
+    """native: the sender gathers and hashes each frame in one pass (kv_gather.c), as a
+    prefill engine with native kernels does; the receiver verifies the same checksum."""
+    roundtrip(layout(page_size), n, native)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch-gather", "native-gather"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_bytes_arrive_exactly(dtype: str, native: bool) -> None:
+    """Frames travel as bytes: numpy has no bfloat16, the pool's dtype must not matter."""
+    roundtrip(layout(4, dtype), 45, native)
+
+
+def roundtrip(lay: KVLayout, n: int, native: bool) -> None:
+    native_dir = str(cache_root()) if native else None
+    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native_dir=native_dir)
     rx = KVReceiver(lay, kv_timeout_s=5)
     try:
-        pre, dec = sides(lay, n, seed=n * 31 + page_size)
+        pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)
         assert not torch.equal(pre.slots, dec.slots) or n == 1
         req_p = make_req("r", 42, n, tx.bootstrap_port)
         req_d = make_req("r", 42, n, tx.bootstrap_port)
