@@ -17,8 +17,6 @@ run concurrently, so shares of different stages overlap; the rest is idle time.
 CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
 ZeroMQ's; on a machine shared with other work it varies less than the wall time.
 tx / rx ns/B: ZeroMQ's CPU per byte in the sender and in the receiver process.
---no-native: the sender gathers with torch and hashes each frame after, as without a C
-compiler (the default gathers and hashes in one pass, kernels/kv_gather_native.py).
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -38,7 +36,6 @@ import time
 import torch
 
 from pdserve.kvcache.pools import KVLayout
-from pdserve.model.make import cache_root
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
@@ -67,7 +64,6 @@ def prefill_side(
     port_q: mp.Queue,
     frame_bytes: int,
     curve: CurveKeys | None,
-    native_dir: str | None,
 ) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
@@ -81,7 +77,6 @@ def prefill_side(
         ack_timeout_s=300,
         max_frame_bytes=frame_bytes,
         curve=curve,
-        native_dir=native_dir,  # as a prefill engine with native kernels on
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1)
     side = Side(pool, *reserve(pool, n, 1))
@@ -100,14 +95,13 @@ def zmq_run(
     repeats: int,
     frame_bytes: int = MAX_FRAME_BYTES,
     curve: CurveKeys | None = None,
-    native_dir: str | None = None,
 ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
     receiver) process, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, native_dir)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
@@ -182,10 +176,9 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     scheduler puts the two processes) moves both sides of a pair together."""
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
-    native = None if args.no_native else str(cache_root())
     rounds = []
     for _ in range(args.rounds):
-        z, z_cpu, shares = zmq_run(n, args.repeats, frame, native_dir=native)
+        z, z_cpu, shares = zmq_run(n, args.repeats, frame)
         r, r_cpu = raw_run(nbytes, args.repeats)
         rounds.append((z, r, z_cpu, r_cpu, shares))
     med = statistics.median
@@ -207,7 +200,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "shares": rounds[-1][4],
     }
     if not args.no_curve:
-        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate(), native)
+        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
         r2, _ = raw_run(nbytes, args.repeats)
         out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
@@ -245,11 +238,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="(ZeroMQ, raw TCP) pairs per size")
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
-    ap.add_argument(
-        "--no-native",
-        action="store_true",
-        help="the sender gathers with torch and hashes after (as without a C compiler)",
-    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine process does (the decode side runs here)

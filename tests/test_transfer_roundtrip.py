@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pdserve.kvcache.pools import KVLayout
-from pdserve.model.make import cache_root
 from pdserve.transfer.loopback import (
     Side,
     gather,
@@ -54,25 +53,20 @@ def assert_no_state(tx: KVSender, rx: KVReceiver) -> None:
     assert rx.active_rooms() == set()
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch-gather", "native-gather"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-def test_bytes_arrive_exactly(page_size: int, n: int, native: bool) -> None:
-    """native: the sender gathers and hashes each frame in one pass (kv_gather.c), as a
-    prefill engine with native kernels does; the receiver verifies the same checksum."""
-    roundtrip(layout(page_size), n, native)
+def test_bytes_arrive_exactly(page_size: int, n: int) -> None:
+    roundtrip(layout(page_size), n)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch-gather", "native-gather"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_bytes_arrive_exactly(dtype: str, native: bool) -> None:
+def test_half_precision_bytes_arrive_exactly(dtype: str) -> None:
     """Frames travel as bytes: numpy has no bfloat16, the pool's dtype must not matter."""
-    roundtrip(layout(4, dtype), 45, native)
+    roundtrip(layout(4, dtype), 45)
 
 
-def roundtrip(lay: KVLayout, n: int, native: bool) -> None:
-    native_dir = str(cache_root()) if native else None
-    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native_dir=native_dir)
+def roundtrip(lay: KVLayout, n: int) -> None:
+    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096)
     rx = KVReceiver(lay, kv_timeout_s=5)
     try:
         pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)

@@ -31,7 +31,6 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             peer_timeout_s=transfer.heartbeat_timeout_s,
             model=model,
             curve=curve,
-            native_dir=runner.native_dir(),
         )
         return PrefillEngine(cfg, runner, sink)
     if role == "decode":

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.kv_gather_native import NativeGather
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import combine
+from pdserve.transfer.checksum import frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import StagingPool
 from pdserve.transfer.zmq_io import MsgSocket
@@ -64,11 +63,8 @@ def phase(st: Room) -> str:
 class Pusher:
     """Builds and sends a room's KVChunk / KVDone messages (I/O thread only)."""
 
-    def __init__(
-        self, layout: KVLayout, max_frame_bytes: int, native: NativeGather | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, max_frame_bytes: int) -> None:
         self.layout = layout
-        self.native = native  # one-pass gather + hash of CPU frames (None: torch, then hash)
         per_token = layout.token_bytes_per_layer * layout.num_layers
         self.max_tokens = max(1, max_frame_bytes // per_token)
         self._staging: StagingPool | None = None  # made on first use (pool dtype, device)
@@ -82,8 +78,9 @@ class Pusher:
         idx = idx.to(pool.k.device)
         staging = self._staging_for(pool)
         for kind, src in (("k", pool.k), ("v", pool.v)):
-            buf, frame, digest = staging.gather(src, idx)
-            checksum = combine([digest])  # = frames_checksum([frame])
+            buf, frame = staging.gather(src, idx)
+            with stages.timed("checksum"):
+                checksum = frames_checksum([frame])
             hdr = KVChunk(
                 room=st.room,
                 session=st.ready.session,
@@ -123,10 +120,6 @@ class Pusher:
             lay = self.layout
             numel = self.max_tokens * lay.num_layers * lay.num_kv_heads * lay.head_dim
             self._staging = StagingPool(
-                numel,
-                pool.k.dtype,
-                pin=pool.k.is_cuda,
-                page_size=lay.page_size,
-                native=self.native,
+                numel, pool.k.dtype, pin=pool.k.is_cuda, page_size=lay.page_size
             )
         return self._staging

@@ -20,13 +20,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
-from pdserve.kernels.kv_gather_native import native_gather
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
@@ -59,19 +57,14 @@ class KVSender:
         curve: CurveKeys | None = None,
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
-        native_dir: str | None = None,
     ) -> None:
-        """`native_dir`: where native CPU kernels are built and cached; given, a CPU pool's
-        frames are gathered and hashed in one pass (kernels/kv_gather_native.py), built
-        here at start-up. None: torch gathers, then the frame is hashed."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        native = None if native_dir is None else native_gather(Path(native_dir))
-        self._pusher = Pusher(layout, max_frame_bytes, native)
+        self._pusher = Pusher(layout, max_frame_bytes)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}

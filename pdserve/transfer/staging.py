@@ -13,10 +13,6 @@ multiple of page_size), so rows move a page at a time when they can:
     slots  [p0*P .. p0*P+P-1, p1*P .. ]  ->  pages [p0, p1, ...]
 
 Any other slot list (a partial last page, a page entered mid-way) moves row by row.
-
-With the native gather (kernels/kv_gather_native.py, CPU pools) a frame is copied and
-hashed in one pass, in runs of consecutive slots; otherwise torch copies it as above and
-the frame is hashed after.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.kernels.kv_gather_native import NativeGather
 from pdserve.transfer import stages
-from pdserve.transfer.checksum import frame_hash
 
 
 class StagingPool:
@@ -40,41 +34,33 @@ class StagingPool:
         pin: bool = False,
         max_busy: int = 8,
         page_size: int = 1,
-        native: NativeGather | None = None,
     ) -> None:
         self.numel = numel
         self.page_size = page_size
-        self.native = native  # gathers and hashes CPU frames in one pass
         self.max_busy = max_busy
         self.dtype = dtype
         self.pin = pin
         self._free: list[torch.Tensor] = []
         self._busy: list[tuple[torch.Tensor, list[zmq.MessageTracker]]] = []
 
-    def gather(self, src: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, int]:
+    def gather(self, src: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         """Copy src[:, idx] ([L, n, ...] with idx over dim 1) into a staging buffer.
 
-        Returns (buffer, uint8 numpy view of the gathered bytes, frame_hash of them).
-        Precondition: the result fits (L * n * row elements <= numel); call `hold` once
-        the view is sent.
+        Returns (buffer, uint8 numpy view of the gathered bytes). Precondition: the result
+        fits (L * n * row elements <= numel); call `hold` once the view is sent.
         """
         with stages.timed("send"):  # NOTE: waits here when every buffer is still in flight
             buf = self._take()
         t0 = time.perf_counter()
         shape = (src.shape[0], len(idx), *src.shape[2:])
-        out = buf[: int(np.prod(shape))].view(shape)
-        if self.native is not None and not src.is_cuda:
-            digest = self.native(src, idx, out)  # the hash is part of the gather's time
-            stages.add("gather", time.perf_counter() - t0)
-            return buf, _bytes(out), digest
+        n = int(np.prod(shape))
+        out = buf[:n].view(shape)
         if src.is_cuda:
             out.copy_(src.index_select(1, idx))
         else:
             gather_rows(src, idx, out, self.page_size)
         stages.add("gather", time.perf_counter() - t0)
-        frame = _bytes(out)
-        with stages.timed("checksum"):
-            return buf, frame, frame_hash(frame)
+        return buf, _bytes(out)
 
     def hold(self, buf: torch.Tensor, trackers: list[zmq.MessageTracker]) -> None:
         """`buf` is in flight until every tracker is done."""
