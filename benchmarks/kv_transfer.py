@@ -59,11 +59,7 @@ def cpu_s() -> float:
 
 
 def prefill_side(
-    n: int,
-    rooms: list[int],
-    port_q: mp.Queue,
-    frame_bytes: int,
-    curve: CurveKeys | None,
+    n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int, curve: CurveKeys | None
 ) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
@@ -91,10 +87,7 @@ def prefill_side(
 
 
 def zmq_run(
-    n: int,
-    repeats: int,
-    frame_bytes: int = MAX_FRAME_BYTES,
-    curve: CurveKeys | None = None,
+    n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None
 ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
     receiver) process, stage -> share of the wall time)."""
@@ -184,7 +177,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
     z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
-    z_cpu, r_cpu = z_tx + z_rx, med(x[3] for x in rounds)
+    z_cpu, r_cpu = med(sum(x[2]) for x in rounds), med(x[3] for x in rounds)
     out = {
         "tokens": n,
         "bytes": nbytes,

@@ -60,7 +60,7 @@ class StagingPool:
         else:
             gather_rows(src, idx, out, self.page_size)
         stages.add("gather", time.perf_counter() - t0)
-        return buf, _bytes(out)
+        return buf, _rows(out)  # NOTE: as bytes: numpy has no bfloat16
 
     def hold(self, buf: torch.Tensor, trackers: list[zmq.MessageTracker]) -> None:
         """`buf` is in flight until every tracker is done."""
@@ -88,12 +88,6 @@ class StagingPool:
             else:
                 still.append((buf, trackers))
         self._busy = still
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's bytes as a uint8 array sharing its memory (numpy has no
-    bfloat16, so a frame travels as bytes whatever its dtype)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def page_split(idx: np.ndarray, page_size: int) -> tuple[int, np.ndarray] | None:
