@@ -39,6 +39,9 @@ import httpx
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.datasets import BenchRequest, build_requests
 
+sys.path.insert(0, str(Path(__file__).parent))
+from proc_cpu import Usage  # noqa: E402
+
 SYSTEMS = ("pdserve", "vllm", "transformers")
 QUICK = {"num_prompts": 16, "concurrency": 8, "input_len": (32, 128), "output_len": (16, 64)}
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
@@ -200,7 +203,9 @@ def bench_server(name: str, argv: list[str], port: int, cfg: BenchConfig, args: 
     proc = start_server(argv, log, env)
     try:
         wait_healthy(url, proc, args.startup_timeout, log)
+        usage = Usage(root=proc.pid)
         result = asyncio.run(run_benchmark(dataclasses.replace(cfg, base_url=url)))
+        cpu = usage.done()
     except (RuntimeError, ValueError, OSError) as e:
         return {
             "system": name,
@@ -212,7 +217,7 @@ def bench_server(name: str, argv: list[str], port: int, cfg: BenchConfig, args: 
     record = json_record(result, details=False)
     m = record["metrics"]
     status = "ok" if not m["failed"] else f"{m['failed']} failed: {m['errors']}"
-    return {"system": name, "status": status, "model": record["model"], "metrics": m}
+    return {"system": name, "status": status, "model": record["model"], "metrics": m, "cpu": cpu}
 
 
 def run_pdserve(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
@@ -369,7 +374,31 @@ def markdown(result: dict[str, Any]) -> str:
             cells = [_dist(m[key], base[key] if base and r["system"] != "pdserve" else None)
                      for _, key in LATENCIES]  # fmt: skip
             lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + cpu_table(rows))
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each server's CPU went during its run (warm-up included; proc_cpu.py)."""
+    rows = [r for r in rows if r.get("cpu") and r.get("metrics")]
+    if not rows:
+        return []
+    lines = ["", "CPU during the run, warm-up included (server: its processes; client: this "
+             "one; machine busy: every core, everything on it):", "",
+             "| system | server CPU s | client CPU s | wall s | output tok per server CPU s "
+             "| machine busy | by process |",
+             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        c, m = r["cpu"], r["metrics"]
+        per_s = m["total_output_tokens"] / c["server_cpu_s"] if c["server_cpu_s"] else 0.0
+        top = ", ".join(
+            f"{p['label']} {p['cpu_s']:.1f}" for p in c["processes"] if p["cpu_s"] >= 0.05
+        )
+        lines.append(
+            f"| {r['system']} | {c['server_cpu_s']:.1f} | {c['client_cpu_s']:.1f} | "
+            f"{c['wall_s']:.1f} | {per_s:.0f} | "
+            f"{c['machine_busy']:.0%} | {top} |"
+        )
+    return lines
 
 
 def _dist(d: dict[str, float], base: dict[str, float] | None) -> str:

@@ -98,6 +98,35 @@ def test_default_budget_follows_the_device(tiny_model) -> None:
     assert sink.chunks == [("a", 0, 100), ("b", 0, 156)]
 
 
+def test_a_lone_prompt_is_not_split_under_the_cpu_default_budget(tiny_model) -> None:
+    """The default 256-token budget splits prompts that share the engine; one alone is
+    computed whole up to LONE_STRETCH budgets (512), and split past that. The rest of a
+    split prompt, once alone, is computed whole too. First tokens stay greedy."""
+    cfg = EngineConfig(
+        model_path=str(tiny_model),
+        cache=CacheConfig(page_size=4, max_total_tokens=2048, max_context=1024),
+        scheduler=SchedulerConfig(max_running_requests=4),
+    )
+    sink = RecordingSink()
+    engine = PrefillEngine(cfg, ModelRunner(cfg), sink)
+    lone = list(range(3, 403))  # 400 tokens, alone: one step
+    engine.add_request(_req("a", lone))
+    engine.step()
+    assert sink.chunks == [("a", 0, 400)]
+    assert sink.done["a"] == hf_greedy(tiny_model, lone, 1)[0]
+    sink.chunks.clear()
+    engine.add_request(_req("b", list(range(3, 603))))  # 600 > 512: split, then its rest whole
+    engine.step()
+    engine.step()
+    assert sink.chunks == [("b", 0, 256), ("b", 256, 600)]
+    sink.chunks.clear()
+    engine.add_request(_req("c", list(range(3, 103))))  # two prompts: the budget holds
+    engine.add_request(_req("d", list(range(3, 403))))
+    engine.step()
+    engine.step()
+    assert sink.chunks == [("c", 0, 100), ("d", 0, 156), ("d", 156, 400)]
+
+
 def test_abort_keeps_kv_until_the_sink_releases_it(tiny_model) -> None:
     engine, sink = _engine(tiny_model, budget=8)
     engine.add_request(_req("a", list(range(10, 50))))
