@@ -51,7 +51,11 @@ def label(pid: str) -> str:
     if "pdserve.cli" in args:
         sub = " ".join(args[args.index("pdserve.cli") + 1 :][:1]) or comm
         return f"{sub} frontend" if sub in ("prefill", "decode") else sub
-    return comm if comm not in ("python", "python3") else " ".join(args[:3])[:60]
+    if comm not in ("python", "python3"):
+        return comm  # a process title (vLLM: VLLM::Worker, VLLM::EngineCor)
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1]  # the module it runs
+    return " ".join(Path(a).name for a in args[:2])[:60]
 
 
 def tree_cpu(root: int) -> dict[str, tuple[str, float]]:
