@@ -43,7 +43,8 @@ def prefill_budget(max_prefill_tokens: int, device: str) -> int:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = 64
-    # prompt tokens per prefill step; 0: PREFILL_TOKENS_BY_DEVICE. Smaller steps let the
+    # prompt tokens per prefill step; 0: PREFILL_TOKENS_BY_DEVICE (on CPU a prompt alone is
+    # not split up to twice that: PrefillEngine._budget). Smaller steps let the
     # first prompts of a burst finish (and their decodes start) before the last ones.
     max_prefill_tokens: int = 0
     max_queued_requests: int = 4096  # beyond this new requests are refused

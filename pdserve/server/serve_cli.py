@@ -78,7 +78,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         SchedulerConfig,
         "max_prefill_tokens",
-        "prompt tokens per prefill step (0: 256 on CPU, 4096 on CUDA)",
+        "prompt tokens per prefill step (0: 256 on CPU, where a prompt alone is not split "
+        "up to 512, and 4096 on CUDA; a value set here is a hard cap)",
     )
     _flag(
         g,
