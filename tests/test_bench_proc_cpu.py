@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -9,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import proc_cpu  # noqa: E402
+# Loaded from its file: benchmarks/ on sys.path would shadow installed packages for
+# every later test (transformers imports a package named `kernels`, for one).
+_spec = importlib.util.spec_from_file_location(
+    "proc_cpu", Path(__file__).parents[1] / "benchmarks" / "proc_cpu.py"
+)
+assert _spec is not None and _spec.loader is not None
+proc_cpu = sys.modules["proc_cpu"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(proc_cpu)
 
 BUSY_CHILD = (
     "import time\n"

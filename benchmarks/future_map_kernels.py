@@ -1,6 +1,6 @@
 """Bandwidth of the FutureMap kernels: torch reference vs Triton, side by side.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--json]
+    python benchmarks/future_map_kernels.py [--device cpu|cuda] [--json]
 
 Bytes moved per call (rows int64): gather reads rows + src[rows], writes out;
 scatter reads rows + values, writes dst[rows]: 3 * 8 * B bytes each.
