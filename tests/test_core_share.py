@@ -210,3 +210,18 @@ def test_split_asks_the_budget_at_every_call(tmp_path, monkeypatch) -> None:
     for _ in range(3):
         split(fn, args, 10)
     assert calls == [2, 3] and ran == [(0, 10)]  # the 1-thread call runs here, unsplit
+
+
+def test_threads_follow_a_peer_that_steps_aside_mid_forward(tmp_path) -> None:
+    """threads() (read between a forward's layers) counts a peer that yielded at once,
+    and stops counting it as soon as it computes again."""
+    path = str(tmp_path / "cores")
+    prefill, decode = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
+    decode.begin()  # the decode is computing
+    assert prefill.begin() == 1
+    decode.end()
+    assert prefill.threads() == 1  # just finished a step: not idle yet (IDLE_S)
+    decode.yield_now()
+    assert prefill.threads() == 2  # stepped aside: its core is lent from the next layer
+    decode.begin()
+    assert prefill.threads() == 1  # computing again: given back

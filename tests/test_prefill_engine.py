@@ -205,3 +205,43 @@ def test_a_short_prompt_overtakes_a_long_one_in_the_same_step(tiny_model) -> Non
             "l": hf_greedy(tiny_model, long, 1)[0],
             "s": hf_greedy(tiny_model, short, 1)[0],
         }
+
+
+class _ShareThatFreesUp:
+    """A core share whose peer steps aside while a forward runs: after the second
+    re-read between layers it reports two threads instead of one."""
+
+    def __init__(self) -> None:
+        self.applied: list[int] = []
+        self.reads = 0
+
+    def begin(self) -> int:
+        return 1
+
+    def threads(self) -> int:
+        self.reads += 1
+        return 2 if self.reads >= 2 else 1
+
+    def apply(self, threads: int) -> None:
+        self.applied.append(threads)
+
+    def end(self) -> None:
+        pass
+
+    def set_backlog(self, prompts: int) -> None:
+        pass
+
+
+def test_a_forward_takes_cores_a_peer_frees_between_layers(tiny_model) -> None:
+    """ModelRunner.forward reads the core share again before every layer but the first,
+    so cores the decode lends mid-prompt are used from the next layer on; same tokens."""
+    engine, sink = _engine(tiny_model, budget=64)
+    share = _ShareThatFreesUp()
+    engine.runner.core_share = share
+    prompt = list(range(100, 130))
+    engine.add_request(_req("a", prompt))
+    engine.step()
+    layers = engine.runner.model.arch.num_layers
+    assert layers >= 3
+    assert share.applied == [1, 1] + [2] * (layers - 2)  # begin(), then once per later layer
+    assert sink.done["a"] == hf_greedy(tiny_model, prompt, 1)[0]

@@ -77,6 +77,13 @@ class CoreShare:
     def begin(self) -> int:
         """A forward starts: mark it, and return the threads this engine may use now."""
         self._write(0.0, 1, keep_time=True)
+        return self.threads()
+
+    def threads(self) -> int:
+        """The threads this engine may use now: its share plus idle peers' (not computing,
+        and their last forward ended IDLE_S ago, or they stepped aside: yield_now). Read
+        again between a forward's layers (ModelRunner.forward), so a peer that steps aside
+        mid-forward lends its cores from the next layer on, and gets them back as soon."""
         now, threads = time.monotonic(), self.share
         for last_end, computing, share, _, _ in self._peer_records():
             if not computing and now - last_end > IDLE_S:

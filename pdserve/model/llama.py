@@ -8,6 +8,7 @@ layout the device's fast GEMM reads (pdserve.model.linear). The passes between t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,14 +103,23 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Runs all T tokens; returns logits [B, vocab] at each request's last token.
-        Precondition: `batch` was prepared (ModelRunner.prepare); only device work here."""
+        Precondition: `batch` was prepared (ModelRunner.prepare); only device work here.
+        `between_layers` runs before every layer but the first (the core share's thread
+        count, read again)."""
         ops, eps = self.ops, self.arch.rms_norm_eps
         h = F.embedding(batch.input_ids, self.embed)
         rope = self.rope.tables(batch.positions)
         delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
+            if i and between_layers is not None:
+                between_layers()
             h, x = ops.add_norm(h, delta, layer.input_norm, eps)
             delta = self._attention(i, layer, x, rope, batch, attn)
             h, x = ops.add_norm(h, delta, layer.post_norm, eps)

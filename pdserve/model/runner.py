@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -150,12 +151,14 @@ class ModelRunner:
             return self._forward(batch)
         share.apply(share.begin())  # the cores this engine owns, and idle peers'
         try:
-            return self._forward(batch)
+            return self._forward(batch, lambda: share.apply(share.threads()))
         finally:
             share.end()
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(
+        self, batch: ForwardBatch, between_layers: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         native = self.native_forward
         if native is not None and native.fits(batch):
-            return native(batch)
-        return self.model.forward(batch, self.attn)
+            return native(batch)  # NOTE: asks the core share itself, kernel by kernel
+        return self.model.forward(batch, self.attn, between_layers)
