@@ -54,11 +54,13 @@ class SchedulerConfig:
     # cores. Those prompts reach their first token sooner, at the cost of the running
     # streams' TPOT; 0 = off.
     prefill_first_ms: int = 250
-    # when the decode steps aside: "burst" while the prefill holds more prompts than the
-    # decode runs streams (a burst; never in a steady state), "always" while it holds any
-    # (first tokens sooner in a steady state, fewer tokens/s and a longer TPOT:
-    # benchmarks/prefill_first.py, figures in docs/benchmarks.md)
-    prefill_first: str = "burst"
+    # when the decode steps aside: "always" while the prefill holds any prompt (a new
+    # prompt computes on every core; the running streams wait for it), "burst" only while
+    # it holds more prompts than the decode runs streams (never in a steady state: more
+    # tokens/s, first tokens later). On a 2-vCPU VM, 48 prompts against vLLM: "always"
+    # TTFT p50 473-535 ms at 1.55-1.74x vLLM's tokens/s, "burst" 889-1387 ms at
+    # 1.52-1.80x (docs/benchmarks.md, twelfth round; benchmarks/prefill_first.py)
+    prefill_first: str = "always"
     # which admitted prompts a prefill step computes first: "shortest" (the fewest prompt
     # tokens left; a burst's median first token comes sooner, its longest prompts later)
     # or "arrival". A prompt waiting longer than prefill_max_wait_ms goes ahead of

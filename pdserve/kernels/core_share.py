@@ -14,8 +14,9 @@ file (the launcher names it, each engine opens or creates it), one record per en
     threads(i) = share[i] + sum(share[j] for peers j idle: not computing and
                                  last_end older than IDLE_S)
 
-Prefill first (opt-in, DecodeEngine._yield_to_prefill): while a peer prefill has more
-prompts queued than the decode has streams running, the decode skips launching steps
+Prefill first (DecodeEngine._yield_to_prefill): while a peer prefill holds prompts
+(`always`, the default) or more prompts than the decode has streams running (`burst`),
+the decode skips launching steps
 (still admitting requests and emitting their first tokens), for at most a bounded time
 in a row, and marks itself idle meanwhile so the prefill borrows its cores at its next
 forward. A burst of prompts then clears at the speed of every core while the decode

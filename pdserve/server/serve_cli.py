@@ -95,17 +95,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "shared file (`pdserve up` sets it; see pdserve/kernels/core_share.py)")  # fmt: skip
     g.add_argument("--prefill-first-ms", type=int, default=SchedulerConfig.prefill_first_ms,
                    metavar="MS",
-                   help="decode on a shared host (--core-share): while the prefill has more "
-                        "prompts queued than the decode runs streams, skip decode steps for at "
-                        "most MS ms in a row and lend it the cores (bursts get their first "
-                        "tokens sooner, running streams wait; 0: off; default %(default)s)")  # fmt: skip
+                   help="decode on a shared host (--core-share): while the prefill holds "
+                        "prompts (see --prefill-first), skip decode steps for at most MS ms in "
+                        "a row and lend it the cores (prompts get their first tokens sooner, "
+                        "running streams wait; 0: off; default %(default)s)")  # fmt: skip
     g.add_argument("--prefill-first", choices=PREFILL_FIRST_MODES,
                    default=SchedulerConfig.prefill_first,
                    help="when the decode steps aside for the prefill (--prefill-first-ms): "
-                        "'burst' while the prefill holds more prompts than the decode runs "
-                        "streams; 'always' while it holds any (first tokens sooner in a "
-                        "steady state, fewer tokens/s: benchmarks/prefill_first.py; default "
-                        "%(default)s)")  # fmt: skip
+                        "'always' while the prefill holds any prompt (first tokens sooner); "
+                        "'burst' only while it holds more prompts than the decode runs "
+                        "streams (more tokens/s, first tokens later: "
+                        "benchmarks/prefill_first.py; default %(default)s)")  # fmt: skip
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=SchedulerConfig.prefill_order,
                    help="which admitted prompts a prefill step computes first: 'shortest' "
                         "(fewest prompt tokens left: a burst's median first token sooner, its "
