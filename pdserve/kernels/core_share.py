@@ -16,15 +16,16 @@ file (the launcher names it, each engine opens or creates it), one record per en
 
 Prefill first (DecodeEngine._yield_to_prefill): while a peer prefill holds prompts
 (`always`, the default) or more prompts than the decode has streams running (`burst`),
-the decode skips launching steps
-(still admitting requests and emitting their first tokens), for at most a bounded time
-in a row, and marks itself idle meanwhile so the prefill borrows its cores at its next
-forward. A burst of prompts then clears at the speed of every core while the decode
-has little to do; in a steady state (more streams than queued prompts) nothing yields.
+the decode skips launching steps (still admitting requests and emitting their first
+tokens), for at most a bounded time in a row, and marks itself idle meanwhile so the
+prefill borrows its cores from its next layer on (threads). A new prompt then computes
+on every core while the running streams wait; with `burst` only a burst does, and in a
+steady state (more streams than queued prompts) nothing yields.
 
 Each engine writes only its own record, at the start and end of each forward, and
-reads the others' when a forward starts (a few bytes of a shared mapping: no system
-call), and again before each native kernel call (kernel_threads): between two prompts
+reads the others' when a forward starts and between its layers (a few bytes of a
+shared mapping: no system call), and again before each native kernel call
+(kernel_threads): between two prompts
 the decode's kernels run on the prefill's cores too, and give them back as soon as the
 prefill's next forward starts. Reads may race with writes; the worst outcome is one
 forward (or kernel) with one thread too many or too few. CLOCK_MONOTONIC is one clock
