@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -10,14 +9,7 @@ from pathlib import Path
 
 import pytest
 
-# Loaded from its file: benchmarks/ on sys.path would shadow installed packages for
-# every later test (transformers imports a package named `kernels`, for one).
-_spec = importlib.util.spec_from_file_location(
-    "proc_cpu", Path(__file__).parents[1] / "benchmarks" / "proc_cpu.py"
-)
-assert _spec is not None and _spec.loader is not None
-proc_cpu = sys.modules["proc_cpu"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(proc_cpu)
+from benchmarks import proc_cpu  # as tests import benchmarks.soak: no sys.path change
 
 BUSY_CHILD = (
     "import time\n"

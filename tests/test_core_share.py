@@ -212,9 +212,10 @@ def test_split_asks_the_budget_at_every_call(tmp_path, monkeypatch) -> None:
     assert calls == [2, 3] and ran == [(0, 10)]  # the 1-thread call runs here, unsplit
 
 
-def test_threads_follow_a_peer_that_steps_aside_mid_forward(tmp_path) -> None:
+def test_threads_follow_a_peer_that_steps_aside_mid_forward(tmp_path, monkeypatch) -> None:
     """threads() (read between a forward's layers) counts a peer that yielded at once,
     and stops counting it as soon as it computes again."""
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: 100.0)  # no IDLE_S passes
     path = str(tmp_path / "cores")
     prefill, decode = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
     decode.begin()  # the decode is computing
