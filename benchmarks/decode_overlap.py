@@ -4,11 +4,21 @@ All requests are prefilled first (in-process handoff), then only the decode loop
 is timed, so the numbers are the overlap scheduler's alone.
 
     python benchmarks/decode_overlap.py [--concurrency 16 64] [--prompt-len 128] [--output-len 64]
-        [--rounds 3] [--json]
+        [--rounds 7] [--json]
 
 Each round runs overlap off and on back to back (the order alternates between rounds);
-on/off is the median of the rounds' ratios (this VM's runs spread ±6%), and the tok/s
-columns show each side's best round.
+on/off is the median of the rounds' ratios (this VM's runs spread ±6%, some rounds
+far more), and the tok/s columns show each side's best round.
+
+What overlap can win: with it off, the forward stream idles while the host processes
+step N and builds step N+1 ("host ms/step" = wall minus forward, per step, off). With it
+on, that host work runs beside the forward; where the forward leaves a core free (one
+forward thread on two cores) on/off can reach 1 + host/wall, where the forward uses
+every core the host work takes cycles from it and the bound is about half that. The
+"forward ms/step" columns show how much the forward slowed beside the host work. One untimed run of each side goes first: a
+process's first decode loop pays one-off costs (first-touch pages of the pools and the
+caching allocator), which made the first round's "off" side 20-25% slower (its on/off
+read 1.27-1.29 at 16 requests while the other rounds read 0.97-1.03).
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ def run_once(
         prefill.step()
         decode.receive()  # the in-process handoff completes when the decode expects the KV
     decode.step()  # admit + merge the prebuilt batch outside the timed loop
-    tokens = 0
+    tokens, steps0 = 0, decode.steps
     decode.busy_s, t0 = 0.0, time.perf_counter()
     decode.started = t0
     while decode.has_unfinished():
@@ -72,8 +82,17 @@ def run_once(
     decode.drain()
     wall = time.perf_counter() - t0
     busy = decode.busy_s / wall
+    steps = max(decode.steps - steps0, 1)
     decode.close()
-    return {"tokens_per_s": tokens / wall, "forward_busy": busy, "wall_s": wall, "tokens": tokens}
+    return {
+        "tokens_per_s": tokens / wall,
+        "forward_busy": busy,
+        "wall_s": wall,
+        "tokens": tokens,
+        "steps": steps,
+        "forward_ms_per_step": decode.busy_s / steps * 1e3,
+        "wall_ms_per_step": wall / steps * 1e3,
+    }
 
 
 def main() -> None:
@@ -90,12 +109,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads of the forward (0: torch's default; `pdserve up` "
                          "gives a decode one core of two)")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=7,
                     help="(off, on) pairs per concurrency, taking turns; on/off is their median")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     model = args.model or str(default_model_path("bench"))
     rows = []
+    for overlap in (False, True):  # warm-up, untimed (see the module docstring)
+        run_once(model, 8, 32, 8, overlap=overlap, device=args.device, threads=args.threads)
     for conc in args.concurrency:
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for r in range(args.rounds):  # the order alternates, so neither side always goes first
@@ -137,14 +158,19 @@ def main() -> None:
         print(json.dumps({"meta": meta, "results": rows}))
         return
     print(f"decode overlap benchmark ({meta})")
-    print("| concurrency | off tok/s | on tok/s | on/off (median) | rounds | busy off | busy on |")
-    print("|---:|---:|---:|---:|---|---:|---:|")
+    print(
+        "| concurrency | off tok/s | on tok/s | on/off (median) | rounds | busy off | busy on "
+        "| host ms/step (off) | forward ms/step off / on |"
+    )
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         on, off = r["overlap_on"], r["overlap_off"]
+        host = off["wall_ms_per_step"] - off["forward_ms_per_step"]
         print(
             f"| {r['concurrency']} | {off['tokens_per_s']:.1f} | {on['tokens_per_s']:.1f} | "
             f"{r['speedup']:.2f} | {' '.join(f'{x:.2f}' for x in r['round_speedups'])} | "
-            f"{off['forward_busy']:.0%} | {on['forward_busy']:.0%} |"
+            f"{off['forward_busy']:.0%} | {on['forward_busy']:.0%} | {host:.2f} | "
+            f"{off['forward_ms_per_step']:.2f} / {on['forward_ms_per_step']:.2f} |"
         )
 
 

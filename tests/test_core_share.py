@@ -4,6 +4,7 @@ borrows the shares of peers that are idle, and gives them back when a peer compu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import threading
@@ -140,6 +141,7 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
     prefill, share = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
     dec = SimpleNamespace(runner=SimpleNamespace(core_share=share), max_yield_s=0.05)
     dec._yield_since, dec.running, dec.yield_always = None, ["a", "b"], False
+    dec._blocked = contextlib.nullcontext  # no claimed core to give back (HostCore)
     step_aside = lambda: DecodeEngine._yield_to_prefill(dec)  # noqa: E731
 
     share.begin()

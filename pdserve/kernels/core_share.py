@@ -154,3 +154,39 @@ class CoreShare:
     def close(self) -> None:
         self._view = None  # NOTE: an exported buffer would keep the mapping from closing
         self._map.close()
+
+
+class HostCore:
+    """A core of the engine's own threads, claimed by its schedule thread while that
+    thread computes beside an in-flight forward (the overlap scheduler on CPU).
+
+    The native decode forward reads the claim before every kernel (threads_now in
+    kernels/cpu/decode_forward.c) and, while it is set, splits the kernel over one part
+    fewer (never fewer than one), so the schedule thread's host work has a core to
+    itself instead of preempting one of the forward's threads; when the schedule thread
+    blocks on the forward stream (or sleeps) it gives the core back, from the next
+    kernel on. Unclaimed, the forward runs exactly as without it.
+
+    Why: with the forward on both cores of a 2-core machine, the schedule thread's
+    ~1-3 ms of Python per step took the forward 1.4-2x its own length (a forward thread
+    preempted mid-kernel stalls its peers); overlap on/off was 0.95-0.99
+    (benchmarks/decode_overlap.py, 2026-12-03). One writer (the schedule thread); the
+    forward's reads may see a claim one kernel late, which costs a part, never a result.
+    """
+
+    def __init__(self) -> None:
+        self._flag = ctypes.c_int32(0)
+
+    @property
+    def claimed(self) -> bool:
+        return bool(self._flag.value)
+
+    def claim(self) -> None:
+        self._flag.value = 1
+
+    def release(self) -> None:
+        self._flag.value = 0
+
+    def address(self) -> int:
+        """Where native code reads the claim (an int32, 0 or 1), valid while self lives."""
+        return ctypes.addressof(self._flag)

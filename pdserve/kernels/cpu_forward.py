@@ -42,7 +42,7 @@ class DecodePlan(ctypes.Structure):  # decode_forward.c DecodePlan
                 ("embed", _ptr), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
                 ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
                 ("threads", _i64), ("share", _ptr), ("share_engines", _i64),
-                ("share_slot", _i64), ("share_own", _i64),
+                ("share_slot", _i64), ("share_own", _i64), ("host_busy", _ptr),
                 ("b", _i64), ("ids", _ptr), ("positions", _ptr), ("out_slots", _ptr),
                 ("slots", _ptr), ("slot_stride", _i64), ("bounds", _ptr * MAX_WINDOWS),
                 ("scratch", _ptr), ("logits", _ptr), ("status", _i32)]  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.core_share import CoreShare
+from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kernels.cpu_forward import (
     MAX_WINDOWS,
     DecodeForward,
@@ -59,8 +59,10 @@ class NativeDecodeForward:
         model: LlamaModel,
         attn: TorchAttention,
         share: CoreShare | None,
+        host: HostCore | None = None,
     ) -> None:
-        """Precondition: refusal(model, attn) is None."""
+        """Precondition: refusal(model, attn) is None. `host`: the schedule thread's claim
+        on a core (core_share.HostCore), read before every kernel; None: never claimed."""
         a, pool = model.arch, attn.pool
         self.kernel, self.model, self.attn = kernel, model, attn
         per_layer = [attn.window(i) for i in range(a.num_layers)]
@@ -85,17 +87,25 @@ class NativeDecodeForward:
         p.head, p.layer = _proj(model.lm_head), layers
         if share is not None:
             p.share, p.share_engines, p.share_slot, p.share_own = share.records()
+        self.host = host  # NOTE: the plan points into it: kept alive with the plan
+        if host is not None:
+            p.host_busy = host.address()
         self._scratch = torch.empty(0)
 
     @classmethod
     def build(
-        cls, kernel: DecodeForward | None, model: LlamaModel, attn: object, share: CoreShare | None
+        cls,
+        kernel: DecodeForward | None,
+        model: LlamaModel,
+        attn: object,
+        share: CoreShare | None,
+        host: HostCore | None = None,
     ) -> tuple[NativeDecodeForward | None, str | None]:
         """(the forward, None), or (None, why not)."""
         why = "the native decode forward was not built" if kernel is None else refusal(model, attn)
         if why is not None or kernel is None or not isinstance(attn, TorchAttention):
             return None, why
-        return cls(kernel, model, attn, share), None
+        return cls(kernel, model, attn, share, host), None
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A pure decode step (one token per request), prepared."""

@@ -11,7 +11,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV
 from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
-from pdserve.kernels.core_share import CoreShare
+from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.forward_batch import ForwardBatch
@@ -41,6 +41,9 @@ class ModelRunner:
             path, slot, engines = core_share.parse(cfg.core_share)
             self.core_share = CoreShare(path, slot, engines, torch.get_num_threads())
             cpu_native.Split.budget = self.core_share.kernel_threads  # one engine a process
+        # the decode's schedule thread claims a core of the native forward's while it
+        # computes beside it (overlap; kernels/core_share.HostCore)
+        self.host_core = HostCore()
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(
@@ -123,7 +126,7 @@ class ModelRunner:
             return
         kernel = cpu_forward.decode_forward(native_dir)
         self.native_forward, why = NativeDecodeForward.build(
-            kernel, self.model, self.attn, self.core_share
+            kernel, self.model, self.attn, self.core_share, self.host_core
         )
         if why is not None:
             log.info("decode steps call their kernels one by one: %s", why)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
@@ -69,6 +70,9 @@ class DecodeEngine:
         self.yield_always = cfg.scheduler.prefill_first == "always"  # else only in a burst
         self._yield_since: float | None = None
         self.transfer_totals = TransferTotals()
+        # Overlap on CPU: this thread claims a core of the forward's while it computes
+        # beside it, and gives it back while it blocks (_blocked; core_share.HostCore).
+        self._host = runner.host_core if self.overlap and runner.device == "cpu" else None
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -99,6 +103,8 @@ class DecodeEngine:
     # ---- the loop -----------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """receive -> schedule -> launch -> process previous -> return."""
+        if self._host is not None:
+            self._host.claim()  # released whenever this thread blocks (_blocked)
         self._release_deferred_pages()
         self.receive()
         self._publish_pending()  # arrivals' first tokens, before _schedule waits on the fence
@@ -130,8 +136,22 @@ class DecodeEngine:
             self._yield_since = None
             return False
         share.yield_now()  # idle at once (after the in-flight forward's end) to peers
-        time.sleep(YIELD_POLL_S)
+        with self._blocked():
+            time.sleep(YIELD_POLL_S)
         return True
+
+    @contextmanager
+    def _blocked(self) -> Iterator[None]:
+        """This thread blocks (on the forward stream, or asleep): its claimed core goes
+        back to the in-flight forward meanwhile."""
+        if self._host is None:
+            yield
+            return
+        self._host.release()
+        try:
+            yield
+        finally:
+            self._host.claim()
 
     def has_work(self) -> bool:
         runnable = self.running or self.prebuilt or self.in_flight is not None
@@ -211,7 +231,8 @@ class DecodeEngine:
             # was freed as soon as we saw it finish, so a request taken here may own that
             # row now. Wait for the forward stream before process_prebuilt writes the row,
             # or the new request decodes from the finished request's token.
-            self.schedule_stream.wait_stream(self.forward_stream)
+            with self._blocked():
+                self.schedule_stream.wait_stream(self.forward_stream)
         self.process_prebuilt(take)
         return take
 
@@ -256,9 +277,13 @@ class DecodeEngine:
         may be in flight too: it touches the transfer and prebuilt queues, never the
         running batch nor a row's req_to_token (written behind the fence)."""
         if self.publish is None:
-            done.wait()
+            with self._blocked():
+                done.wait()
             return
-        while not done.wait(ARRIVAL_POLL_S):
+        while True:
+            with self._blocked():
+                if done.wait(ARRIVAL_POLL_S):
+                    return
             self._receive()
             self._publish_pending()
 
@@ -345,7 +370,8 @@ class DecodeEngine:
         if self.in_flight is not None:
             done, self.in_flight = self.in_flight, None
             self._process(done)
-        self.forward_stream.synchronize()
+        with self._blocked():
+            self.forward_stream.synchronize()
         self._release_deferred_pages()
 
     def close(self) -> None:

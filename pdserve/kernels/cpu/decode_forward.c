@@ -28,7 +28,9 @@
  * Threads: a projection splits its panels, the attention its requests, over
  * threads_now() parts on par.c's workers; the elementwise passes run on this thread.
  * With a core share (kernels/core_share.py) the count is read before every split from
- * the shared records, as the per-call path does. */
+ * the shared records, as the per-call path does; while the engine's schedule thread
+ * claims a core for its host work (`host_busy`, core_share.HostCore) the split takes one
+ * part fewer, never fewer than one. */
 #include <stdint.h>
 #include <string.h>
 
@@ -80,6 +82,7 @@ typedef struct {
     int64_t threads;
     const uint8_t *share;
     int64_t share_engines, share_slot, share_own;
+    const int32_t *host_busy; /* NULL, or 1 while the schedule thread computes beside us */
     /* the step */
     int64_t b;
     const int64_t *ids, *positions, *out_slots; /* [B] */
@@ -91,7 +94,7 @@ typedef struct {
     int32_t status;
 } DecodePlan;
 
-static int64_t threads_now(const DecodePlan *p) {
+static int64_t shared_threads(const DecodePlan *p) {
     if (!p->share) return p->threads;
     int64_t t = p->share_own;
     for (int64_t e = 0; e < p->share_engines; e++) {
@@ -102,6 +105,12 @@ static int64_t threads_now(const DecodePlan *p) {
         if (!computing) t += share;
     }
     return t;
+}
+
+static int64_t threads_now(const DecodePlan *p) {
+    int64_t t = shared_threads(p);
+    if (p->host_busy) t -= __atomic_load_n(p->host_busy, __ATOMIC_RELAXED);
+    return t < 1 ? 1 : t;
 }
 
 static void split(const DecodePlan *p, pd_range_fn fn, const void *args, int64_t n) {
