@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown({**result, "systems": each}))
         if len(rounds) > 1:
             print("\n".join(rounds_table(result["round_ratios"])))
-    return 0 if any(r["status"] == "ok" for rows in rounds for r in rows) else 1
+    return 0 if any(r["status"] == "ok" for each in rounds for r in each) else 1
 
 
 if __name__ == "__main__":

@@ -168,9 +168,10 @@ class HostCore:
     kernel on. Unclaimed, the forward runs exactly as without it.
 
     Why: with the forward on both cores of a 2-core machine, the schedule thread's
-    ~1-3 ms of Python per step took the forward 1.4-2x its own length (a forward thread
-    preempted mid-kernel stalls its peers); overlap on/off was 0.95-0.99
-    (benchmarks/decode_overlap.py, 2026-12-03). One writer (the schedule thread); the
+    ~1 ms of Python per step took the forward several times its own length (a forward
+    thread preempted mid-kernel stalls its peers): 64 requests, 54.9 -> 58.9 ms a step
+    for 1.07 ms of host work, and overlap on/off 0.90-1.05 (benchmarks/decode_overlap.py,
+    2026-12-03; with the claim 0.99-1.01, docs/benchmarks.md thirteenth round). One writer (the schedule thread); the
     forward's reads may see a claim one kernel late, which costs a part, never a result.
     """
 

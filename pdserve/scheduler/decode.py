@@ -72,7 +72,7 @@ class DecodeEngine:
         self.transfer_totals = TransferTotals()
         # Overlap on CPU: this thread claims a core of the forward's while it computes
         # beside it, and gives it back while it blocks (_blocked; core_share.HostCore).
-        self._host = runner.host_core if self.overlap and runner.device == "cpu" else None
+        self._host = runner.host_core if self.overlap and runner.device.startswith("cpu") else None
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
