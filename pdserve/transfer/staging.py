@@ -17,12 +17,14 @@ Any other slot list (a partial last page, a page entered mid-way) moves row by r
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 import torch
 import zmq
 
+from pdserve.kernels.page_copy import PageCopy, page_copy
 from pdserve.transfer import stages
 
 
@@ -148,7 +150,20 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_s
     rows, slots = _rows(dst), idx.numpy()
     mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
     if len(pages):
-        _np_pages(rows, page_size)[:, pages] = _np_pages(frame[:, mid], page_size)
+        to, src, native = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size), _native()
+        if native is not None:
+            native.scatter(to, pages.astype(np.int64, copy=False), src)
+        else:
+            to[:, pages] = src
     for part in rest:
         if part.start < part.stop:
             rows[:, slots[part]] = frame[:, part]
+
+
+@functools.cache
+def _native() -> PageCopy | None:
+    """The native page scatter (kernels/page_copy.py), built once per process; None
+    where it cannot be built (no C compiler): numpy's assignment does the same."""
+    from pdserve.model.make import cache_root  # NOTE: here, so importing transfer stays light
+
+    return page_copy(cache_root())

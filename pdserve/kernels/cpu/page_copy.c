@@ -1,0 +1,76 @@
+/* Page copies between a received KV frame and the pool (the decode side's scatter).
+ *
+ *   pd_page_scatter   for l < layers, i < n:
+ *                       dst[l * dst_ls + pages[i] * pb .. + pb] = src[l * src_ls + i * pb .. + pb]
+ *                     1 (nothing written) when a page is outside [0, num_pages)
+ *
+ * A page is pb bytes (page_size tokens of one layer's K or V). The pool is far larger
+ * than the caches and is not read again until a decode step, so the stores bypass the
+ * caches (non-temporal) where the CPU has them and the destination is aligned: a
+ * cached store first reads the line it overwrites, a third of the memory traffic of a
+ * copy (benchmarks/kv_transfer.py's scatter column). Elsewhere (other CPUs, odd sizes)
+ * each page is one memcpy. The caller (kernels/page_copy.py) checks shapes and strides;
+ * this file checks only the page numbers, before writing anything.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define NT_BYTES 64
+static void copy_nt(char *d, const char *s, int64_t nbytes) {
+    for (int64_t j = 0; j < nbytes; j += 64)
+        _mm512_stream_si512((__m512i *)(d + j), _mm512_loadu_si512((const void *)(s + j)));
+}
+#elif defined(__AVX__)
+#define NT_BYTES 32
+static void copy_nt(char *d, const char *s, int64_t nbytes) {
+    for (int64_t j = 0; j < nbytes; j += 32)
+        _mm256_stream_si256((__m256i *)(d + j), _mm256_loadu_si256((const __m256i *)(s + j)));
+}
+#elif defined(__SSE2__)
+#define NT_BYTES 16
+static void copy_nt(char *d, const char *s, int64_t nbytes) {
+    for (int64_t j = 0; j < nbytes; j += 16)
+        _mm_stream_si128((__m128i *)(d + j), _mm_loadu_si128((const __m128i *)(s + j)));
+}
+#endif
+
+/* 1 if non-temporal stores may write every page: each page starts on a store's alignment
+ * (the pool's base, its layer stride and the page size all multiples of it) */
+static int nt_ok(const char *dst, int64_t dst_ls, int64_t pb) {
+#ifdef NT_BYTES
+    return ((uintptr_t)dst % NT_BYTES == 0) && dst_ls % NT_BYTES == 0 && pb % NT_BYTES == 0;
+#else
+    (void)dst, (void)dst_ls, (void)pb;
+    return 0;
+#endif
+}
+
+int pd_page_scatter(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
+                    int64_t n, const char *src, int64_t src_ls, int64_t pb, int64_t layers) {
+    for (int64_t i = 0; i < n; i++)
+        if (pages[i] < 0 || pages[i] >= num_pages) return 1;
+    int nt = nt_ok(dst, dst_ls, pb);
+    (void)nt; /* unused where the CPU has no non-temporal stores */
+    for (int64_t l = 0; l < layers; l++) {
+        for (int64_t i = 0; i < n; i++) {
+            char *d = dst + l * dst_ls + pages[i] * pb;
+            const char *s = src + l * src_ls + i * pb;
+#ifdef NT_BYTES
+            if (nt) {
+                copy_nt(d, s, pb);
+                continue;
+            }
+#endif
+            memcpy(d, s, (size_t)pb);
+        }
+    }
+#ifdef NT_BYTES
+    if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
+#endif
+    return 0;
+}

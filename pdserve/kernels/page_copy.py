@@ -1,0 +1,55 @@
+"""kernels/cpu/page_copy.c: KV pages from a received frame into the pool (decode side).
+
+    scatter(dst, pages, src)    dst[:, pages[i]] = src[:, i]
+        dst  uint8 [L, num_pages, page bytes]   the pool's K or V, a page per row
+        src  uint8 [L, n, page bytes]           a frame's whole pages, in prompt order
+
+Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
+fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
+pool). The wrapper checks what the C code trusts (dtypes, shapes, strides,
+writability); the C code checks the page numbers before it writes anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.kernels.cpu_native import load
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _paged(a: np.ndarray) -> bool:
+    """[L, pages, page bytes] uint8 with contiguous pages (layers at any stride)."""
+    return a.dtype == np.uint8 and a.ndim == 3 and a.strides[2] == 1 and a.strides[1] == a.shape[2]
+
+
+class PageCopy:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._scatter = lib.pd_page_scatter
+        self._scatter.restype = ctypes.c_int
+        self._scatter.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
+
+    def scatter(self, dst: np.ndarray, pages: np.ndarray, src: np.ndarray) -> None:
+        ok = _paged(dst) and _paged(src) and dst.flags.writeable
+        ok = ok and src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2]
+        ok = ok and pages.dtype == np.int64 and pages.shape == (src.shape[1],)
+        if not ok:
+            raise ValueError(
+                f"page_copy: {dst.dtype} {dst.shape} {dst.strides} <- {src.dtype} {src.shape}"
+                f" {src.strides} at {pages.dtype} {pages.shape}"
+            )
+        pages = np.ascontiguousarray(pages)
+        layers, num_pages, pb = dst.shape
+        status = self._scatter(dst.ctypes.data, dst.strides[0], num_pages, pages.ctypes.data,
+                               len(pages), src.ctypes.data, src.strides[0], pb, layers)  # fmt: skip
+        if status:
+            raise ValueError(f"page_copy: a page outside [0, {num_pages}) in {pages.tolist()}")
+
+
+def page_copy(cache_dir: Path) -> PageCopy | None:
+    lib = load("page_copy", cache_dir)
+    return None if lib is None else PageCopy(lib)
