@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,9 @@ class _Registry:
 
 
 ENV = _Registry()
+
+
+def cache_root() -> Path:
+    """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`: made models, native kernel builds."""
+    env = ENV.CACHE_DIR.get()
+    return Path(env) if env else Path.home() / ".cache" / "pdserve"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` stays fast
     import torch
 
-from pdserve.envs import ENV
+from pdserve.envs import cache_root
 from pdserve.model import tokenizer_build as tb
 
 FORMAT_VERSION = 2  # bump when the files written here change; names the cache folder
@@ -243,12 +243,6 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     tb.build_tokenizer(p.vocab_size).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tb.tokenizer_config(p.max_position_embeddings))
     return out
-
-
-def cache_root() -> Path:
-    """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = ENV.CACHE_DIR.get()
-    return Path(env) if env else Path.home() / ".cache" / "pdserve"
 
 
 @contextlib.contextmanager

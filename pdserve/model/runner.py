@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.envs import ENV
+from pdserve.envs import ENV, cache_root
 from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
@@ -18,7 +18,6 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
 from pdserve.model.loader import load_state
-from pdserve.model.make import cache_root
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
 

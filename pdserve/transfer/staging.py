@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zmq
 
+from pdserve.envs import cache_root
 from pdserve.kernels.page_copy import PageCopy, page_copy
 from pdserve.transfer import stages
 
@@ -164,6 +165,4 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_s
 def _native() -> PageCopy | None:
     """The native page scatter (kernels/page_copy.py), built once per process; None
     where it cannot be built (no C compiler): numpy's assignment does the same."""
-    from pdserve.model.make import cache_root  # NOTE: here, so importing transfer stays light
-
     return page_copy(cache_root())
