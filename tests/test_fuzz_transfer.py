@@ -29,6 +29,7 @@ from pdserve.transfer.messages import (
     encode,
     frames_checksum,
 )
+from pdserve.transfer.staging import native_page_copy
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,7 +125,7 @@ def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
         if check_chunk(LAYOUT, x, hdr, bufs) == "":
             assert 0 <= hdr.layer_start < hdr.layer_end <= LAYOUT.num_layers
             assert 0 <= hdr.tok_start < hdr.tok_end <= N
-            write_chunk(x, hdr, bufs)
+            write_chunk(x, hdr, bufs, native_page_copy())  # the receiver's scatter
             _assert_written(x, hdr, bufs)
     assert torch.equal(x.pool.k[:, outside], k0[:, outside])
     assert torch.equal(x.pool.v[:, outside], v0[:, outside])

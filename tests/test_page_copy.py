@@ -87,15 +87,11 @@ def test_bad_shapes_are_refused(kernel) -> None:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_scatter_rows_native_or_numpy(monkeypatch, tmp_path, native) -> None:
+def test_scatter_rows_native_or_numpy(tmp_path, native) -> None:
     """The transfer's scatter (staging.scatter_rows) writes the same pool either way."""
-    if native:
-        built = page_copy(tmp_path)
-        if built is None:
-            pytest.skip("no C compiler")
-        monkeypatch.setattr(staging, "_native", lambda: built)
-    else:
-        monkeypatch.setattr(staging, "_native", lambda: None)
+    kernel = page_copy(tmp_path) if native else None
+    if native and kernel is None:
+        pytest.skip("no C compiler")
     P = 16
     pool = torch.randn(4, 64 * P, 2, 64)
     pages = torch.tensor([9, 3, 60, 0, 33])
@@ -105,5 +101,22 @@ def test_scatter_rows_native_or_numpy(monkeypatch, tmp_path, native) -> None:
     frame.setflags(write=False)
     want = pool.clone()
     want[:, idx] = src
-    scatter_rows(pool, idx, frame, P)
+    scatter_rows(pool, idx, frame, P, kernel)
     assert torch.equal(pool, want)
+
+
+def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) -> None:
+    """Built when the receiver is made (a second's compile, never inside a transfer);
+    --disable-compile (native_scatter=False) keeps numpy's assignment."""
+    from pdserve.kvcache.pools import KVLayout
+    from pdserve.transfer.receiver import KVReceiver
+
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=4)
+    on, off = KVReceiver(lay), KVReceiver(lay, native_scatter=False)
+    try:
+        assert off._page_copy is None
+        assert (on._page_copy is None) == (cpu_native.compiler() is None)
+        assert on._page_copy is staging.native_page_copy()  # one per process
+    finally:
+        on.close()
+        off.close()

@@ -116,8 +116,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--prefill-order says (no starvation; default %(default)s)")  # fmt: skip
     g.add_argument("--disable-compile", action="store_true",
                    help="no native (C) CPU kernels (decode attention, the decode's linear, "
-                        "the norms, rotation and activation of both engines): the portable "
-                        "torch and oneDNN paths (same tokens)")  # fmt: skip
+                        "the norms, rotation and activation of both engines, the decode's KV "
+                        "page scatter): the portable torch, oneDNN and numpy paths (same "
+                        "tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:

@@ -30,6 +30,7 @@ from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
+from pdserve.transfer.staging import native_page_copy
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
@@ -49,8 +50,12 @@ class KVReceiver:
         heartbeat_s: float = 1.0,
         model: str = "",
         curve: CurveKeys | None = None,
+        native_scatter: bool = True,
     ) -> None:
+        """`native_scatter`: write whole pages with the native scatter (built here, at
+        start-up), where a C compiler is; False: numpy's assignment (--disable-compile)."""
         self.layout = layout
+        self._page_copy = native_page_copy() if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -203,7 +208,7 @@ class KVReceiver:
         try:
             with x.lock:
                 if x.open:  # NOTE: cancel() may have closed it since the lookup
-                    write_chunk(x, hdr, bufs)
+                    write_chunk(x, hdr, bufs, self._page_copy)
         except Exception as e:  # fail closed: partially written KV is never reported ok
             self._fail(x, f"internal error while writing KV: {e!r}")
 

@@ -145,13 +145,20 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, page_si
             out[:, part] = src.index_select(1, idx[part])
 
 
-def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_size: int) -> None:
+def scatter_rows(
+    dst: torch.Tensor,
+    idx: torch.Tensor,
+    frame: np.ndarray,
+    page_size: int,
+    native: PageCopy | None = None,
+) -> None:
     """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
-    view over a received ZeroMQ frame (read straight from it, no intermediate copy)."""
+    view over a received ZeroMQ frame (read straight from it, no intermediate copy).
+    Whole pages go through `native` (native_page_copy()) when given, else numpy."""
     rows, slots = _rows(dst), idx.numpy()
     mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
     if len(pages):
-        to, src, native = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size), _native()
+        to, src = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size)
         if native is not None:
             native.scatter(to, pages.astype(np.int64, copy=False), src)
         else:
@@ -162,7 +169,9 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_s
 
 
 @functools.cache
-def _native() -> PageCopy | None:
-    """The native page scatter (kernels/page_copy.py), built once per process; None
-    where it cannot be built (no C compiler): numpy's assignment does the same."""
+def native_page_copy() -> PageCopy | None:
+    """The native page scatter (kernels/page_copy.py), built (about a second, once per
+    machine) and loaded once per process; None where it cannot be built (no C compiler):
+    numpy's assignment does the same. The receiver asks for it at start-up, never inside
+    a transfer."""
     return page_copy(cache_root())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
@@ -72,15 +73,17 @@ def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryvie
     return ""
 
 
-def write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
+def write_chunk(
+    x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None = None
+) -> None:
     """Precondition: check_chunk passed and the caller holds x.lock with x.open set.
 
     Scatters straight from the frame's buffer (a read-only view, no copy) into the pool."""
     with stages.timed("scatter"):
-        _write_chunk(x, h, bufs)
+        _write_chunk(x, h, bufs, native)
 
 
-def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
+def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> None:
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
@@ -94,7 +97,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview]) -> None:
             dst.index_copy_(1, idx, src.view(shape).to(dst.device))
         else:  # straight from the frame's bytes into the pool pages
             frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
-            scatter_rows(dst, idx, frame, lay.page_size)
+            scatter_rows(dst, idx, frame, lay.page_size, native)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
 
