@@ -14,6 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.envs import cache_root
+from pdserve.kernels.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import (
@@ -29,10 +31,10 @@ from pdserve.transfer.messages import (
     encode,
     frames_checksum,
 )
-from pdserve.transfer.staging import native_page_copy
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 
 pytestmark = pytest.mark.timeout(120)
+NATIVE = page_copy(cache_root())  # None where no C compiler is: numpy's assignment
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
@@ -125,7 +127,7 @@ def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
         if check_chunk(LAYOUT, x, hdr, bufs) == "":
             assert 0 <= hdr.layer_start < hdr.layer_end <= LAYOUT.num_layers
             assert 0 <= hdr.tok_start < hdr.tok_end <= N
-            write_chunk(x, hdr, bufs, native_page_copy())  # the receiver's scatter
+            write_chunk(x, hdr, bufs, NATIVE)  # the receiver's scatter
             _assert_written(x, hdr, bufs)
     assert torch.equal(x.pool.k[:, outside], k0[:, outside])
     assert torch.equal(x.pool.v[:, outside], v0[:, outside])

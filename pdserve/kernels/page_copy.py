@@ -6,8 +6,8 @@
 
 Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
 fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
-pool). transfer/staging.native_page_copy() loads it once per process; the decode's
-KVReceiver asks for it at start-up, unless --disable-compile. The wrapper checks what
+pool). The decode's KVReceiver loads it at start-up (cpu_native.load: once per
+process), unless --disable-compile. The wrapper checks what
 the C code trusts (dtypes, shapes, strides, writability); the C code checks the page
 numbers before it writes anything.
 """

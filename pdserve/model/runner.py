@@ -71,7 +71,7 @@ class ModelRunner:
             self.req_pool.req_to_token,
             self.arch.head_dim**-0.5,
             self.arch.layer_windows,
-            native_dir=self._native_dir(),
+            native_dir=self.native_dir(),
         )
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
@@ -83,7 +83,7 @@ class ModelRunner:
             cfg.cache.page_size,
         )
 
-    def _native_dir(self) -> str | None:
+    def native_dir(self) -> str | None:
         """Where native CPU kernels are built and cached, when they are on; else None."""
         if not self.cfg.compile or ENV.DISABLE_COMPILE.get("0") == "1":
             return None
@@ -95,7 +95,7 @@ class ModelRunner:
         """Build what prefill steps run natively (start-up; a no-op when compile is off):
         the native norms, rotation and activation (model/ops.py). The projections stay
         on oneDNN, which is faster at a prompt's many rows."""
-        native_dir = self._native_dir()
+        native_dir = self.native_dir()
         if native_dir is not None and self.dtype == torch.float32:
             self._native_ops(Path(native_dir))
 
@@ -107,7 +107,7 @@ class ModelRunner:
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
             warm_up()
-        native_dir = self._native_dir()
+        native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
         self._native_ops(Path(native_dir))

@@ -5,7 +5,6 @@ the scheduler knows the others; only this module puts them together."""
 from __future__ import annotations
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.envs import ENV
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.engine_api import Engine
@@ -45,7 +44,7 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             heartbeat_s=transfer.heartbeat_s,
             model=model,
             curve=curve,
-            native_scatter=cfg.compile and ENV.DISABLE_COMPILE.get("0") != "1",
+            native_scatter=runner.native_dir() is not None,  # off under --disable-compile
         )
         return DecodeEngine(cfg, runner, source)
     raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")

@@ -25,12 +25,13 @@ from collections import Counter
 import torch
 import zmq
 
+from pdserve.envs import cache_root
+from pdserve.kernels.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
-from pdserve.transfer.staging import native_page_copy
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
@@ -52,10 +53,11 @@ class KVReceiver:
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
     ) -> None:
-        """`native_scatter`: write whole pages with the native scatter (built here, at
-        start-up), where a C compiler is; False: numpy's assignment (--disable-compile)."""
+        """`native_scatter`: write whole pages with the native scatter, built (once per
+        machine, about a second) and loaded here at start-up, never inside a transfer;
+        None where no C compiler is. False: numpy's assignment (--disable-compile)."""
         self.layout = layout
-        self._page_copy = native_page_copy() if native_scatter else None
+        self._page_copy = page_copy(cache_root()) if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s

@@ -17,15 +17,13 @@ Any other slot list (a partial last page, a page entered mid-way) moves row by r
 
 from __future__ import annotations
 
-import functools
 import time
 
 import numpy as np
 import torch
 import zmq
 
-from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import PageCopy, page_copy
+from pdserve.kernels.page_copy import PageCopy
 from pdserve.transfer import stages
 
 
@@ -154,7 +152,7 @@ def scatter_rows(
 ) -> None:
     """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
     view over a received ZeroMQ frame (read straight from it, no intermediate copy).
-    Whole pages go through `native` (native_page_copy()) when given, else numpy."""
+    Whole pages go through `native` (kernels/page_copy.py) when given, else numpy."""
     rows, slots = _rows(dst), idx.numpy()
     mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
     if len(pages):
@@ -166,12 +164,3 @@ def scatter_rows(
     for part in rest:
         if part.start < part.stop:
             rows[:, slots[part]] = frame[:, part]
-
-
-@functools.cache
-def native_page_copy() -> PageCopy | None:
-    """The native page scatter (kernels/page_copy.py), built (about a second, once per
-    machine) and loaded once per process; None where it cannot be built (no C compiler):
-    numpy's assignment does the same. The receiver asks for it at start-up, never inside
-    a transfer."""
-    return page_copy(cache_root())
