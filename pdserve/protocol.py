@@ -44,6 +44,12 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # "arrive", so its first stage includes the wait in the engine's inbox (an engine
     # reads new requests between steps). 0: not stamped (the engine stamps its receipt).
     received_at: float = 0.0
+    # time.time() stamps from before the frontend's handoff, by name (EDGE_STAMPS:
+    # edge/stamps.py); an engine keeps the finite ones among its request's stages
+    stamps: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+EDGE_STAMPS = ("router_at", "http_at")
 
 
 class TokenEvent(msgspec.Struct, kw_only=True):

@@ -154,8 +154,10 @@ def generate(url: str, ids: list[int], **sp: object) -> dict:
 
 def check_breakdown(b: object) -> None:
     assert isinstance(b, dict), b
-    # prefill_queue and prefill come from the prefill's stamps, carried over the wire
-    want = {"queue", "prefill_queue", "prefill", "kv_transfer", "decode_admission"}
+    # prefill_queue and prefill come from the prefill's stamps, carried over the wire;
+    # router from the router's header, frontend from the prefill frontend's stamp
+    want = {"router", "frontend", "queue", "prefill_queue", "prefill", "kv_transfer"}
+    want.add("decode_admission")
     assert want <= b.keys(), b
     assert all(isinstance(v, float) and v >= 0 for v in b.values()), b
 
@@ -373,3 +375,37 @@ def test_ttft_breakdown_spans():
         {**want, "prefill_queue": 0.375, "prefill": 0.375, "kv_transfer": 0.25}
     )
     assert ttft_breakdown({"arrive": 1.0}) == {}
+
+
+def test_ttft_breakdown_router_and_frontend_follow_the_prefill_leg():
+    """The router's stamp to the prefill frontend's, then to the prefill's handoff; the
+    decode leg's own stamps only when the prefill's are missing (no PD)."""
+    from pdserve.server.generation import ttft_breakdown
+
+    decode = {"router_at": 1.0, "http_at": 1.5, "arrive": 1.75, "reserved": 2.0}
+    prefill = {"prefill_http": 1.25, "prefill_arrive": 1.375, "prefill_start": 2.0}
+    both = ttft_breakdown({**decode, **prefill, "prefill_end": 2.5})
+    assert both["router"] == pytest.approx(0.25) and both["frontend"] == pytest.approx(0.125)
+    alone = ttft_breakdown(decode)
+    assert alone["router"] == pytest.approx(0.5) and alone["frontend"] == pytest.approx(0.25)
+    assert "router" not in ttft_breakdown({"http_at": 1.5, "arrive": 1.75})  # another router
+
+
+def test_edge_stamps_reach_the_engine_and_bad_ones_are_dropped():
+    """The frontend's http_at and the router's header value become the request's stages;
+    a header that is not a finite positive number is dropped, never an error."""
+    from pdserve.edge.stamps import ROUTER_AT, arrival_stamps, router_header
+    from pdserve.protocol import EngineRequest
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.scheduler.request import Req
+    from pdserve.transfer.base import prefill_stages
+
+    assert arrival_stamps(router_header(12.5), now=13.0) == {"http_at": 13.0, "router_at": 12.5}
+    for bad in ("", "soon", "nan", "inf", "-1", "0"):
+        assert arrival_stamps({ROUTER_AT: bad}, now=13.0) == {"http_at": 13.0}, bad
+    assert arrival_stamps({}, now=13.0) == {"http_at": 13.0}
+    stamps = {"router_at": 12.5, "http_at": float("nan"), "other": 1.0}
+    er = EngineRequest(rid="a", input_ids=[1], params=SamplingParams(), stamps=stamps)
+    stages = Req.from_engine_request(er).stages
+    assert stages["router_at"] == 12.5 and "http_at" not in stages and "other" not in stages
+    assert prefill_stages({"prefill_http": 13.0, "http_at": 1.0}) == {"prefill_http": 13.0}

@@ -104,7 +104,9 @@ def test_generate_input_ids(sgl):
     assert data[-1] == "[DONE]"
     last = json.loads(data[-2])
     assert last["output_ids"] == sgl.want
-    assert last["meta_info"]["ttft_breakdown"]["kv_transfer"] >= 0
+    breakdown = last["meta_info"]["ttft_breakdown"]
+    assert breakdown["kv_transfer"] >= 0 and breakdown["frontend"] >= 0
+    assert "router" not in breakdown  # sglang-router sends no pdserve stamp
 
 
 def test_completions(sgl):

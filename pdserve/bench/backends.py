@@ -20,7 +20,15 @@ import httpx
 from pdserve.bench.datasets import BenchRequest
 
 PATHS = {"native": "/generate", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-BREAKDOWN_KEYS = ("queue", "prefill_queue", "prefill", "kv_transfer", "decode_admission")
+BREAKDOWN_KEYS = (
+    "router",
+    "frontend",
+    "queue",
+    "prefill_queue",
+    "prefill",
+    "kv_transfer",
+    "decode_admission",
+)
 
 
 @dataclass

@@ -6,4 +6,5 @@ bounds.py   numeric bounds of request bodies (finite floats, int64, seeds, rooms
 errors.py   the OpenAI-style error body, ClientGone
 listen.py   `serve`: the one way a pdserve HTTP server starts (exposure warning,
             quiet health polls)
+stamps.py   the router's and the frontends' time stamps of a request (TTFT breakdown)
 """

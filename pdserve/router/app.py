@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pdserve.edge.body import BodyError, read_json
 from pdserve.edge.errors import error_body
+from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
 from pdserve.router.proxy import PDProxy
@@ -126,6 +127,7 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
 
 def _add_generation(app: FastAPI, state: RouterState) -> None:
     async def generation(request: Request) -> Response:
+        stamp = router_header()  # the TTFT breakdown's `router` stage starts here
         try:  # the frontends' reader and rules: size, JSON, finite floats, int64, rooms
             body = await read_json(request, state.cfg.max_body_bytes)
         except BodyError as e:
@@ -138,7 +140,7 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             num_sequences(request.url.path, body)
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
-        headers = state.worker_headers(request)
+        headers = {**state.worker_headers(request), **stamp}
         return await state.proxy.forward(request.url.path, body, headers, request)
 
     for path in GEN_PATHS:

@@ -225,6 +225,8 @@ class PrefillEngine:
             "prefill_start": req.stages["prefill_start"],
             "prefill_end": req.stages["prefill_end"],
         }
+        if "http_at" in req.stages:  # the prefill frontend's (edge/stamps.py)
+            stamps["prefill_http"] = req.stages["http_at"]
         self.sink.on_done(req, token, logprob, stamps)
 
     def _finish(self, req: Req) -> None:

@@ -9,12 +9,13 @@ released.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.protocol import EngineRequest
+from pdserve.protocol import EDGE_STAMPS, EngineRequest
 from pdserve.sampling_params import SamplingParams
 
 
@@ -74,6 +75,10 @@ class Req:
         )
         if r.received_at > 0:  # the frontend's stamp (same host as this engine)
             req.stages["arrive"] = min(r.received_at, req.stages["arrive"])
+        for k in EDGE_STAMPS:  # the router's and the frontend's (edge/stamps.py)
+            v = r.stamps.get(k)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                req.stages[k] = float(v)
         return req
 
     @property

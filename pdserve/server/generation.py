@@ -64,13 +64,18 @@ def _pick(v, i: int):  # type: ignore[no-untyped-def]
 
 
 def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
-    """Seconds per TTFT stage from the engines' time.time() stamps; a stage whose
-    stamps are missing is left out. The router sends a request to both legs at once:
+    """Seconds per TTFT stage from the router's, frontends' and engines' time.time()
+    stamps; a stage whose stamps are missing is left out. The router sends a request to
+    both legs at once:
 
+        router:  router_at ─router─▶ prefill_http ─frontend─▶ prefill_arrive   (prefill leg)
         decode:  arrive ─queue─▶ reserved ·······································▶ kv_done
         prefill: prefill_arrive ─prefill_queue─▶ prefill_start ─prefill─▶ prefill_end ─┘
                                                                    kv_transfer ──────┘
         decode:  kv_done ─decode_admission─▶ running (the first token is emitted)
+
+    `router` and `frontend` (edge/stamps.py) follow the prefill leg, the one the first
+    token waits on; without the prefill's stamps, the decode's own (http_at, arrive).
 
     `arrive` / `prefill_arrive`: each leg's frontend hands the request to its engine
     (EngineRequest.received_at). `queue`: until the decode has reserved a row and KV
@@ -90,6 +95,10 @@ def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
         if a in stages and b in stages:
             out[name] = stages[b] - stages[a]
 
+    via_prefill = "prefill_http" in stages
+    http, handoff = ("prefill_http", "prefill_arrive") if via_prefill else ("http_at", "arrive")
+    span("router", "router_at", http)
+    span("frontend", http, handoff)
     span("queue", "arrive", "reserved")
     span("prefill_queue", "prefill_arrive", "prefill_start")
     if "prefill_start" in stages and "prefill_end" in stages:
@@ -158,9 +167,16 @@ class Frontend:
         return wanted
 
     def build_requests(
-        self, ids: list[int], params: SamplingParams, n: int, rid: str | None, boot: Bootstrap
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        n: int,
+        rid: str | None,
+        boot: Bootstrap,
+        stamps: dict[str, float] | None = None,
     ) -> list[EngineRequest]:
-        """One EngineRequest per sample; sample i gets seed + i (when seeded) and its own room."""
+        """One EngineRequest per sample; sample i gets seed + i (when seeded) and its own
+        room. `stamps`: edge/stamps.py arrival_stamps of the HTTP request."""
         try:
             params.validate(self.tokenizer.vocab_size)
         except ValueError as e:
@@ -178,7 +194,7 @@ class Frontend:
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
                                      bootstrap_host=host, bootstrap_port=port,
-                                     received_at=time.time()))  # fmt: skip
+                                     received_at=time.time(), stamps=dict(stamps or {})))  # fmt: skip
         return out
 
 

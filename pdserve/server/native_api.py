@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import error_body
+from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.engine_client import EngineDead
@@ -106,12 +107,13 @@ class _Native:
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
         body = parse(GenerateIn, await read_json(request, cfg.max_body_bytes))
         ids = _prompt_ids(fe, body)
         params = _params(fe, body, ids, cfg.default_max_new_tokens)
         n = body.sampling_params.n
-        reqs = fe.build_requests(ids, params, n, body.rid, body.bootstrap())
+        reqs = fe.build_requests(ids, params, n, body.rid, body.bootstrap(), stamps)
         if not fe.client.alive:
             return error_response(503, f"engine unavailable: {fe.client.error}")
         fe.metrics.prompt_tokens.inc(len(ids) * n)

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import error_body
+from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import EngineRequest
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import Frontend, RequestError, collect, merge, run_sample
@@ -61,6 +62,7 @@ def chat_prompt_ids(fe: Frontend, body: ChatIn) -> list[int]:
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
         body = parse(CompletionIn, await read_json(request, cfg.max_body_bytes))
         check_model(body.model, cfg)
@@ -70,12 +72,13 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         max_tokens = fe.check_prompt(ids, body.max_tokens)
         logprobs = body.logprobs is not None
         reqs = fe.build_requests(ids, body.params(max_tokens, logprobs), body.n, None,
-                                 body.bootstrap())  # fmt: skip
+                                 body.bootstrap(), stamps)  # fmt: skip
         fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer)
         return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
         body = parse(ChatIn, await read_json(request, cfg.max_body_bytes))
         check_model(body.model, cfg)
@@ -83,7 +86,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # fmt: skip
         max_tokens = fe.check_prompt(ids, wanted)
         reqs = fe.build_requests(ids, body.params(max_tokens, body.logprobs), body.n, None,
-                                 body.bootstrap())  # fmt: skip
+                                 body.bootstrap(), stamps)  # fmt: skip
         fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer)
         return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, body.logprobs)
 

@@ -21,9 +21,10 @@ import torch
 from pdserve.kvcache.pools import KVPool
 
 # The prefill's own time.time() stamps of a request, carried to the decode with the first
-# token for the TTFT breakdown (server/generation.py): it reached the prefill, its first
-# prompt chunk started computing, its first token was sampled.
-PREFILL_STAGES = ("prefill_arrive", "prefill_start", "prefill_end")
+# token for the TTFT breakdown (server/generation.py): its frontend's handler started,
+# it reached the prefill, its first prompt chunk started computing, its first token was
+# sampled.
+PREFILL_STAGES = ("prefill_http", "prefill_arrive", "prefill_start", "prefill_end")
 
 
 def prefill_stages(raw: dict[str, float]) -> dict[str, float]:
