@@ -22,6 +22,7 @@ from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
+from pdserve.router.http1 import Http1Pool
 from pdserve.router.proxy import PDProxy
 from pdserve.router.workers import Worker, WorkerPool
 
@@ -53,7 +54,8 @@ class RouterState:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
-        self.proxy = PDProxy(self.pool, self.client, self.stats)
+        self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
+        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
 
     def worker_headers(self, request: Request | None) -> dict[str, str]:
         """Headers for a worker: our API key, else the client's own Authorization."""
@@ -97,6 +99,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         yield
         poll.cancel()
         await state.client.aclose()
+        state.legs.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import ClientGone, error_body
 from pdserve.router.body import with_bootstrap
+from pdserve.router.http1 import Http1Error, Http1Pool, Http1Response, encode_json
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class LegError(Exception):
         )
 
 
-async def _error_from(resp: httpx.Response, leg: str, url: str) -> LegError:
+async def _error_from(resp: Http1Response, leg: str, url: str) -> LegError:
     raw = await resp.aread()
     try:
         body = resp.json() if raw else None
@@ -53,31 +54,32 @@ async def _error_from(resp: httpx.Response, leg: str, url: str) -> LegError:
     return LegError(resp.status_code, f"{leg} {url} answered {resp.status_code}: {text}", body)
 
 
-async def post_prefill(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> None:
+async def post_prefill(legs: Http1Pool, url: str, body: bytes, headers: dict) -> None:
     """Post the prefill leg and read its whole answer; raise LegError on failure."""
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
+        resp = await legs.post(url, body, headers)
+        try:
             if resp.status_code >= 300:
                 raise await _error_from(resp, "prefill", url)
             async for _ in resp.aiter_raw():
                 pass
-    except httpx.HTTPError as e:
+        finally:
+            await resp.aclose()
+    except Http1Error as e:
         raise LegError(502, f"prefill {url} failed: {e!r}") from e
 
 
-async def open_decode(
-    client: httpx.AsyncClient, url: str, body: dict, headers: dict
-) -> httpx.Response:
+async def open_decode(legs: Http1Pool, url: str, body: bytes, headers: dict) -> Http1Response:
     """Post the decode leg; return the open response once its headers arrived (2xx only)."""
     try:
-        resp = await client.send(
-            client.build_request("POST", url, json=body, headers=headers), stream=True
-        )
-    except httpx.HTTPError as e:
+        resp = await legs.post(url, body, headers)
+    except Http1Error as e:
         raise LegError(502, f"decode {url} failed: {e!r}") from e
     if resp.status_code >= 300:
         try:
             raise await _error_from(resp, "decode", url)
+        except Http1Error as e:
+            raise LegError(502, f"decode {url} failed: {e!r}") from e
         finally:
             await resp.aclose()
     return resp
@@ -105,7 +107,7 @@ async def race(main: asyncio.Future, prefill: asyncio.Future, gone: asyncio.Futu
             return main.result()
 
 
-def _forward_headers(resp: httpx.Response) -> dict[str, str]:
+def _forward_headers(resp: Http1Response) -> dict[str, str]:
     keep = ("content-type", "cache-control", "x-request-id")
     return {k: v for k, v in resp.headers.items() if k.lower() in keep}
 
@@ -113,9 +115,12 @@ def _forward_headers(resp: httpx.Response) -> dict[str, str]:
 class PDProxy:
     """Sends requests through a (prefill, decode) pair of `pool`."""
 
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, stats: dict[str, int]):
+    def __init__(
+        self, pool: WorkerPool, client: httpx.AsyncClient, legs: Http1Pool, stats: dict[str, int]
+    ):
         self.pool = pool
-        self.client = client
+        self.client = client  # /abort_request
+        self.legs = legs  # the two legs of every request (http1.py: why not httpx)
         self.stats = stats  # router counters, shown on /metrics
         self._background: set[asyncio.Task] = set()
 
@@ -136,8 +141,9 @@ class PDProxy:
         lease = self.pool.lease(prefill, decode)
         lease.__enter__()
         legs = _Legs(self, prefill, decode, body, lease)
-        p_task = asyncio.ensure_future(post_prefill(self.client, prefill.url + path, body, headers))
-        d_task = asyncio.ensure_future(open_decode(self.client, decode.url + path, body, headers))
+        raw = encode_json(body)  # once for both legs
+        p_task = asyncio.ensure_future(post_prefill(self.legs, prefill.url + path, raw, headers))
+        d_task = asyncio.ensure_future(open_decode(self.legs, decode.url + path, raw, headers))
         gone: asyncio.Future = (
             asyncio.ensure_future(wait_disconnect(request))
             if request is not None
@@ -145,14 +151,14 @@ class PDProxy:
         )
         legs.tasks = [p_task, d_task, gone]
         try:
-            resp: httpx.Response = await race(d_task, p_task, gone)
+            resp: Http1Response = await race(d_task, p_task, gone)
             legs.decode_resp = resp
             if body.get("stream"):
                 gone.cancel()  # StreamingResponse watches the client from here on
                 return StreamingResponse(
                     legs.relay(p_task), resp.status_code, _forward_headers(resp)
                 )
-            data = await race(asyncio.ensure_future(resp.aread()), p_task, gone)
+            data = await race(asyncio.ensure_future(_read_decode(resp)), p_task, gone)
             # NOTE: the decode's complete answer means the prefill's KV arrived intact
             # (checksums and digest checked before a token was made), so a prefill that has
             # not answered yet (stalled, slow to report) does not hold the response; one
@@ -179,9 +185,24 @@ def _sse_error(e: LegError) -> bytes:
     return b"data: " + json.dumps(e.body).encode() + b"\n\n"
 
 
-async def _chunks(resp: httpx.Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
+async def _read_decode(resp: Http1Response) -> bytes:
+    try:
+        return await resp.aread()
+    except Http1Error as e:
+        raise LegError(502, f"decode answer broke off: {e}") from e
+
+
+async def _decode_body(resp: Http1Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    except Http1Error as e:
+        raise LegError(502, f"decode stream broke off: {e}") from e
+
+
+async def _chunks(resp: Http1Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
     """The decode's raw body chunks; raises the prefill's LegError as soon as it fails."""
-    it = resp.aiter_raw().__aiter__()
+    it = _decode_body(resp).__aiter__()
     while not (prefill.done() and prefill.exception() is None):
         nxt = asyncio.ensure_future(it.__anext__())
         try:
@@ -229,7 +250,7 @@ class _Legs:
             lease,
         )
         self.tasks: list[asyncio.Future] = []
-        self.decode_resp: httpx.Response | None = None
+        self.decode_resp: Http1Response | None = None
         self._finished = False
 
     def finish(self, ok: bool, abort: bool = False) -> None:
