@@ -23,8 +23,9 @@ metrics (successful requests; mean, median, p90, p99):
   E2E    time from sending a request to the end of its stream
   throughput: completed requests, input and output tokens per second of run time
   goodput: requests/s that met every --slo-* given; SLO attainment: their share
-  TTFT breakdown (queue, prefill, kv_transfer, decode_admission): when the
-  server reports it (pdserve does).
+  TTFT breakdown (router, frontend, queue, prefill_queue, prefill, kv_transfer,
+  decode_admission): when the server reports it (pdserve does; `router` only
+  behind pdserve's own router).
 
 example:
   pdserve bench --base-url http://127.0.0.1:8000 --backend openai --dataset random \\
