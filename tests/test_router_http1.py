@@ -24,6 +24,7 @@ class Script:
         self.requests: list[tuple[str, bytes]] = []
         self.client_closed = 0
         self.dropped = 0
+        self.heads: list[str] = []
         self.server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -40,6 +41,7 @@ class Script:
                 except asyncio.IncompleteReadError:
                     self.client_closed += 1
                     return
+                self.heads.append(head.decode())
                 lines = head.decode().split("\r\n")
                 path = lines[0].split()[1]
                 n = next(
@@ -128,6 +130,7 @@ def test_framings_and_keep_alive() -> None:
         assert [c async for c in resp.aiter_raw()] == list(SSE)
         assert srv.connections == 1  # both on one kept-alive connection
         assert srv.requests[0] == ("/len", b'{"a":[1,2]}')
+        assert f"host: {base.split('//')[1]}" in srv.heads[0]
         resp = await pool.post(base + "/close", b"{}", {})
         assert resp.status_code == 503 and json.loads(await resp.aread())["error"]
         assert resp.json()["error"]["message"] == "busy"

@@ -81,7 +81,8 @@ class Http1Pool:
             raise Http1Error(f"not an http:// URL: {url!r}")
         origin = (parts.hostname, parts.port or 80)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        request = _encode(path, f"{origin[0]}:{origin[1]}", body, headers)
+        host = parts.netloc.rpartition("@")[2]  # as written: an IPv6 host keeps its brackets
+        request = _encode(path, host, body, headers)
         conn, pooled = self._take(origin)
         while True:
             if conn is None:
