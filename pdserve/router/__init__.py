@@ -2,6 +2,7 @@
 
 app.py      FastAPI app: routes, auth, /metrics, RouterConfig
 proxy.py    one request to a prefill and a decode with a shared bootstrap room
+http1.py    the lean HTTP/1.1 client the two legs go through (keep-alive pool)
 body.py     request bodies: bootstrap fields, sequence counts, error bodies
 workers.py  the worker pool and its selection policies
 cli.py      `pdserve router`
