@@ -93,9 +93,28 @@ def test_default_budget_follows_the_device(tiny_model) -> None:
     sink = RecordingSink()
     engine = PrefillEngine(cfg, ModelRunner(cfg), sink)
     engine.add_request(_req("a", list(range(3, 103))))  # 100 tokens: one step
-    engine.add_request(_req("b", list(range(3, 203))))  # 200: the budget's rest, then more
+    engine.add_request(_req("b", list(range(3, 203))))  # 200: fits a whole step, the next
     engine.step()
-    assert sink.chunks == [("a", 0, 100), ("b", 0, 156)]
+    assert sink.chunks == [("a", 0, 100)]
+    engine.step()
+    assert sink.chunks == [("a", 0, 100), ("b", 0, 200)]
+
+
+def test_a_step_starts_no_piece_of_a_prompt_a_later_step_computes_whole(tiny_model) -> None:
+    """Room left in a step goes to the shorter prompts that fit whole, then to a prompt
+    longer than a step; never to a piece of one that fits the next step."""
+    engine, sink = _engine(tiny_model, budget=16)
+    engine.add_request(_req("a", list(range(3, 9))))  # 6 tokens
+    engine.add_request(_req("b", list(range(3, 15))))  # 12: 10 left after a, fits a step
+    engine.add_request(_req("c", list(range(3, 43))))  # 40: longer than a step
+    engine.step()
+    assert sink.chunks == [("a", 0, 6), ("c", 0, 10)]
+    engine.step()
+    assert sink.chunks[2:] == [("b", 0, 12), ("c", 10, 14)]
+    engine.step()
+    engine.step()
+    assert sink.chunks[4:] == [("c", 14, 30), ("c", 30, 40)]
+    assert set(sink.done) == {"a", "b", "c"}
 
 
 def test_a_lone_prompt_is_not_split_under_the_cpu_default_budget(tiny_model) -> None:
