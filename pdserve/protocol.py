@@ -45,7 +45,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # reads new requests between steps). 0: not stamped (the engine stamps its receipt).
     received_at: float = 0.0
     # time.time() stamps from before the frontend's handoff, by name (EDGE_STAMPS:
-    # edge/stamps.py); an engine keeps the finite ones among its request's stages
+    # edge/stamps.py); an engine keeps those among its request's stages
     stamps: dict[str, float] = msgspec.field(default_factory=dict)
 
 

@@ -404,8 +404,8 @@ def test_edge_stamps_reach_the_engine_and_bad_ones_are_dropped():
     for bad in ("", "soon", "nan", "inf", "-1", "0"):
         assert arrival_stamps({ROUTER_AT: bad}, now=13.0) == {"http_at": 13.0}, bad
     assert arrival_stamps({}, now=13.0) == {"http_at": 13.0}
-    stamps = {"router_at": 12.5, "http_at": float("nan"), "other": 1.0}
+    stamps = {**arrival_stamps(router_header(12.5), now=13.0), "other": 1.0}
     er = EngineRequest(rid="a", input_ids=[1], params=SamplingParams(), stamps=stamps)
     stages = Req.from_engine_request(er).stages
-    assert stages["router_at"] == 12.5 and "http_at" not in stages and "other" not in stages
+    assert stages["router_at"] == 12.5 and stages["http_at"] == 13.0 and "other" not in stages
     assert prefill_stages({"prefill_http": 13.0, "http_at": 1.0}) == {"prefill_http": 13.0}

@@ -105,8 +105,20 @@ class Script:
         self.server.close()
 
 
-def run(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(coro)
+def run(body, read_timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    """`await body(srv, base_url, pool)` against a fresh Script server and Http1Pool."""
+
+    async def go() -> None:
+        srv = Script()
+        base = await srv.start()
+        pool = Http1Pool(read_timeout_s, 1.0)
+        try:
+            await body(srv, base, pool)
+        finally:
+            pool.close()
+            srv.close()
+
+    asyncio.run(go())
 
 
 async def _until(cond, timeout_s: float = 2.0) -> bool:  # type: ignore[no-untyped-def]
@@ -118,10 +130,7 @@ async def _until(cond, timeout_s: float = 2.0) -> bool:  # type: ignore[no-untyp
 
 
 def test_framings_and_keep_alive() -> None:
-    async def go() -> None:
-        srv = Script()
-        base = await srv.start()
-        pool = Http1Pool(5.0, 5.0)
+    async def go(srv: Script, base: str, pool: Http1Pool) -> None:
         resp = await pool.post(base + "/len", encode_json({"a": [1, 2]}), {"x-k": "v"})
         assert resp.status_code == 200 and resp.headers["x-request-id"] == "a"
         assert await resp.aread() == b"hello world"
@@ -137,17 +146,12 @@ def test_framings_and_keep_alive() -> None:
         resp = await pool.post(base + "/len", b"{}", {})  # the closed one is not reused
         await resp.aread()
         assert srv.connections == 2
-        pool.close()
-        srv.close()
 
-    run(go())
+    run(go)
 
 
 def test_a_pooled_connection_closed_idle_is_replaced_and_the_request_sent_once() -> None:
-    async def go() -> None:
-        srv = Script()
-        base = await srv.start()
-        pool = Http1Pool(5.0, 5.0)
+    async def go(srv: Script, base: str, pool: Http1Pool) -> None:
         resp = await pool.post(base + "/idle-close", b"{}", {})
         assert await resp.aread() == b"ok"  # pooled: the server closes it 50 ms later
         await asyncio.sleep(0.2)
@@ -155,37 +159,27 @@ def test_a_pooled_connection_closed_idle_is_replaced_and_the_request_sent_once()
         assert await resp.aread() == b"hello world"
         assert [p for p, _ in srv.requests] == ["/idle-close", "/len"]
         assert srv.connections == 2
-        pool.close()
-        srv.close()
 
-    run(go())
+    run(go)
 
 
 def test_a_pooled_connection_that_ends_before_an_answer_is_retried_once() -> None:
     """The server closes the kept-alive connection as the next request arrives (its
     keep-alive timeout racing the request): sent again, on a new connection."""
 
-    async def go() -> None:
-        srv = Script()
-        base = await srv.start()
-        pool = Http1Pool(5.0, 5.0)
+    async def go(srv: Script, base: str, pool: Http1Pool) -> None:
         resp = await pool.post(base + "/drop-next", b"{}", {})
         assert await resp.aread() == b"hello world"
         resp = await pool.post(base + "/len", b"{}", {})  # dropped once, then answered
         assert await resp.aread() == b"hello world"
         assert srv.dropped == 1 and [p for p, _ in srv.requests] == ["/drop-next", "/len"]
         assert srv.connections == 2
-        pool.close()
-        srv.close()
 
-    run(go())
+    run(go)
 
 
 def test_failures_are_http1_errors() -> None:
-    async def go() -> None:
-        srv = Script()
-        base = await srv.start()
-        pool = Http1Pool(0.3, 1.0)
+    async def go(srv: Script, base: str, pool: Http1Pool) -> None:
         resp = await pool.post(base + "/truncated", b"{}", {})
         with pytest.raises(Http1Error, match="broke off"):
             await resp.aread()
@@ -203,19 +197,15 @@ def test_failures_are_http1_errors() -> None:
         await srv.server.wait_closed()  # type: ignore[union-attr]
         with pytest.raises(Http1Error, match="connect"):
             await pool.post(base + "/len", b"{}", {})
-        pool.close()
 
-    run(go())
+    run(go, read_timeout_s=0.3)
 
 
 def test_every_early_end_closes_the_connection() -> None:
     """aclose before the body's end, and a cancelled request: the server sees its
     client go (the router's way of cancelling a leg), and the connection is not reused."""
 
-    async def go() -> None:
-        srv = Script()
-        base = await srv.start()
-        pool = Http1Pool(5.0, 5.0)
+    async def go(srv: Script, base: str, pool: Http1Pool) -> None:
         resp = await pool.post(base + "/chunked", b"{}", {})
         it = resp.aiter_raw().__aiter__()
         assert await it.__anext__() == SSE[0]
@@ -230,7 +220,5 @@ def test_every_early_end_closes_the_connection() -> None:
         resp = await pool.post(base + "/len", b"{}", {})
         assert await resp.aread() == b"hello world"
         assert srv.connections == 3  # neither early-ended connection came back
-        pool.close()
-        srv.close()
 
-    run(go())
+    run(go)

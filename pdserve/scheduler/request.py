@@ -9,7 +9,6 @@ released.
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -75,10 +74,8 @@ class Req:
         )
         if r.received_at > 0:  # the frontend's stamp (same host as this engine)
             req.stages["arrive"] = min(r.received_at, req.stages["arrive"])
-        for k in EDGE_STAMPS:  # the router's and the frontend's (edge/stamps.py)
-            v = r.stamps.get(k)
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                req.stages[k] = float(v)
+        # the router's and the frontend's (edge/stamps.py, which keeps only finite ones)
+        req.stages.update((k, r.stamps[k]) for k in EDGE_STAMPS if k in r.stamps)
         return req
 
     @property
