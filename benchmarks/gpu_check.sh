@@ -4,18 +4,25 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, on a CUDA machine
 #
 # 1. kernel tests compiled natively (TRITON_INTERPRET unset): attention, KV copy, FutureMap
-# 2. the row-reuse race test on CUDA streams (tests/test_decode_race_cuda.py), and the
+# 2. the row-reuse race test on CUDA streams (tests/test_decode_race_cuda.py), the KV
+#    write's landing before a transfer is reported (tests/test_transfer_cuda.py), and the
 #    decode forward under torch.cuda.set_sync_debug_mode("error") (test_forward_sync_cuda.py)
-# 3. benchmarks/decode_overlap.py, overlap on vs off
-# 4. benchmarks/kv_transfer.py (ZeroMQ vs raw TCP)
-# Each step has its own timeout; the whole run stays under 8 minutes. Exit status: 0 if
+# 3. greedy tokens on CUDA equal transformers' (tests/test_reference_tokens_cuda.py: the
+#    offline engines; tests/test_e2e_pd_cuda.py: `pdserve up --device cuda` over ZeroMQ)
+# 4. benchmarks/decode_overlap.py, overlap on vs off
+# 5. benchmarks/kv_transfer.py --device cuda (ZeroMQ between GPU pools through pinned
+#    staging, vs raw TCP between host buffers)
+# GPU_CHECK_ONLY="step step ..." runs only those steps; GPU_CHECK_LOG=DIR keeps the logs
+# there. Each step has its own timeout (11 minutes in all at worst; about 5 when every
+# step passes on an H200: see the README's table). Exit status: 0 if
 # every step passed, 1 if one failed, 2 if there is no CUDA GPU.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 unset TRITON_INTERPRET  # compile the kernels; never interpret them here
 export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-$PWD/.cache}
-LOG=$(mktemp -d -t gpu_check.XXXX)
+LOG=${GPU_CHECK_LOG:-$(mktemp -d -t gpu_check.XXXX)}  # one log per step
+mkdir -p "$LOG"
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to check." >&2
@@ -29,6 +36,7 @@ FAILED=0
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD, logs it, appends a table row
     local name=$1 limit=$2 t0 rc
     shift 2
+    case " ${GPU_CHECK_ONLY:-$name} " in *" $name "*) ;; *) return 0 ;; esac
     t0=$(date +%s)
     timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
     rc=$?
@@ -41,7 +49,7 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD, logs it, appends a table row
 
 summary() {  # the one-line result of a step, from its log
     case $1 in
-    kernel-tests | race-test-cuda | sync-free-forward) tail -n 1 "$LOG/$1.log" | tr -d '=' | sed 's/^ *//' ;;
+    kernel-tests | race-test-cuda | sync-free-forward | tokens-cuda | e2e-pd-cuda) tail -n 1 "$LOG/$1.log" | tr -d '=' | sed 's/^ *//' ;;
     decode-overlap) "$PY" - "$LOG/$1.log" <<'EOF'
 import json, sys
 try:
@@ -66,19 +74,23 @@ EOF
     esac
 }
 
-step kernel-tests 150 "$PY" -m pytest -q -p no:cacheprovider \
+step kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_kv_copy.py tests/test_future_map.py
-step race-test-cuda 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_decode_race_cuda.py
-step sync-free-forward 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_forward_sync_cuda.py
+step race-test-cuda 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_decode_race_cuda.py \
+    tests/test_transfer_cuda.py
+step sync-free-forward 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_forward_sync_cuda.py
+step tokens-cuda 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_reference_tokens_cuda.py
+step e2e-pd-cuda 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_e2e_pd_cuda.py
 
-OVERLAP_ARGS=(--concurrency 16 64 --prompt-len 128 --output-len 64 --json)
+OVERLAP_ARGS=(--concurrency 16 64 --prompt-len 128 --output-len 64 --rounds 3 --json)
 if "$PY" benchmarks/decode_overlap.py --help 2>/dev/null | grep -q -- '--device'; then
     OVERLAP_ARGS+=(--device cuda)
 else
     echo "gpu_check: decode_overlap.py has no --device flag: it measures the CPU path" >&2
 fi
-step decode-overlap 150 "$PY" benchmarks/decode_overlap.py "${OVERLAP_ARGS[@]}"
-step kv-transfer 90 "$PY" benchmarks/kv_transfer.py --tokens 1024 8192 --repeats 3 --json
+step decode-overlap 120 "$PY" benchmarks/decode_overlap.py "${OVERLAP_ARGS[@]}"
+step kv-transfer 60 "$PY" benchmarks/kv_transfer.py --device cuda --tokens 1024 8192 --repeats 3 \
+    --rounds 2 --no-curve --json
 
 echo
 echo "pdserve gpu_check, $(date -u +%Y-%m-%d), $DEVICE_NAME, torch $("$PY" -c 'import torch; print(torch.__version__)')"

@@ -59,7 +59,12 @@ def cpu_s() -> float:
 
 
 def prefill_side(
-    n: int, rooms: list[int], port_q: mp.Queue, frame_bytes: int, curve: CurveKeys | None
+    n: int,
+    rooms: list[int],
+    port_q: mp.Queue,
+    frame_bytes: int,
+    curve: CurveKeys | None,
+    device: str,
 ) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
@@ -74,7 +79,7 @@ def prefill_side(
         max_frame_bytes=frame_bytes,
         curve=curve,
     )
-    pool = random_pool(BENCH_LAYOUT, n + 64, 1)
+    pool = random_pool(BENCH_LAYOUT, n + 64, 1, device)
     side = Side(pool, *reserve(pool, n, 1))
     for room in rooms:
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
@@ -87,21 +92,25 @@ def prefill_side(
 
 
 def zmq_run(
-    n: int, repeats: int, frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None
+    n: int,
+    repeats: int,
+    frame_bytes: int = MAX_FRAME_BYTES,
+    curve: CurveKeys | None = None,
+    device: str = "cpu",
 ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
     receiver) process, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device)
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
     stages.reset()
     try:
         port = port_q.get(timeout=120)
-        dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2)
+        dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2, device)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
         gc.freeze()  # as the engine process does once it is built
         times, c0 = [], cpu_s()
@@ -120,8 +129,9 @@ def zmq_run(
         shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
         _, pre_slots = reserve(pre_pool, n, 1)
-        assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec.slots])
-        assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec.slots])
+        dec_slots = dec.slots.to(device)
+        assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec_slots].cpu())
+        assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec_slots].cpu())
         return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9, cpu_ns, shares
     finally:
         rx.close()
@@ -171,7 +181,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     frame = int(args.frame_mib * 2**20)
     rounds = []
     for _ in range(args.rounds):
-        z, z_cpu, shares = zmq_run(n, args.repeats, frame)
+        z, z_cpu, shares = zmq_run(n, args.repeats, frame, device=args.device)
         r, r_cpu = raw_run(nbytes, args.repeats)
         rounds.append((z, r, z_cpu, r_cpu, shares))
     med = statistics.median
@@ -193,7 +203,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "shares": rounds[-1][4],
     }
     if not args.no_curve:
-        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate())
+        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate(), args.device)
         r2, _ = raw_run(nbytes, args.repeats)
         out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
@@ -231,6 +241,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="(ZeroMQ, raw TCP) pairs per size")
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both pools live (cuda: gather into pinned staging, scatter from the host)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine process does (the decode side runs here)

@@ -45,6 +45,7 @@ class LLM:
         max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
         disable_overlap: bool = False,
         dtype: str = "float32",
+        device: str = EngineConfig.device,
         kernel_backend: str = "torch",
     ) -> None:
         resolved = resolve_model(model)  # None: the default model (smollm2)
@@ -52,6 +53,7 @@ class LLM:
         self.cfg = EngineConfig(
             model_path=str(resolved.path),
             dtype=dtype,
+            device=device,
             kernel_backend=kernel_backend,
             cache=CacheConfig(
                 page_size=page_size, max_total_tokens=max_total_tokens, max_context=max_context

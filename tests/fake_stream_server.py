@@ -122,8 +122,14 @@ class StreamServer:
         if fault == "hang":
             await asyncio.sleep(3600)
         n_out = _max_tokens(req)
+        loop = asyncio.get_running_loop()
+        due = t0 + self.ttft
         for i in range(n_out):
-            await _sleep_until(t0 + self.ttft + i * self.itl)
+            # Each gap is at least `itl` after the previous token actually went
+            # out: a stalled loop delays the rest, it never bunches them (a
+            # fixed schedule would catch up and send gaps shorter than `itl`).
+            await _sleep_until(due)
+            due = max(due, loop.time()) + self.itl
             if fault == "drop" and i == self.drop_after:
                 writer.transport.abort()  # no terminating chunk: a cut stream
                 return

@@ -1,8 +1,12 @@
 """`pdserve bench` against a real fake server that streams on a known clock
 (first token 50 ms after the server reads the request, then one every 20 ms).
-Tolerances are generous: the CI machine has 2 noisy cores. The lower bounds
-are sharp (the server never sends early); TTFT's upper bound is loose because
-it also holds connection setup, which a loaded machine stretches by tens of ms."""
+Tolerances are generous: the CI machine has 2 noisy cores. The server never
+sends early (each gap is at least its ITL, counted from the previous send), so
+TTFT's and ITL's lower bounds are sharp. TPOT's is not: a client stalled at a
+stream's first token reads it late and the next ones at once, which shortens
+(latency - TTFT) / (n - 1); test_bench_metrics pins the formula exactly.
+TTFT's upper bound is loose because it also holds connection setup, which a
+loaded machine stretches by tens of ms."""
 
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def config(url: str, backend: str, **kw) -> BenchConfig:
 def assert_clock(m) -> None:
     assert TTFT_MS - 2 <= m.ttft_ms.median <= TTFT_MS + TTFT_SLACK_MS
     assert ITL_MS - 5 <= m.itl_ms.median <= ITL_MS + 15
-    assert ITL_MS - 5 <= m.tpot_ms.mean <= ITL_MS + 20
+    assert ITL_MS - 10 <= m.tpot_ms.mean <= ITL_MS + 20
     assert m.e2e_ms.median >= TTFT_MS + 3 * ITL_MS - 5  # at least 4 tokens each
 
 

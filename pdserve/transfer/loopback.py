@@ -15,9 +15,10 @@ from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
 from pdserve.transfer.base import KVTicket, Ticket
 
 
-def random_pool(layout: KVLayout, num_tokens: int, seed: int) -> KVPool:
-    """A pool with room for `num_tokens` (+ padding page), filled with random values."""
-    pool = KVPool(layout, -(-num_tokens // layout.page_size) + 1)
+def random_pool(layout: KVLayout, num_tokens: int, seed: int, device: str = "cpu") -> KVPool:
+    """A pool with room for `num_tokens` (+ padding page), filled with random values
+    (drawn on the CPU: the same seed gives the same pool on every device)."""
+    pool = KVPool(layout, -(-num_tokens // layout.page_size) + 1, device)
     gen = torch.Generator().manual_seed(seed)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen).to(pool.k.dtype))
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen).to(pool.v.dtype))

@@ -94,12 +94,24 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
                 warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
                 src = torch.frombuffer(buf, dtype=getattr(torch, lay.dtype))
             shape = (n_layers, n_tok, lay.num_kv_heads, lay.head_dim)
-            dst.index_copy_(1, idx, src.view(shape).to(dst.device))
+            # from pageable memory the copy stages the frame's bytes before it returns
+            dst.index_copy_(1, idx, src.view(shape).to(dst.device, non_blocking=True))
+            land(dst.device)
         else:  # straight from the frame's bytes into the pool pages
             frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
             scatter_rows(dst, idx, frame, lay.page_size, native)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
+
+
+def land(device: torch.device) -> None:
+    """Wait until this thread's writes on `device` are done.
+
+    NOTE: the I/O thread's writes go to its own stream, which no stream of the decode
+    waits for. Once a transfer is reported, the forward stream may read its slots; once
+    it is aborted, its pages may go to another request. A write must have landed before
+    either (tests/test_transfer_cuda.py provokes the race and fails without this wait)."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 def check_done(x: Transfer, d: KVDone) -> str:
