@@ -52,7 +52,7 @@ def test_cuda_decode_forward_never_syncs(tiny_model, monkeypatch) -> None:
         tokens = guard._generate(prefill, decode)
     finally:
         decode.close()
-    assert ran[0] >= guard.NEW
+    assert ran[0] >= guard.NEW - 1  # the prefill samples the first token
     for i, prompt in enumerate(guard.PROMPTS):
         assert tokens[str(i)] == hf_greedy(tiny_model, prompt, guard.NEW)
 

@@ -141,14 +141,14 @@ def _mixed_batch(pool: KVPool, r2t: torch.Tensor) -> ForwardBatch:
         pages = pool.allocator.alloc(pool.allocator.pages_for(total))
         assert pages is not None
         slots = slots_of(pages[::-1], total, ps)  # pages out of order
-        r2t[row, :total] = slots.to(r2t.dtype)
+        r2t[row, :total] = slots.to(r2t.device, r2t.dtype)
         out_loc.extend(slots[total - n : total].tolist())
     positions = [8, 6, 7, 8, 9, 3]
     return ForwardBatch(
-        input_ids=torch.zeros(6, dtype=torch.int64),
-        positions=torch.tensor(positions),
-        out_cache_loc=torch.tensor(out_loc),
-        rows=torch.tensor([3, 1, 2]),
+        input_ids=torch.zeros(6, dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE),
+        out_cache_loc=torch.tensor(out_loc, device=DEVICE),
+        rows=torch.tensor([3, 1, 2], device=DEVICE),
         seq_lens=seq_lens,
         extend_lens=extend_lens,
     )
@@ -158,9 +158,9 @@ def _mixed_batch(pool: KVPool, r2t: torch.Tensor) -> ForwardBatch:
 def test_backend_matches_torch_backend_on_a_mixed_batch(windows: tuple[int, ...]) -> None:
     kh, group, d = 2, 3, 16
     layout = KVLayout(num_layers=2, num_kv_heads=kh, head_dim=d, dtype="float32", page_size=4)
-    pools = [KVPool(layout, 16) for _ in range(2)]
-    k0 = torch.randn(pools[0].k.shape, generator=_gen(7))  # same stale prefix in both
-    tables = [torch.zeros(5, 16, dtype=torch.int32) for _ in range(2)]
+    pools = [KVPool(layout, 16, DEVICE) for _ in range(2)]
+    k0 = torch.randn(pools[0].k.shape, generator=_gen(7)).to(DEVICE)  # same stale prefix
+    tables = [torch.zeros(5, 16, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     batches = []
     for pool, r2t in zip(pools, tables):
         pool.k.copy_(k0)
@@ -172,8 +172,8 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(windows: tuple[int, ...]
     for be, b in ((triton_be, batches[0]), (torch_be, batches[1])):
         be.prepare(b)
     for layer in range(2):
-        q = torch.randn(6, kh * group, d, generator=_gen(layer))
-        k, v = torch.randn(2, 6, kh, d, generator=_gen(10 + layer))
+        q = torch.randn(6, kh * group, d, generator=_gen(layer)).to(DEVICE)
+        k, v = torch.randn(2, 6, kh, d, generator=_gen(10 + layer)).to(DEVICE)
         got = triton_be.forward(layer, q, k, v, batches[0])
         want = torch_be.forward(layer, q, k, v, batches[1])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
