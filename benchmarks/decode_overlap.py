@@ -50,11 +50,13 @@ def run_once(
     overlap: bool,
     device: str = "cpu",
     threads: int = 0,
+    cuda_graph: bool = True,
 ) -> dict:
     cfg = EngineConfig(
         model_path=model,
         device=device,
         num_threads=threads,
+        cuda_graph=cuda_graph,
         kernel_backend="triton" if device == "cuda" else "torch",
         cache=CacheConfig(page_size=16, max_total_tokens=conc * (prompt_len + output_len + 16)),
         scheduler=SchedulerConfig(max_running_requests=conc, disable_overlap=not overlap),
@@ -111,12 +113,14 @@ def main() -> None:
                          "gives a decode one core of two)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=7,
                     help="(off, on) pairs per concurrency, taking turns; on/off is their median")  # fmt: skip
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="cuda: launch the forward's kernels one by one (no graph replay)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     model = args.model or str(default_model_path("bench"))
     rows = []
     for overlap in (False, True):  # warm-up, untimed (see the module docstring)
-        run_once(model, 8, 32, 8, overlap=overlap, device=args.device, threads=args.threads)
+        run_once(model, 8, 32, 8, overlap, args.device, args.threads, not args.disable_cuda_graph)
     for conc in args.concurrency:
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for r in range(args.rounds):  # the order alternates, so neither side always goes first
@@ -130,6 +134,7 @@ def main() -> None:
                         overlap=overlap,
                         device=args.device,
                         threads=args.threads,
+                        cuda_graph=not args.disable_cuda_graph,
                     )  # fmt: skip
                 )
         ratios = [

@@ -8,12 +8,14 @@
 #    write's landing before a transfer is reported (tests/test_transfer_cuda.py), and the
 #    decode forward under torch.cuda.set_sync_debug_mode("error") (test_forward_sync_cuda.py)
 # 3. greedy tokens on CUDA equal transformers' (tests/test_reference_tokens_cuda.py: the
-#    offline engines; tests/test_e2e_pd_cuda.py: `pdserve up --device cuda` over ZeroMQ)
-# 4. benchmarks/decode_overlap.py, overlap on vs off
+#    offline engines; tests/test_cuda_graph.py: graph replay vs the eager forward;
+#    tests/test_e2e_pd_cuda.py: `pdserve up --device cuda` over ZeroMQ)
+# 4. benchmarks/decode_overlap.py, overlap on vs off, with the decode's CUDA graphs and
+#    without (decode-overlap-eager)
 # 5. benchmarks/kv_transfer.py --device cuda (ZeroMQ between GPU pools through pinned
 #    staging, vs raw TCP between host buffers)
 # GPU_CHECK_ONLY="step step ..." runs only those steps; GPU_CHECK_LOG=DIR keeps the logs
-# there. Each step has its own timeout (11 minutes in all at worst; about 5 when every
+# there. Each step has its own timeout (13 minutes in all at worst; about 5 when every
 # step passes on an H200: see the README's table). Exit status: 0 if
 # every step passed, 1 if one failed, 2 if there is no CUDA GPU.
 set -u
@@ -50,7 +52,7 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD, logs it, appends a table row
 summary() {  # the one-line result of a step, from its log
     case $1 in
     kernel-tests | race-test-cuda | sync-free-forward | tokens-cuda | e2e-pd-cuda) tail -n 1 "$LOG/$1.log" | tr -d '=' | sed 's/^ *//' ;;
-    decode-overlap) "$PY" - "$LOG/$1.log" <<'EOF'
+    decode-overlap*) "$PY" - "$LOG/$1.log" <<'EOF'
 import json, sys
 try:
     rows = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["results"]
@@ -79,7 +81,8 @@ step kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider \
 step race-test-cuda 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_decode_race_cuda.py \
     tests/test_transfer_cuda.py
 step sync-free-forward 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_forward_sync_cuda.py
-step tokens-cuda 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_reference_tokens_cuda.py
+step tokens-cuda 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_reference_tokens_cuda.py \
+    tests/test_cuda_graph.py
 step e2e-pd-cuda 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_e2e_pd_cuda.py
 
 OVERLAP_ARGS=(--concurrency 16 64 --prompt-len 128 --output-len 64 --rounds 3 --json)
@@ -89,6 +92,8 @@ else
     echo "gpu_check: decode_overlap.py has no --device flag: it measures the CPU path" >&2
 fi
 step decode-overlap 120 "$PY" benchmarks/decode_overlap.py "${OVERLAP_ARGS[@]}"
+step decode-overlap-eager 120 "$PY" benchmarks/decode_overlap.py "${OVERLAP_ARGS[@]}" \
+    --disable-cuda-graph
 step kv-transfer 60 "$PY" benchmarks/kv_transfer.py --device cuda --tokens 1024 8192 --repeats 3 \
     --rounds 2 --no-curve --json
 

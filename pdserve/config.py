@@ -96,6 +96,9 @@ class EngineConfig:
     # build the native CPU decode attention with the machine's C compiler (cached under the
     # cache dir); PDSERVE_DISABLE_COMPILE=1 turns it off whatever this says
     compile: bool = True
+    # CUDA: replay the decode forward from CUDA graphs captured at start-up, one per
+    # batch-size bucket (model/cuda_graph.py); False launches its kernels one by one
+    cuda_graph: bool = True
     # "PATH:SLOT:ENGINES": borrow idle peer engines' cores on this host (kernels/core_share.py);
     # `pdserve up` sets it when it chooses the thread counts
     core_share: str = ""

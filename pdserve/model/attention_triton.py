@@ -80,6 +80,15 @@ class TritonAttention:
         position below seq_lens[i] - extend_lens[i] already has its K/V in the pool."""
         batch.attn_plan = _TritonPlan.build(batch)
 
+    def static_decode_plan(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, tok: torch.Tensor
+    ) -> _TritonPlan:
+        """The plan of a decode batch over caller-owned buffers (a CUDA graph's inputs:
+        the plan's tensors stay the same, their contents change). rows int64, seq_lens
+        and tok int32, all [B] on the pool's device."""
+        none = rows[:0].to(torch.int32)
+        return _TritonPlan(rows, seq_lens, tok, rows[:0], none, none, none, max_extend=0)
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:

@@ -14,6 +14,8 @@ from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
+from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
@@ -35,6 +37,7 @@ class ModelRunner:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
         self.native_forward: NativeDecodeForward | None = None  # set by warm_up_decode
+        self.graphed: GraphedDecode | None = None  # CUDA; set by warm_up_decode
         self.core_share = None  # cores lent between engines on this host (kernels/core_share)
         if cfg.core_share and cfg.device.startswith("cpu"):
             path, slot, engines = core_share.parse(cfg.core_share)
@@ -107,6 +110,7 @@ class ModelRunner:
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
             warm_up()
+        self._capture_graphs()
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
@@ -118,6 +122,20 @@ class ModelRunner:
         for lin in self.model.linears():
             lin.use_native(kernel)
         self._native_forward(Path(native_dir))
+
+    def _capture_graphs(self) -> None:
+        """On CUDA, the decode forward's graphs for every batch size the engine runs."""
+        if not (self.cfg.cuda_graph and self.device.startswith("cuda")):
+            return
+        if not isinstance(self.attn, TritonAttention):
+            log.info("decode steps launch kernels one by one: graphs need Triton attention")
+            return
+        self.graphed = GraphedDecode.capture(
+            lambda batch: self.model.forward(batch, self.attn),
+            self.attn,
+            self.cfg.scheduler.max_running_requests,
+            torch.device(self.device),
+        )
 
     def _native_forward(self, native_dir: Path) -> None:
         """The whole decode step as one native call, where the model fits it."""
@@ -160,6 +178,9 @@ class ModelRunner:
     def _forward(
         self, batch: ForwardBatch, between_layers: Callable[[], None] | None = None
     ) -> torch.Tensor:
+        graphed = self.graphed
+        if graphed is not None and graphed.fits(batch):
+            return graphed(batch)  # NOTE: logits are the graph's; sample before the next step
         native = self.native_forward
         if native is not None and native.fits(batch):
             return native(batch)  # NOTE: asks the core share itself, kernel by kernel

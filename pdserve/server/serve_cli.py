@@ -119,6 +119,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the norms, rotation and activation of both engines, the decode's KV "
                         "page scatter): the portable torch, oneDNN and numpy paths (same "
                         "tokens)")  # fmt: skip
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: launch the decode forward's kernels one by one instead of "
+                        "replaying the CUDA graph captured at start-up for the step's batch "
+                        "size (same tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -227,6 +231,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         model_path=model, dtype=args.dtype, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
         num_threads=args.num_threads, compile=not args.disable_compile,
+        cuda_graph=not args.disable_cuda_graph,
         core_share=args.core_share, nice=args.nice,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           max_context=args.max_context),
