@@ -135,6 +135,8 @@ class GraphedDecode:
         n = batch.batch_size
         graph = next(g for g in self.graphs if g.size >= n)
         seq_lens = batch.attn_plan.dec_lens  # type: ignore[attr-defined]  # a Triton plan
+        # NOTE: the buffers are shared by every step: loaded and replayed on the current
+        # (forward) stream only, so a step's load cannot overtake the previous replay
         self.static.load(batch, seq_lens, graph.size)
         graph.replay()
         return graph.logits[:n]
