@@ -244,7 +244,12 @@ def test_n2_seeded_samples(stack):
 
 
 def test_concurrent_requests_match_transformers(stack):
-    prompts = [prompt(stack.tok, i % N_PROMPTS) for i in range(8)]
+    check_concurrent(stack, 8)
+
+
+def check_concurrent(stack: Stack, n: int) -> None:
+    """n requests, 8 at a time: each one's greedy tokens equal transformers'."""
+    prompts = [prompt(stack.tok, i % N_PROMPTS) for i in range(n)]
     with ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda ids: generate(stack.url, ids)["output_ids"], prompts))
     for ids, out in zip(prompts, outs):
@@ -326,6 +331,16 @@ def all_free(info: dict) -> bool:
     )
 
 
+def assert_all_free_soon(stack: Stack, within_s: float = 10.0) -> None:
+    """Every row and page of both workers is free within `within_s`."""
+    deadline = time.monotonic() + within_s
+    infos = [server_info(stack.prefill), server_info(stack.decode)]
+    while not all(all_free(i) for i in infos) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        infos = [server_info(stack.prefill), server_info(stack.decode)]
+    assert all(all_free(i) for i in infos), infos
+
+
 def test_client_disconnect_frees_resources(stack):
     ids = prompt(stack.tok, 2)
     body = {"prompt": [ids], "max_tokens": 3000, "temperature": 0, "stream": True}
@@ -336,12 +351,7 @@ def test_client_disconnect_frees_resources(stack):
         busy = server_info(stack.decode)
         assert not all_free(busy), busy  # the request holds a row and pages now
         chunks.close()  # NOTE: closing the line iterator closes the connection
-    deadline = time.monotonic() + 10
-    infos = [server_info(stack.prefill), server_info(stack.decode)]
-    while not all(all_free(i) for i in infos) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        infos = [server_info(stack.prefill), server_info(stack.decode)]
-    assert all(all_free(i) for i in infos), infos
+    assert_all_free_soon(stack)
     assert generate(stack.url, ids)["output_ids"] == stack.ref(ids)
 
 

@@ -6,8 +6,6 @@ is free on both sides. Skipped without a GPU."""
 from __future__ import annotations
 
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,12 +17,12 @@ from tests.test_e2e_pd import (
     N_PROMPTS,
     NEW,
     Stack,
-    all_free,
+    assert_all_free_soon,
+    check_concurrent,
     free_port,
     generate,
     pool_args,
     prompt,
-    server_info,
     spawn,
     sse_objects,
     stop,
@@ -68,14 +66,5 @@ def test_generate_and_stream_match_transformers(stack):
 
 
 def test_concurrent_requests_match_transformers_and_free_everything(stack):
-    prompts = [prompt(stack.tok, i % N_PROMPTS) for i in range(16)]
-    with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda ids: generate(stack.url, ids)["output_ids"], prompts))
-    for ids, out in zip(prompts, outs):
-        assert out == stack.ref(ids)
-    deadline = time.monotonic() + 10
-    infos = [server_info(stack.prefill), server_info(stack.decode)]
-    while not all(all_free(i) for i in infos) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        infos = [server_info(stack.prefill), server_info(stack.decode)]
-    assert all(all_free(i) for i in infos), infos
+    check_concurrent(stack, 16)
+    assert_all_free_soon(stack)

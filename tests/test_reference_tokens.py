@@ -32,10 +32,17 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 def test_greedy_matches_transformers(
     preset: str, page_size: int, overlap: bool, kernels: str
 ) -> None:
+    check_greedy(preset, page_size, overlap, kernels, device="cpu")
+
+
+def check_greedy(preset: str, page_size: int, overlap: bool, kernels: str, device: str) -> None:
+    """Five prompts (one prefilled in two chunks) through fewer rows than prompts: each
+    request's greedy tokens equal transformers' (on the CPU, fp32); pools end free."""
     path = model_path(preset)
     prompts = _prompts(4096, [1, 7, 33, 70, 5], seed=page_size)
     llm = LLM(
         path,
+        device=device,
         page_size=page_size,
         max_running_requests=3,  # fewer rows than prompts: rows are reused
         max_prefill_tokens=48,  # the 70-token prompt is prefilled in two chunks
@@ -44,6 +51,7 @@ def test_greedy_matches_transformers(
         disable_overlap=not overlap,
         kernel_backend=kernels,
     )
+    assert llm.decode.runner.device == device
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     )
