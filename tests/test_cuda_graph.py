@@ -19,11 +19,11 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.model import cuda_graph
 from pdserve.model.cuda_graph import GraphedDecode, buckets
 from pdserve.model.runner import ModelRunner
-from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.prefill import PrefillEngine
 from pdserve.transfer.handoff import InProcessHandoff
+from tests import test_forward_sync_guard as guard
 from tests.conftest import hf_greedy
 
 ROWS = 5  # buckets 1, 2, 4, 5: a step of 3 pads one entry, a step of 5 none
@@ -71,23 +71,8 @@ def _engines(model, device: str, graphs: bool) -> tuple[PrefillEngine, DecodeEng
 
 
 def _generate(prefill: PrefillEngine, decode: DecodeEngine, work) -> dict[str, list[int]]:
-    for i, (prompt, n) in enumerate(work):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        er = EngineRequest(rid=str(i), input_ids=prompt, params=params, room=i + 1)
-        prefill.add_request(er)
-        decode.add_request(er)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
-    done: set[str] = set()
-    for _ in range(2000):
-        prefill.step()
-        for ev in decode.step():
-            assert ev.error is None, ev.error
-            tokens[ev.rid].extend(ev.token_ids)
-            done |= {ev.rid} if ev.finished else set()
-        if len(done) == len(work):
-            break
-    decode.drain()
-    return tokens
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
+    return guard._generate(prefill, decode, [p for p, _ in work], params)
 
 
 def _count_replays(graphed: GraphedDecode) -> list[tuple[int, int]]:

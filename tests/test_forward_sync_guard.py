@@ -108,10 +108,15 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
 def _generate(
-    prefill: PrefillEngine, decode: DecodeEngine, prompts=PROMPTS, params=GREEDY
+    prefill: PrefillEngine,
+    decode: DecodeEngine,
+    prompts=PROMPTS,
+    params: SamplingParams | list[SamplingParams] = GREEDY,
 ) -> dict[str, list]:
-    for i, prompt in enumerate(prompts):
-        er = EngineRequest(rid=str(i), input_ids=prompt, params=params, room=i + 1)
+    """Greedy (or `params`: one for all, or one a prompt) tokens of each prompt, by rid."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, each, strict=True)):
+        er = EngineRequest(rid=str(i), input_ids=prompt, params=p, room=i + 1)
         prefill.add_request(er)
         decode.add_request(er)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
