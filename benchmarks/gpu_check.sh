@@ -8,7 +8,8 @@
 #    write's landing before a transfer is reported (tests/test_transfer_cuda.py), and the
 #    decode forward under torch.cuda.set_sync_debug_mode("error") (test_forward_sync_cuda.py)
 # 3. greedy tokens on CUDA equal transformers' (tests/test_reference_tokens_cuda.py: the
-#    offline engines; tests/test_cuda_graph.py: graph replay vs the eager forward;
+#    offline engines, and bfloat16 against transformers in bf16 to bf16's precision;
+#    tests/test_cuda_graph.py: graph replay vs the eager forward;
 #    tests/test_e2e_pd_cuda.py: `pdserve up --device cuda` over ZeroMQ)
 # 4. benchmarks/decode_overlap.py, overlap on vs off, with the decode's CUDA graphs and
 #    without (decode-overlap-eager)

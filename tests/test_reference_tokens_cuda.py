@@ -5,6 +5,8 @@ attention backend (chosen automatically on CUDA), CUDA forward and schedule stre
 and the FutureMap's Triton kernels compiled natively. The reference stays transformers
 in fp32 on the CPU, so this also checks that nothing on the GPU path rounds through
 TF32 (torch's matmuls default to full fp32; the attention kernel asks for "ieee").
+bfloat16 is checked against transformers in bf16 on the same GPU, to bf16's precision
+(the bound of tests/test_bf16_tokens.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_bf16_tokens import check_bf16
 from tests.test_reference_tokens import check_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -35,3 +38,10 @@ def test_greedy_on_cuda_matches_transformers(
     preset: str, page_size: int, overlap: bool, kernels: str
 ) -> None:
     check_greedy(preset, page_size, overlap, kernels, device="cuda")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-llama3"])
+def test_bf16_greedy_on_cuda_agrees_with_transformers_bf16(preset: str) -> None:
+    """bfloat16 on the GPU (Triton attention, CUDA graphs) against transformers in bf16 on
+    the same GPU, to bf16's precision (tests/test_bf16_tokens.py)."""
+    check_bf16(preset, "cuda", "triton")
