@@ -3,13 +3,17 @@
 The engine thread hands work over with `submit(fn)` (thread-safe, never blocks);
 the I/O thread owns every ZeroMQ socket, runs the submitted work in FIFO order,
 dispatches readable sockets in turns of at most SLICE_S each, and fires `on_tick`
-after every turn (and at least every `tick_s`).
+about every `tick_s`: after the first turn that ends tick_s or more after the last tick
+(an idle thread wakes for it). Not after every turn: a tick scans every room or transfer
+for its timers (a sender's tick with 4,000 rooms took 0.22 ms here), and a thread that
+messages trickle into turns once per message.
 Events for the engine go through `emit` and come out of `drain` (thread-safe).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -40,6 +44,7 @@ class IOThread:
         self._killed = False
         self.on_tick: Callable[[], None] = lambda: None
         self.on_exit: Callable[[bool], None] = lambda killed: None
+        self._next_tick = 0.0  # time.monotonic() when on_tick fires next
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -94,17 +99,26 @@ class IOThread:
         try:
             while not self._stop.is_set():
                 busy = not self._work.empty()  # leftover work: only peek at the sockets
-                ready = dict(self._poller.poll(0 if busy else self.tick_ms))
+                ready = dict(self._poller.poll(0 if busy else self._ms_to_tick()))
                 self._run_work()
                 for sock, fn in list(self._readers.items()):
                     if ready.get(sock) and not self._stop.is_set():
                         self._drain_socket(sock, fn)
                 if not self._stop.is_set():
-                    self.on_tick()
+                    self._maybe_tick()
         except Exception:
             log.exception("transfer I/O thread crashed")
         finally:
             self.on_exit(self._killed)
+
+    def _ms_to_tick(self) -> int:
+        return max(0, min(self.tick_ms, math.ceil((self._next_tick - time.monotonic()) * 1e3)))
+
+    def _maybe_tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + self.tick_ms / 1000
+            self.on_tick()
 
     def _run_work(self) -> None:
         try:
