@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.conftest import assert_pools_free, model_path
+from tests.conftest import assert_pools_free, greedy_of, model_path
 from tests.test_reference_tokens import _prompts
 
 NEW_TOKENS = 32
@@ -98,11 +98,7 @@ def test_the_bound_refuses_a_wrong_sequence() -> None:
     they part from its cache-free re-read on a step or two; shifted by one, most fail."""
     hf = load_hf("tiny", "cpu")
     prompt = _prompts(hf.config.vocab_size, [33], seed=3)[0]
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-        )
-    seq = out[0, len(prompt) :].tolist()
+    seq = greedy_of(hf, prompt, NEW_TOKENS)
     regrets, allowed, agree = score(hf, prompt, seq)
     assert agree >= MIN_AGREE * NEW_TOKENS and all(r <= a for r, a in zip(regrets, allowed))
     regrets, allowed, _ = score(hf, prompt, seq[1:] + seq[:1])
