@@ -51,9 +51,11 @@ def run_once(
     device: str = "cpu",
     threads: int = 0,
     cuda_graph: bool = True,
+    dtype: str = "float32",
 ) -> dict:
     cfg = EngineConfig(
         model_path=model,
+        dtype=dtype,
         device=device,
         num_threads=threads,
         cuda_graph=cuda_graph,
@@ -113,6 +115,8 @@ def main() -> None:
                          "gives a decode one core of two)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=7,
                     help="(off, on) pairs per concurrency, taking turns; on/off is their median")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype (weights, activations, KV cache)")  # fmt: skip
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="cuda: launch the forward's kernels one by one (no graph replay)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -120,7 +124,10 @@ def main() -> None:
     model = args.model or str(default_model_path("bench"))
     rows = []
     for overlap in (False, True):  # warm-up, untimed (see the module docstring)
-        run_once(model, 8, 32, 8, overlap, args.device, args.threads, not args.disable_cuda_graph)
+        run_once(
+            model, 8, 32, 8, overlap, args.device, args.threads,
+            not args.disable_cuda_graph, args.dtype,
+        )  # fmt: skip
     for conc in args.concurrency:
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for r in range(args.rounds):  # the order alternates, so neither side always goes first
@@ -135,6 +142,7 @@ def main() -> None:
                         device=args.device,
                         threads=args.threads,
                         cuda_graph=not args.disable_cuda_graph,
+                        dtype=args.dtype,
                     )  # fmt: skip
                 )
         ratios = [
@@ -156,6 +164,7 @@ def main() -> None:
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": args.device,
+        "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
     }
