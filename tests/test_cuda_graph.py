@@ -109,15 +109,21 @@ cpu_only = pytest.mark.skipif(
 )
 
 
-@cpu_only
-def test_bucketed_decode_matches_transformers_on_cpu(tiny_model) -> None:
-    prefill, decode = _engines(tiny_model, "cpu", graphs=False)
+def _stand_in(model) -> tuple[PrefillEngine, DecodeEngine]:
+    """CPU engines whose decode goes through the buckets with the eager stand-in replay."""
+    prefill, decode = _engines(model, "cpu", graphs=False)
     runner = decode.runner
     assert runner.graphed is None  # nothing is captured off CUDA
     runner.graphed = GraphedDecode.capture(
         lambda batch: runner.model.forward(batch, runner.attn), runner.attn, ROWS,
         torch.device("cpu"),
     )  # fmt: skip
+    return prefill, decode
+
+
+@cpu_only
+def test_bucketed_decode_matches_transformers_on_cpu(tiny_model) -> None:
+    prefill, decode = _stand_in(tiny_model)
     try:
         seen = _check(tiny_model, prefill, decode, _workload())
     finally:
@@ -133,16 +139,11 @@ def test_the_static_plan_is_what_the_kernels_read(tiny_model, monkeypatch) -> No
     static buffers (every entry attends to its first position only), tokens go wrong."""
     plain = cuda_graph._Static.load
 
-    def without_lens(self, batch, seq_lens, b) -> None:
-        plain(self, batch, torch.ones_like(seq_lens), b)
+    def without_lens(self, batch, seq_lens) -> None:
+        plain(self, batch, torch.ones_like(seq_lens))
 
     monkeypatch.setattr(cuda_graph._Static, "load", without_lens)
-    prefill, decode = _engines(tiny_model, "cpu", graphs=False)
-    runner = decode.runner
-    runner.graphed = GraphedDecode.capture(
-        lambda batch: runner.model.forward(batch, runner.attn), runner.attn, ROWS,
-        torch.device("cpu"),
-    )  # fmt: skip
+    prefill, decode = _stand_in(tiny_model)
     work = _workload()
     try:
         tokens = _generate(prefill, decode, work)

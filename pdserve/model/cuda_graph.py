@@ -60,6 +60,7 @@ class _Static:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.tok = torch.arange(size, dtype=torch.int32, device=device)
         self.last = torch.arange(size, dtype=torch.int64, device=device)
+        self.loaded = 0  # INVARIANT: entries from here on hold padding
 
     def batch(self, b: int, attn: TritonAttention) -> ForwardBatch:
         """A decode batch of b entries over the buffers (the graph's inputs)."""
@@ -75,18 +76,19 @@ class _Static:
         batch.attn_plan = attn.static_decode_plan(self.rows[:b], self.seq_lens[:b], self.tok[:b])
         return batch
 
-    def load(self, batch: ForwardBatch, seq_lens: torch.Tensor, b: int) -> None:
-        """Copy a prepared decode batch of n <= b entries in; pad n..b-1."""
+    def load(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        """Copy a prepared decode batch of n entries in; every entry past n is padding."""
         n = batch.batch_size
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_loc[:n].copy_(batch.out_cache_loc)
         self.rows[:n].copy_(batch.rows)
         self.seq_lens[:n].copy_(seq_lens)
-        if n < b:  # a larger step may have left its entries here
+        if n < self.loaded:  # a larger step left its entries here: pad them again, once
             for buf in (self.input_ids, self.positions, self.out_loc, self.rows):
-                buf[n:b].zero_()
-            self.seq_lens[n:b].fill_(1)
+                buf[n : self.loaded].zero_()
+            self.seq_lens[n : self.loaded].fill_(1)
+        self.loaded = n
 
 
 @dataclass
@@ -137,7 +139,7 @@ class GraphedDecode:
         seq_lens = batch.attn_plan.dec_lens  # type: ignore[attr-defined]  # a Triton plan
         # NOTE: the buffers are shared by every step: loaded and replayed on the current
         # (forward) stream only, so a step's load cannot overtake the previous replay
-        self.static.load(batch, seq_lens, graph.size)
+        self.static.load(batch, seq_lens)
         graph.replay()
         return graph.logits[:n]
 
