@@ -135,9 +135,11 @@ def test_bad_input_is_refused(native) -> None:
         k.silu_mul(torch.randn(2, 7))
 
 
-def test_a_prefill_runner_takes_the_passes_not_the_linear(native, monkeypatch, tiny_model):
+def test_a_prefill_runner_takes_the_passes_the_linear_and_the_attention(
+    native, monkeypatch, tiny_model
+):
     """A prefill engine's own model (its own process under `pdserve up`) runs the native
-    passes and keeps its projections on oneDNN."""
+    passes, projections and attention once warmed up (ModelRunner.warm_up_prefill)."""
     from pdserve.config import EngineConfig
     from pdserve.model.runner import ModelRunner
 
@@ -146,7 +148,8 @@ def test_a_prefill_runner_takes_the_passes_not_the_linear(native, monkeypatch, t
     assert type(runner.model.ops) is TorchOps
     runner.warm_up_prefill()
     assert isinstance(runner.model.ops, NativeOps)
-    assert all(lin.native is None for lin in runner.model.linears())
+    assert all(lin.native is not None for lin in runner.model.linears())
+    assert runner.attn.native
 
 
 def test_engine_runs_them_and_matches_transformers(native, monkeypatch, tiny_model) -> None:

@@ -117,19 +117,26 @@ class Split:
     def __init__(self, cache_dir: Path) -> None:
         lib = load("par", cache_dir)
         self._run = None if lib is None else lib.pd_par_run
-        if self._run is not None:
-            self._run.restype = ctypes.c_int
+        self._chunks = None if lib is None else lib.pd_par_run_chunks
+        if lib is not None:
+            self._run.restype = self._chunks.restype = ctypes.c_int
             self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
+            self._chunks.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64]
 
     # threads for each call; None: the calling thread's torch threads. An engine sharing
     # its host's cores (kernels/core_share.py) sets CoreShare.kernel_threads here.
     budget: Callable[[], int] | None = None
 
-    def __call__(self, fn: _CFn, args: ctypes.Structure, n: int) -> None:
+    def __call__(self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0) -> None:
+        """fn over [0, n): one near-equal range per thread, or (grain > 0) chunks of
+        `grain` that the threads take in turn (par.c pd_par_run_chunks: a thread another
+        process preempts holds up only its chunk in progress)."""
         want = torch.get_num_threads() if Split.budget is None else Split.budget()
         parts = max(1, min(want, n))
         if self._run is None or parts == 1:
             fn(ctypes.byref(args), 0, n)
+        elif grain > 0:
+            self._chunks(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts, grain)
         else:
             self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
 
@@ -171,21 +178,28 @@ class PagedDecode:
         slots: torch.Tensor,
         bounds: torch.Tensor,
         scale: float,
+        out: torch.Tensor | None = None,
+        grain: int = 0,
     ) -> torch.Tensor:
         """q [B, H, D] (rows of H * D contiguous); kc, vc [S, KH, D] contiguous; slots
-        [B, Lmax] int64; bounds [B, 2] int64 (first key position, number of keys)."""
+        [B, Lmax] int64 (rows may share one: stride 0); bounds [B, 2] int64 (first key
+        position, number of keys). Into `out` [B, H, D] contiguous, or a new tensor.
+        `grain` > 0: requests go to threads in chunks of that many (Split)."""
         b, h, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         assert kc.is_contiguous() and vc.is_contiguous() and slots.stride(1) == 1
         assert slots.dtype == bounds.dtype == torch.int64 and bounds.is_contiguous()
-        out = torch.empty(b, h, d, dtype=q.dtype)
+        assert bounds.shape == (b, 2) and slots.shape[0] == b
+        if out is None:
+            out = torch.empty(b, h, d, dtype=q.dtype)
+        assert out.shape == (b, h, d) and out.is_contiguous() and out.dtype == q.dtype
         if b == 0:
             return out
         args = _PagedDecodeArgs(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
                                 slots.data_ptr(), slots.stride(0), bounds.data_ptr(), h,
                                 kc.shape[1], d, scale, out.data_ptr(), 0)  # fmt: skip
-        self._split(self._fn, args, b)  # requests
+        self._split(self._fn, args, b, grain)  # requests
         if args.status:
             raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
         return out
@@ -238,8 +252,20 @@ class LinearF32:
             return y
         b = 0 if bias is None else bias.data_ptr()
         args = _LinearArgs(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
-        self._split(self._fn, args, packed.shape[0])
+        panels = packed.shape[0]
+        self._split(self._fn, args, panels, self.grain(m, panels))
         return y
+
+    CHUNK_ROWS = 32  # from this many rows (a prompt's) a call is split in chunks
+
+    @staticmethod
+    def grain(m: int, panels: int) -> int:
+        """Panels per chunk: 0 (one fixed range per thread) for a decode's few rows, whose
+        whole call lasts 10-500 us; for a prompt's rows an even count (whole pairs on
+        AVX-512) near panels / 16, so each thread takes 8 or more chunks of 0.1-1 ms."""
+        if m < LinearF32.CHUNK_ROWS:
+            return 0
+        return max(2, panels // 16 // 2 * 2)
 
 
 def linear_f32(cache_dir: Path) -> LinearF32 | None:

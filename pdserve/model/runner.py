@@ -96,11 +96,24 @@ class ModelRunner:
 
     def warm_up_prefill(self) -> None:
         """Build what prefill steps run natively (start-up; a no-op when compile is off):
-        the native norms, rotation and activation (model/ops.py). The projections stay
-        on oneDNN, which is faster at a prompt's many rows."""
+        the native norms, rotation and activation (model/ops.py), the attention kernel
+        (model/attention.py, _extend_native), and the linear kernel every projection
+        moves to. Both kernels split a prompt's work over par.c's threads in chunks, not
+        in one fixed part per thread as oneDNN's and torch's OpenMP regions do: on a host
+        shared with the router, the HTTP servers and a decode, a fixed part's thread is
+        preempted now and then, and its partner waits for it at the join. One thread
+        alone pays 0-5% for it (oneDNN's GEMM is a little faster at a prompt's rows);
+        256 tokens on 2 threads beside a process using 30% of a core: 1.10 -> 0.87 s
+        for 10 forwards (process CPU 131% -> 171%); `pdserve up`, 48 prompts, 24 in
+        flight: tok/s +8%, TTFT p50 -14% (docs/benchmarks.md, eighteenth round)."""
         native_dir = self.native_dir()
-        if native_dir is not None and self.dtype == torch.float32:
-            self._native_ops(Path(native_dir))
+        if native_dir is None or self.dtype != torch.float32:
+            return
+        self._native_ops(Path(native_dir))
+        warm_up = getattr(self.attn, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
+        self._native_linears(Path(native_dir))
 
     def warm_up_decode(self) -> None:
         """Build what decode steps run natively (start-up; a no-op when compile is off):
@@ -115,13 +128,19 @@ class ModelRunner:
         if native_dir is None or self.dtype != torch.float32:
             return
         self._native_ops(Path(native_dir))
-        kernel = cpu_native.linear_f32(Path(native_dir))
+        if self._native_linears(Path(native_dir)):
+            self._native_forward(Path(native_dir))
+
+    def _native_linears(self, native_dir: Path) -> bool:
+        """Every projection on the native linear (a model shared with another runner, as
+        in the offline LLM, moves for both); False where it was not built."""
+        kernel = cpu_native.linear_f32(native_dir)
         if kernel is None:
-            log.warning("decode projections stay on oneDNN (the native linear was not built)")
-            return
+            log.warning("projections stay on oneDNN (the native linear was not built)")
+            return False
         for lin in self.model.linears():
             lin.use_native(kernel)
-        self._native_forward(Path(native_dir))
+        return True
 
     def _capture_graphs(self) -> None:
         """On CUDA, the decode forward's graphs for every batch size the engine runs."""

@@ -1,0 +1,102 @@
+"""The CPU backend's native extend (model/attention.py, _extend_native): each prompt token
+one query of the decode kernel over its own causal keys, read in place from the pool.
+It must give what torch's fused attention over the gathered keys gives: whole prompts,
+a later chunk over a prefix, sliding windows, several requests and decode tokens in one
+batch, and any thread count (the tokens go to the threads in chunks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
+from pdserve.model.attention import TorchAttention
+from pdserve.model.forward_batch import ForwardBatch
+
+KH, H, D, PAGE = 2, 8, 64, 4
+
+
+def _batch(pool: KVPool, r2t: torch.Tensor, reqs: list[tuple[int, int, int]]) -> ForwardBatch:
+    """reqs: (row, prefix already in the pool, new tokens) -> one forward's batch."""
+    out_loc, positions = [], []
+    for row, prefix, n in reqs:
+        total = prefix + n
+        pages = pool.allocator.alloc(pool.allocator.pages_for(total))
+        assert pages is not None
+        slots = slots_of(pages[::-1], total, PAGE)  # pages out of order
+        r2t[row, :total] = slots.to(r2t.dtype)
+        out_loc += slots[prefix:total].tolist()
+        positions += range(prefix, total)
+    return ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=torch.tensor(positions),
+        out_cache_loc=torch.tensor(out_loc),
+        rows=torch.tensor([r for r, _, _ in reqs]),
+        seq_lens=[p + n for _, p, n in reqs],
+        extend_lens=[n for _, _, n in reqs],
+    )
+
+
+def _backends(
+    tmp_path, windows: tuple[int, ...], reqs
+) -> list[tuple[TorchAttention, ForwardBatch]]:
+    """The same pool contents, table and batch twice: native (warmed up) and fused."""
+    layout = KVLayout(num_layers=2, num_kv_heads=KH, head_dim=D, dtype="float32", page_size=PAGE)
+    out = []
+    for native in (str(tmp_path), None):
+        pool = KVPool(layout, 200, "cpu")
+        g = torch.Generator().manual_seed(3)
+        pool.k.copy_(torch.randn(pool.k.shape, generator=g))  # stale prefixes
+        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+        r2t = torch.zeros(6, 512, dtype=torch.int32)
+        be = TorchAttention(pool, r2t, D**-0.5, windows, native_dir=native)
+        be.warm_up()
+        batch = _batch(pool, r2t, reqs)
+        be.prepare(batch)
+        out.append((be, batch))
+    assert out[0][0].native and not out[1][0].native
+    return out
+
+
+CASES = {
+    "one whole prompt": [(1, 0, 130)],
+    "a chunk over a prefix": [(2, 37, 90)],
+    "prompts and decode tokens": [(1, 0, 45), (3, 20, 1), (2, 50, 33), (4, 9, 1), (5, 0, 2)],
+}
+
+
+@pytest.mark.parametrize("windows", [(), (16, 0)])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_extend_matches_fused_attention(tmp_path, windows, case, threads) -> None:
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    reqs = CASES[case]
+    (native, nb), (fused, fb) = _backends(tmp_path, windows, reqs)
+    t = sum(n for _, _, n in reqs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layer in range(2):
+            g = torch.Generator().manual_seed(10 + layer)
+            q = torch.randn(t, H, D, generator=g) * 2  # sharp softmaxes
+            k, v = torch.randn(2, t, KH, D, generator=g)
+            got = native.forward(layer, q, k, v, nb)
+            want = fused.forward(layer, q, k, v, fb)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(native.pool.k, fused.pool.k) and torch.equal(native.pool.v, fused.pool.v)
+
+
+def test_a_window_changes_the_native_extend(tmp_path) -> None:
+    """The windowed case above is not vacuous: the window narrows the keys it reads."""
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    reqs = CASES["a chunk over a prefix"]
+    (full, fb), _ = _backends(tmp_path, (), reqs)
+    (narrow, nb), _ = _backends(tmp_path, (16,), reqs)
+    q = torch.randn(90, H, D)
+    k, v = torch.randn(2, 90, KH, D)
+    assert not torch.allclose(full.forward(0, q, k, v, fb), narrow.forward(0, q, k, v, nb))
