@@ -116,9 +116,10 @@ class Split:
 
     def __init__(self, cache_dir: Path) -> None:
         lib = load("par", cache_dir)
-        self._run = None if lib is None else lib.pd_par_run
-        self._chunks = None if lib is None else lib.pd_par_run_chunks
+        self._run: _CFn = None
+        self._chunks: _CFn = None
         if lib is not None:
+            self._run, self._chunks = lib.pd_par_run, lib.pd_par_run_chunks
             self._run.restype = self._chunks.restype = ctypes.c_int
             self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
             self._chunks.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64]
