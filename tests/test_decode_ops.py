@@ -182,3 +182,34 @@ def test_without_the_library_the_model_keeps_torch(monkeypatch, tiny_model, capl
         llm.close()
     assert "stay on torch" in caplog.text
     assert out.token_ids == hf_greedy(tiny_model, [5, 9, 200], 6)
+
+
+def test_prompt_rows_in_chunks_give_the_one_call_bits(native, tmp_path) -> None:
+    """From CHUNK_ROWS rows each pass runs in chunks of rows over the threads (range
+    functions with row offsets); every pass gives exactly the bits of one whole call."""
+    whole = NativeOps(cpu_ops.DecodeOps(native.kernels._lib))  # no split: one call
+    t, n, inter, heads, d = 203, 96, 80, 5, 32  # 203: chunks of 12, the last of 11
+    assert t >= cpu_ops.CHUNK_ROWS
+    g = torch.Generator().manual_seed(9)
+    h, delta = torch.randn(t, n, generator=g), torch.randn(t, n, generator=g)
+    w = torch.randn(n, generator=g)
+    gu = torch.randn(t, 2 * inter, generator=g)
+    qkv = torch.randn(t, 2 * heads * d + 7, generator=g)  # rows strided, as in qkv
+    rope = RotaryEmbedding(d, 512, 10000.0, None, torch.float32, "cpu")
+    tables = rope.tables(torch.randint(0, 512, (t,), generator=g))
+    wd = torch.randn(d, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        outs = []
+        for ops in (native, whole):
+            hh, x = ops.add_norm(h.clone(), delta, w, 1e-6)
+            heads_in = qkv.clone()
+            view = heads_in[:, : 2 * heads * d].view(t, 2 * heads, d)
+            ops.head_norm(view, wd, 1e-6)
+            ops.rotate(view, tables)
+            outs.append((hh, x, ops.act_mul(F.silu, gu), heads_in))
+    finally:
+        torch.set_num_threads(before)
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)

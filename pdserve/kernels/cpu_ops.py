@@ -15,9 +15,16 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels.cpu_native import load
+from pdserve.kernels.cpu_native import Split, load
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+CHUNK_ROWS = 64  # from this many rows (a prompt's) a pass is split over threads in chunks
+
+
+class _RowsArgs(ctypes.Structure):  # decode_ops.c RowsArgs
+    _fields_ = [("x", _ptr), ("delta", _ptr), ("w", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("out", _ptr), ("ld", _i64), ("n", _i64), ("heads", _i64), ("d", _i64),
+                ("eps", _f32)]  # fmt: skip
 
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
@@ -29,11 +36,20 @@ def _rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
 
 
 class DecodeOps:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    """A pass over a prompt's rows (CHUNK_ROWS or more) goes to `split`'s threads in
+    chunks of rows; a decode's few rows run on the calling thread."""
+
+    def __init__(self, lib: ctypes.CDLL, split: Split | None = None) -> None:
         def fn(name: str, *args: type, ret: type | None = None) -> Any:
             f = getattr(lib, name)
             f.restype, f.argtypes = ret, list(args)
             return f
+
+        self._lib, self._split = lib, split
+        ranges = ("pd_add_rms_norm_range", "pd_rms_norm_heads_range", "pd_silu_mul_range")
+        self._ranges = {
+            name: fn(name, _ptr, _i64, _i64) for name in (*ranges, "pd_rope_range")
+        }
 
         self._norm = fn("pd_add_rms_norm", _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32)
         self._norm_heads = fn("pd_rms_norm_heads", _ptr, _i64, _ptr, _i64, _i64, _i64, _f32)
@@ -58,8 +74,19 @@ class DecodeOps:
             raise ValueError(f"decode_ops: norm of {h.dtype} {tuple(h.shape)}{got} by {w.shape}")
         out = torch.empty_like(h)
         d = 0 if delta is None else delta.data_ptr()
-        self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
+        if self._chunked(t):
+            args = _RowsArgs(h.data_ptr(), d, w.data_ptr(), out=out.data_ptr(), n=n, eps=eps)
+            self._run("pd_add_rms_norm_range", args, t)
+        else:
+            self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
         return out
+
+    def _chunked(self, rows: int) -> bool:
+        return self._split is not None and rows >= CHUNK_ROWS
+
+    def _run(self, name: str, args: _RowsArgs, rows: int) -> None:
+        assert self._split is not None
+        self._split(self._ranges[name], args, rows, max(8, rows // 16))
 
     def rms_norm_heads_(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
         """x [T, heads, D] (heads and D contiguous, rows strided): each head's D values
@@ -69,7 +96,12 @@ class DecodeOps:
         ok = ok and w.shape == (d,) and w.is_contiguous() and w.dtype == torch.float32 and w.is_cpu
         if not ok:
             raise ValueError(f"decode_ops: head norm of {tuple(x.shape)} {x.stride()} by {w.shape}")
-        self._norm_heads(x.data_ptr(), x.stride(0), w.data_ptr(), t, heads, d, eps)
+        if self._chunked(t):
+            args = _RowsArgs(x.data_ptr(), w=w.data_ptr(), ld=x.stride(0), heads=heads, d=d)
+            args.eps = eps
+            self._run("pd_rms_norm_heads_range", args, t)
+        else:
+            self._norm_heads(x.data_ptr(), x.stride(0), w.data_ptr(), t, heads, d, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
@@ -79,7 +111,11 @@ class DecodeOps:
         if two % 2:
             raise ValueError(f"decode_ops: gate_up of odd width {two}")
         out = torch.empty(t, two // 2, dtype=torch.float32)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
+        if self._chunked(t):
+            args = _RowsArgs(gate_up.data_ptr(), out=out.data_ptr(), n=two // 2)
+            self._run("pd_silu_mul_range", args, t)
+        else:
+            self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
         return out
 
     def rope_(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -92,7 +128,12 @@ class DecodeOps:
         ok = ok and x.is_cpu and cos.is_cpu and sin.is_cpu and cos.shape == sin.shape == (t, 1, d)
         if not (ok and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()} by {cos.shape}")
-        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
+        if self._chunked(t):
+            args = _RowsArgs(x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), ld=x.stride(0))
+            args.heads, args.d = heads, d
+            self._run("pd_rope_range", args, t)
+        else:
+            self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
 
     def kv_write(
         self,
@@ -131,4 +172,4 @@ class DecodeOps:
 
 def decode_ops(cache_dir: Path) -> DecodeOps | None:
     lib = load("decode_ops", cache_dir)
-    return None if lib is None else DecodeOps(lib)
+    return None if lib is None else DecodeOps(lib, Split(cache_dir))

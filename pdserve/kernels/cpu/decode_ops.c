@@ -3,7 +3,7 @@
  * At a decode's few rows every torch op costs more in dispatch than in arithmetic: a
  * layer's norms, rotation, activation and residual adds were ~30 ops. Here they are
  * loops over contiguous rows, each value read once (a prefill uses them too: fewer
- * passes over its activations):
+ * passes over its activations, its rows split over threads by the *_range functions):
  *
  *   pd_add_rms_norm  h[r] += delta[r] (when delta is given), then
  *                    out[r] = w * (h[r] * 1 / sqrt(sum(h[r]^2) / n + eps))
@@ -95,6 +95,39 @@ void pd_rope(float *x, int64_t ld, const float *cos, const float *sin, int64_t t
             }
         }
     }
+}
+
+/* The passes above over rows [lo, hi) of their arguments (par.c range functions): a
+ * prompt's rows go to the engine's threads in chunks (kernels/cpu_ops.py). Rows are
+ * independent, so any split gives the same bits. */
+typedef struct {
+    float *x; /* h (norm), x (heads, rope), gu (silu) */
+    const float *delta, *w, *cos, *sin;
+    float *out;
+    int64_t ld, n, heads, d;
+    float eps;
+} RowsArgs;
+
+void pd_add_rms_norm_range(const void *args, int64_t lo, int64_t hi) {
+    const RowsArgs *a = args;
+    const float *delta = a->delta ? a->delta + lo * a->n : 0;
+    pd_add_rms_norm(a->x + lo * a->n, delta, a->w, a->out + lo * a->n, hi - lo, a->n, a->eps);
+}
+
+void pd_rms_norm_heads_range(const void *args, int64_t lo, int64_t hi) {
+    const RowsArgs *a = args;
+    pd_rms_norm_heads(a->x + lo * a->ld, a->ld, a->w, hi - lo, a->heads, a->d, a->eps);
+}
+
+void pd_silu_mul_range(const void *args, int64_t lo, int64_t hi) {
+    const RowsArgs *a = args; /* n: the intermediate width I (gu rows are 2 I wide) */
+    pd_silu_mul(a->x + lo * 2 * a->n, a->out + lo * a->n, hi - lo, a->n);
+}
+
+void pd_rope_range(const void *args, int64_t lo, int64_t hi) {
+    const RowsArgs *a = args;
+    pd_rope(a->x + lo * a->ld, a->ld, a->cos + lo * a->d, a->sin + lo * a->d, hi - lo, a->heads,
+            a->d);
 }
 
 int pd_kv_write(float *kc, float *vc, int64_t num_slots, const int64_t *slots, const float *k,
