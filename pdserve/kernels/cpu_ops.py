@@ -47,9 +47,7 @@ class DecodeOps:
 
         self._lib, self._split = lib, split
         ranges = ("pd_add_rms_norm_range", "pd_rms_norm_heads_range", "pd_silu_mul_range")
-        self._ranges = {
-            name: fn(name, _ptr, _i64, _i64) for name in (*ranges, "pd_rope_range")
-        }
+        self._ranges = {name: fn(name, _ptr, _i64, _i64) for name in (*ranges, "pd_rope_range")}
 
         self._norm = fn("pd_add_rms_norm", _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32)
         self._norm_heads = fn("pd_rms_norm_heads", _ptr, _i64, _ptr, _i64, _i64, _i64, _f32)
