@@ -102,10 +102,11 @@ class ModelRunner:
         in one fixed part per thread as oneDNN's and torch's OpenMP regions do: on a host
         shared with the router, the HTTP servers and a decode, a fixed part's thread is
         preempted now and then, and its partner waits for it at the join. One thread
-        alone pays 0-5% for it (oneDNN's GEMM is a little faster at a prompt's rows);
-        256 tokens on 2 threads beside a process using 30% of a core: 1.10 -> 0.87 s
-        for 10 forwards (process CPU 131% -> 171%); `pdserve up`, 48 prompts, 24 in
-        flight: tok/s +8%, TTFT p50 -14% (docs/benchmarks.md, eighteenth round)."""
+        alone pays little or nothing for it (the native linear is 5-10% slower than
+        oneDNN at a prompt's rows, the native attention 1.5x faster than torch's fused
+        one). `pdserve up` on 2 cores: the machine 84-90% -> 91-95% busy, compare.py's
+        48-prompt workload 1.40-1.55x -> 1.50-1.83x vLLM's tok/s, the 64-stream one
+        1.31-1.54x -> 1.51-1.68x (docs/benchmarks.md, eighteenth round)."""
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
