@@ -100,3 +100,24 @@ def test_a_window_changes_the_native_extend(tmp_path) -> None:
     q = torch.randn(90, H, D)
     k, v = torch.randn(2, 90, KH, D)
     assert not torch.allclose(full.forward(0, q, k, v, fb), narrow.forward(0, q, k, v, nb))
+
+
+def test_a_shape_the_kernel_does_not_take_stays_eager(tmp_path, caplog) -> None:
+    """32 query heads over one KV head (groups over paged_decode.c's 16): warm_up keeps
+    the eager path, says so, and an extend and a decode token still compute."""
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler")
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32", page_size=PAGE)
+    pool = KVPool(layout, 16, "cpu")
+    r2t = torch.zeros(4, 64, dtype=torch.int32)
+    be = TorchAttention(pool, r2t, 0.25, (), native_dir=str(tmp_path))
+    with caplog.at_level("WARNING"):
+        be.warm_up(32)
+    assert not be.native and "does not take 32 query heads" in caplog.text
+    batch = _batch(pool, r2t, [(1, 0, 5), (2, 3, 1)])
+    be.prepare(batch)
+    q, k, v = torch.randn(6, 32, 16), torch.randn(6, 1, 16), torch.randn(6, 1, 16)
+    assert be.forward(0, q, k, v, batch).shape == (6, 32 * 16)
+    ok = TorchAttention(pool, r2t, 0.25, (), native_dir=str(tmp_path))
+    ok.warm_up(16)  # at the limit: taken
+    assert ok.native

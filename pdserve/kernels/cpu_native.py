@@ -171,6 +171,17 @@ class PagedDecode:
     def supports(q: torch.Tensor, kc: torch.Tensor) -> bool:
         return q.dtype == kc.dtype == torch.float32 and kc.device.type == "cpu"
 
+    def takes(self, h: int, kh: int, d: int) -> bool:
+        """Whether the kernel takes h query heads over kh KV heads of d (asked of the C
+        itself, on one zero query over one key)."""
+        q, kv = torch.zeros(1, h, d), torch.zeros(1, kh, d)
+        one = torch.tensor([[0]], dtype=torch.int64)
+        try:
+            self(q, kv, kv, one, torch.tensor([[0, 1]], dtype=torch.int64), 1.0)
+        except ValueError:
+            return False
+        return True
+
     def __call__(
         self,
         q: torch.Tensor,

@@ -65,17 +65,32 @@ class TorchAttention:
         self._native: PagedDecode | None = None
         self._kv_write: DecodeOps | None = None  # the pool write in one call, with _native
 
-    def warm_up(self) -> None:
+    def warm_up(self, num_heads: int | None = None) -> None:
         """Build (or load) the native kernel now: engines call it at start-up, so no
-        step builds anything."""
+        step builds anything. With `num_heads` (the model's query heads) a shape the
+        kernel does not take (kernels/cpu/paged_decode.c's limits) keeps the eager path
+        instead of failing every step."""
         if self.native_dir is None or self.pool.k.dtype != torch.float32:
             return
         cache_dir, self.native_dir = Path(self.native_dir), None
-        if self.pool.k.device.type == "cpu":
-            self._native = cpu_native.paged_decode(cache_dir)
-            self._kv_write = cpu_ops.decode_ops(cache_dir) if self._native else None
-        if self._native is None:
-            log.warning("decode attention stays eager (the native kernel was not built)")
+        if self.pool.k.device.type != "cpu":
+            return
+        native = cpu_native.paged_decode(cache_dir)
+        if native is None:
+            log.warning("attention stays eager (the native kernel was not built)")
+            return
+        _, kh, d = self.pool.k.shape[1:]
+        if num_heads is not None and not native.takes(num_heads, kh, d):
+            log.warning(
+                "attention stays eager: the native kernel does not take %d query heads "
+                "over %d KV heads of %d",
+                num_heads,
+                kh,
+                d,
+            )
+            return
+        self._native = native
+        self._kv_write = cpu_ops.decode_ops(cache_dir)
 
     @property
     def native(self) -> bool:

@@ -113,7 +113,7 @@ class ModelRunner:
         self._native_ops(Path(native_dir))
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
-            warm_up()
+            warm_up(self.arch.num_heads)
         self._native_linears(Path(native_dir))
 
     def warm_up_decode(self) -> None:
@@ -123,7 +123,7 @@ class ModelRunner:
         in the offline LLM, moves for both)."""
         warm_up = getattr(self.attn, "warm_up", None)
         if warm_up is not None:
-            warm_up()
+            warm_up(self.arch.num_heads)
         self._capture_graphs()
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
