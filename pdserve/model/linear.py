@@ -9,10 +9,12 @@ weight is laid out for it (benchmarks/decode_step.py measures the floor), so at 
                                    with oneDNN's linear; the layout is opaque
     otherwise                      W.T is kept contiguous [in, out] and applied with mm/addmm
 
-A decode engine then moves every Linear to the native kernel (`use_native`, from
-ModelRunner.warm_up_decode): W in 16-column panels, kernels/cpu/linear_f32.c, which
-streams the weights 1.1-1.9x faster than oneDNN for a decode's few rows
-(benchmarks/decode_step.py).
+A CPU engine then moves every Linear to the native kernel (`use_native`, from
+ModelRunner.warm_up_decode / warm_up_prefill): W in 16-column panels,
+kernels/cpu/linear_f32.c, which streams the weights 1.1-1.9x faster than oneDNN for a
+decode's few rows (benchmarks/decode_step.py); at a prompt's rows it is 5-10% slower on
+one thread, but its panels go to the threads in chunks, which a host shared with other
+processes needs more (ModelRunner.warm_up_prefill).
 
 Either way y equals x @ W.T + b up to float rounding; the original W is not kept.
 """
