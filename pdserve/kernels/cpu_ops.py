@@ -95,8 +95,8 @@ class DecodeOps:
         if not ok:
             raise ValueError(f"decode_ops: head norm of {tuple(x.shape)} {x.stride()} by {w.shape}")
         if self._chunked(t):
-            args = _RowsArgs(x.data_ptr(), w=w.data_ptr(), ld=x.stride(0), heads=heads, d=d)
-            args.eps = eps
+            ptrs = {"x": x.data_ptr(), "w": w.data_ptr()}
+            args = _RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d, eps=eps)
             self._run("pd_rms_norm_heads_range", args, t)
         else:
             self._norm_heads(x.data_ptr(), x.stride(0), w.data_ptr(), t, heads, d, eps)
@@ -127,8 +127,8 @@ class DecodeOps:
         if not (ok and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()} by {cos.shape}")
         if self._chunked(t):
-            args = _RowsArgs(x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), ld=x.stride(0))
-            args.heads, args.d = heads, d
+            ptrs = {"x": x.data_ptr(), "cos": cos.data_ptr(), "sin": sin.data_ptr()}
+            args = _RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d)
             self._run("pd_rope_range", args, t)
         else:
             self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
