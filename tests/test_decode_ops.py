@@ -187,7 +187,9 @@ def test_without_the_library_the_model_keeps_torch(monkeypatch, tiny_model, capl
 def test_prompt_rows_in_chunks_give_the_one_call_bits(native, tmp_path) -> None:
     """From CHUNK_ROWS rows each pass runs in chunks of rows over the threads (range
     functions with row offsets); every pass gives exactly the bits of one whole call."""
-    whole = NativeOps(cpu_ops.DecodeOps(native.kernels._lib))  # no split: one call
+    lib = cpu_native.load("decode_ops", tmp_path)  # the one the fixture loaded
+    assert lib is not None
+    whole = NativeOps(cpu_ops.DecodeOps(lib))  # no split: one call
     t, n, inter, heads, d = 203, 96, 80, 5, 32  # 203: chunks of 12, the last of 11
     assert t >= cpu_ops.CHUNK_ROWS
     g = torch.Generator().manual_seed(9)

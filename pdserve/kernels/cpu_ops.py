@@ -45,7 +45,7 @@ class DecodeOps:
             f.restype, f.argtypes = ret, list(args)
             return f
 
-        self._lib, self._split = lib, split
+        self._split = split
         ranges = ("pd_add_rms_norm_range", "pd_rms_norm_heads_range", "pd_silu_mul_range")
         self._ranges = {name: fn(name, _ptr, _i64, _i64) for name in (*ranges, "pd_rope_range")}
 

@@ -208,7 +208,6 @@ class _Plan:
     _hidden: dict[int, torch.Tensor]  # window -> [Bd, Lmax] True where not attended
     _bounds: dict[int, torch.Tensor]  # window -> [Bd, 2] (first attended position, seq_len)
     extends: list[tuple[slice, torch.Tensor]]  # (token range, KV slots) per extend request
-    extend_pos: list[torch.Tensor]  # per extend request, [n] positions of its tokens
     _extend_bounds: dict[int, list[torch.Tensor]]  # window -> per extend [n, 2], as _bounds
 
     @classmethod
@@ -236,11 +235,6 @@ class _Plan:
         plan.decode_lens = lens
         plan._hidden = {0: plan.decode_pad}
         plan._bounds = {}
-        plan.extend_pos = [
-            torch.arange(batch.seq_lens[i] - n, batch.seq_lens[i])
-            for i, n in enumerate(batch.extend_lens)
-            if n != 1
-        ]
         plan._extend_bounds = {}
         return plan
 
@@ -259,8 +253,9 @@ class _Plan:
         [max(0, p + 1 - W), p + 1), as `_extend`'s mask says."""
         if window not in self._extend_bounds:
             out = []
-            for pos in self.extend_pos:
-                keys = pos + 1
+            for tok, slots in self.extends:  # slots: the request's whole sequence
+                total = slots.shape[0]
+                keys = torch.arange(total - (tok.stop - tok.start), total) + 1
                 first = (keys - window).clamp(min=0) if window else torch.zeros_like(keys)
                 out.append(torch.stack([first, keys], dim=1).contiguous())
             self._extend_bounds[window] = out

@@ -112,9 +112,7 @@ class ModelRunner:
         if native_dir is None or self.dtype != torch.float32:
             return
         self._native_ops(Path(native_dir))
-        warm_up = getattr(self.attn, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.arch.num_heads)
+        self._warm_up_attention()
         self._native_linears(Path(native_dir))
 
     def warm_up_decode(self) -> None:
@@ -122,9 +120,7 @@ class ModelRunner:
         the decode attention kernel, the native norms, rotation and activation, and the
         linear kernel every projection moves to (a model shared with a prefill runner, as
         in the offline LLM, moves for both)."""
-        warm_up = getattr(self.attn, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.arch.num_heads)
+        self._warm_up_attention()
         self._capture_graphs()
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
@@ -132,6 +128,12 @@ class ModelRunner:
         self._native_ops(Path(native_dir))
         if self._native_linears(Path(native_dir)):
             self._native_forward(Path(native_dir))
+
+    def _warm_up_attention(self) -> None:
+        """The attention backend's native kernel, where it has one (TorchAttention)."""
+        warm_up = getattr(self.attn, "warm_up", None)
+        if warm_up is not None:
+            warm_up(self.arch.num_heads)
 
     def _native_linears(self, native_dir: Path) -> bool:
         """Every projection on the native linear (a model shared with another runner, as
