@@ -22,7 +22,8 @@
    stay on the 8-lane walk (paged_decode.c's pick_walk): a quad padded to 4 wastes half
    or more of its lanes there. The walk keeps the
    8-lane walk's order of memory: a block of BLOCK keys is read whole (all kv heads of a
-   slot), once, in slot order, and the next rows are prefetched. Results agree with the
+   slot), once, in slot order, and the rows a block or two ahead are prefetched as it
+   computes (quad_block). Results agree with the
    8-lane walk to fp32 rounding, not bit for bit (the sums are added in another order). */
 
 #include <immintrin.h>
@@ -112,9 +113,16 @@ static inline __attribute__((always_inline)) void quad_scores(
     }
 }
 
-/* One block of n keys for one quad: the online softmax update, then acc += p * V. */
+/* One block of n keys for one quad: the online softmax update, then acc += p * V. While
+   it multiplies key t's V row it prefetches rows pk[t] and pv[t] (t < npf), a block or
+   two ahead: spread one row per key through the arithmetic, the misses stay in flight
+   while it computes. (Issued in a burst at the block's start, as the 8-lane walk does,
+   they filled the miss buffers, and the loads behind them waited: batch 64 at context
+   512, shuffled pages, the layer's attention took 2.9-3.3 ms against 1.9-2.8 ms spread;
+   context 1024 6.2-6.7 against 4.7 ms; in cache 1.0-1.2 ms: docs/benchmarks.md.) */
 static inline __attribute__((always_inline)) void quad_block(
-    Quad *qd, const float *const *krow, const float *const *vrow, int64_t n, const int D) {
+    Quad *qd, const float *const *krow, const float *const *vrow, int64_t n, const int D,
+    const float *const *pk, const float *const *pv, int64_t npf) {
     __m512 sc[GROUPS];
     int64_t ng = ((n + 7) / 8) * 2;  // score vectors written (in pairs)
     quad_scores(qd, krow, n, sc, D);
@@ -140,6 +148,11 @@ static inline __attribute__((always_inline)) void quad_block(
             for (int z = 0; z < 4; z++)
                 acc[h][z] = _mm512_mul_ps(qd->acc[h][z0 + z], _mm512_set1_ps(al[4 * h]));
         for (int64_t t = 0; t < n; t++) {
+            if (z0 == 0 && t < npf)
+                for (int c = 0; c < D; c += 16) {  // one 64-byte line per 16 floats, to L2
+                    __builtin_prefetch(pk[t] + c, 0, 2);
+                    __builtin_prefetch(pv[t] + c, 0, 2);
+                }
             const float *pt = p + 16 * (t / 4) + t % 4;
             __m512 v[4];
             for (int z = 0; z < 4; z++) v[z] = _mm512_loadu_ps(vrow[t] + 16 * (z0 + z));
@@ -171,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_quads(
     float scale, float *out, const int D) {
     const int64_t width = n_kv * D, per_kv = (g + 3) / 4;
     Quad quads[QUADS];
-    const float *krow[BLOCK], *vrow[BLOCK];
+    const float *krow[BLOCK], *vrow[BLOCK], *pk[BLOCK], *pv[BLOCK];
     for (int64_t kv = k0; kv < k1; kv++)
         for (int64_t u = 0; u < per_kv; u++) {
             int64_t h0 = (kv - k0) * g + 4 * u, nq = g - 4 * u < 4 ? g - 4 * u : 4;
@@ -180,15 +193,21 @@ static inline __attribute__((always_inline)) void attend_quads(
     for (int64_t t0 = start; t0 < len; t0 += BLOCK) {
         int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
         int64_t pf = t0 + PF_DIST, pn = len - pf < BLOCK ? len - pf : BLOCK;
-        if (pn > 0) prefetch_rows(k_pool, v_pool, slots + pf, pn, width);
+        pn = pn > 0 ? pn : 0;  // rows [pf, pf + pn): prefetched inside the block
         for (int64_t kv = k0; kv < k1; kv++) {
             for (int64_t t = 0; t < BLOCK; t++) {  // rows past n repeat row 0 (masked)
                 int64_t row = slots[t0 + (t < n ? t : 0)] * width + kv * D;
                 krow[t] = k_pool + row;
                 vrow[t] = v_pool + row;
             }
-            for (int64_t u = 0; u < per_kv; u++)
-                quad_block(&quads[(kv - k0) * per_kv + u], krow, vrow, n, D);
+            for (int64_t t = 0; t < pn; t++) {
+                int64_t row = slots[pf + t] * width + kv * D;
+                pk[t] = k_pool + row;
+                pv[t] = v_pool + row;
+            }
+            for (int64_t u = 0; u < per_kv; u++)  // the first quad of a kv head prefetches
+                quad_block(&quads[(kv - k0) * per_kv + u], krow, vrow, n, D, pk, pv,
+                           u == 0 ? pn : 0);
         }
     }
     for (int64_t kv = k0; kv < k1; kv++)
