@@ -2,9 +2,12 @@
 
 Two processes, as deployed: the prefill side (KVSender) runs in a child process,
 the decode side (KVReceiver) here. The ZeroMQ figure covers the whole path of one
-request, from the decode's expect() to its SourceEvent: Ready, gather of the
-prompt's (shuffled) pages out of the prefill pool, checksums, send, receive,
-validation, scatter into the decode pool's (differently numbered) pages, KVDone.
+request, from the decode's expect() to its SourceEvent: Ready, the prompt's pages read
+out of the prefill pool, checksums, send, receive, validation, scatter into the decode
+pool's (shuffled, differently numbered) pages, KVDone. The prefill's pages
+(--prefill-pages): `runs` as its allocator hands them out of a fresh pool (consecutive
+pages, sent in place: no gather, transfer/push.py), or `shuffled` (a fragmented pool:
+every page gathered into a staging frame).
 The received bytes are checked against the prefill's afterwards. The raw-TCP
 baseline, measured in the same run, is a child process's `sendall` of a buffer of
 the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
@@ -35,7 +38,7 @@ import time
 
 import torch
 
-from pdserve.kvcache.pools import KVLayout
+from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
@@ -58,6 +61,15 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def prefill_slots(pool: KVPool, n: int, pages: str) -> tuple[list[int], torch.Tensor]:
+    """The prefill's pages for `n` tokens: `runs` (its allocator's order) or `shuffled`."""
+    if pages == "shuffled":
+        return reserve(pool, n, 1)
+    got = pool.allocator.alloc(pool.allocator.pages_for(n))
+    assert got is not None
+    return got, slots_of(got, n, pool.page_size)
+
+
 def prefill_side(
     n: int,
     rooms: list[int],
@@ -65,6 +77,7 @@ def prefill_side(
     frame_bytes: int,
     curve: CurveKeys | None,
     device: str,
+    pages: str,
 ) -> None:
     """Child process: the prefill. Admits and computes every room at once; each one's
     KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
@@ -80,7 +93,7 @@ def prefill_side(
         curve=curve,
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1, device)
-    side = Side(pool, *reserve(pool, n, 1))
+    side = Side(pool, *prefill_slots(pool, n, pages))
     for room in rooms:
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
     gc.freeze()  # as the engine process does once it is built
@@ -97,13 +110,14 @@ def zmq_run(
     frame_bytes: int = MAX_FRAME_BYTES,
     curve: CurveKeys | None = None,
     device: str = "cpu",
+    pages: str = "runs",
 ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
     receiver) process, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device, pages)
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
@@ -128,7 +142,7 @@ def zmq_run(
         seconds = {**sender_stages, **stages.snapshot()}
         shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
-        _, pre_slots = reserve(pre_pool, n, 1)
+        _, pre_slots = prefill_slots(pre_pool, n, pages)
         dec_slots = dec.slots.to(device)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec_slots].cpu())
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec_slots].cpu())
@@ -181,7 +195,9 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     frame = int(args.frame_mib * 2**20)
     rounds = []
     for _ in range(args.rounds):
-        z, z_cpu, shares = zmq_run(n, args.repeats, frame, device=args.device)
+        z, z_cpu, shares = zmq_run(
+            n, args.repeats, frame, device=args.device, pages=args.prefill_pages
+        )
         r, r_cpu = raw_run(nbytes, args.repeats)
         rounds.append((z, r, z_cpu, r_cpu, shares))
     med = statistics.median
@@ -190,6 +206,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     z_cpu, r_cpu = med(sum(x[2]) for x in rounds), med(x[3] for x in rounds)
     out = {
         "tokens": n,
+        "prefill_pages": args.prefill_pages,
         "bytes": nbytes,
         "zmq_gbps": round(z, 3),
         "raw_tcp_gbps": round(r, 3),
@@ -203,15 +220,16 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "shares": rounds[-1][4],
     }
     if not args.no_curve:
-        c, _, c_shares = zmq_run(n, args.repeats, frame, CurveKeys.generate(), args.device)
+        keys = CurveKeys.generate()
+        c, _, c_shares = zmq_run(n, args.repeats, frame, keys, args.device, args.prefill_pages)
         r2, _ = raw_run(nbytes, args.repeats)
         out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
 
 
-def print_table(results: list[dict], repeats: int) -> None:
+def print_table(results: list[dict], repeats: int, pages: str) -> None:
     print(
-        f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes,"
+        f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, prefill pages {pages},"
         f" median of {repeats} transfers per run, ratio: median over paired rounds"
     )
     print(
@@ -242,6 +260,13 @@ def main() -> None:
     ap.add_argument("--frame-mib", type=float, default=MAX_FRAME_BYTES / 2**20)
     ap.add_argument("--no-curve", action="store_true", help="skip the CURVE-on runs")
     ap.add_argument(
+        "--prefill-pages",
+        choices=("runs", "shuffled"),
+        default="runs",
+        help="the prefill's pages: consecutive, as its allocator hands them out of a fresh "
+        "pool (sent in place), or shuffled (a fragmented pool: gathered)",
+    )
+    ap.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -254,7 +279,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"results": results}))
     else:
-        print_table(results, args.repeats)
+        print_table(results, args.repeats, args.prefill_pages)
 
 
 if __name__ == "__main__":

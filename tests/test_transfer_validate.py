@@ -205,3 +205,57 @@ def test_garbage_is_dropped_and_counted(rig) -> None:
 
 def _fields(s: KVChunk) -> dict:
     return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def runs_chunk(ready: Ready, runs: list[int], kind: str = "k") -> tuple[KVChunk, list[bytes]]:
+    """A chunk sent in place: one frame per (layer, run) of `kind`, layer-major."""
+    frames = [
+        np.random.rand(c * TOKEN_BYTES // 4).astype(np.float32).tobytes()
+        for _ in range(LAYOUT.num_layers)
+        for c in runs
+    ]
+    hdr = KVChunk(room=ready.room, session=ready.session, index=0, layer_start=0,
+                  layer_end=LAYOUT.num_layers, tok_start=0, tok_end=sum(runs), kind=kind,
+                  dtype="float32", nbytes=sum(len(f) for f in frames),
+                  checksum=frames_checksum(frames), runs=runs)  # fmt: skip
+    return hdr, frames
+
+
+def test_runs_written_where_they_belong(rig) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = runs_chunk(ready, [3, 7])
+    assert fake.push is not None
+    fake.push.send(hdr, frames)
+    _, slots = reserve(random_pool(LAYOUT, 64, 3), N, 3)  # the rig's reservation again
+    want = [  # layer by layer: its two runs' tokens in order
+        torch.tensor(np.frombuffer(frames[2 * i] + frames[2 * i + 1], dtype=np.float32))
+        for i in range(LAYOUT.num_layers)
+    ]
+    written = lambda: all(  # noqa: E731
+        torch.equal(pool.k[i, slots].reshape(-1), w) for i, w in enumerate(want)
+    )
+    assert wait_until(written, 3)
+    assert rx.active_rooms() == {11}  # V still to come
+
+
+@pytest.mark.parametrize(
+    "runs, frames_fix, reason",
+    [
+        ([3, 6], None, "runs"),  # runs cover 9 of the 10 tokens
+        ([3, 0, 7], None, "runs"),
+        ([3, 7], "drop", "payload frames"),
+        ([3, 7], "short", "byte count"),
+    ],
+)
+def test_bad_runs_refused_before_write(rig, runs, frames_fix, reason) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = runs_chunk(ready, [3, 7])
+    if frames_fix is None:
+        hdr = KVChunk(**{**_fields(hdr), "runs": runs})
+    elif frames_fix == "drop":
+        frames = frames[:-1]
+    else:
+        frames = [frames[0][:-4], *frames[1:]]
+    assert fake.push is not None
+    fake.push.send(hdr, frames)
+    assert_refused(fake, rx, pool, reason)

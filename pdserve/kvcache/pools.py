@@ -27,7 +27,12 @@ class PoolError(RuntimeError):
 
 
 class _FreeList:
-    """Ids 1..n-1 (id 0 is reserved), LIFO; a set tracks what is out."""
+    """Ids 1..n-1 (id 0 is reserved), LIFO; a set tracks what is out.
+
+    Handed out in ascending order from a fresh list, and freed ids go back so that the
+    next alloc pops them in the order they were freed in: a request's pages then sit in
+    runs of consecutive pages, which a prefill's KV sender reads in place instead of
+    gathering them (transfer/push.py)."""
 
     def __init__(self, n: int, what: str) -> None:
         self.what = what
@@ -46,9 +51,12 @@ class _FreeList:
 
     def free(self, ids: list[int]) -> None:
         with self._lock:
+            if len(set(ids)) != len(ids):
+                raise PoolError(f"{self.what}s freed twice in one call: {sorted(ids)}")
             for i in ids:
                 if i not in self._used:
                     raise PoolError(f"free of {self.what} {i} that is not allocated")
+            for i in reversed(ids):  # NOTE: after the checks: a bad free changes nothing
                 self._used.remove(i)
                 self._free.append(i)
 

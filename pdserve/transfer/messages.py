@@ -10,6 +10,10 @@ KVChunk payload: kind "kv" -> two frames (K then V), "k"/"v" -> one frame. Each 
 is the C-contiguous bytes of a [layer_end-layer_start, tok_end-tok_start, kv_heads,
 head_dim] tensor of `dtype`; `nbytes` is the length of each frame and `checksum` is
 frames_checksum() over the frames in order (XXH3-64, see checksum.py).
+With `runs` (token counts summing to tok_end - tok_start) a kind's KV comes instead as one
+frame per (layer, run), layer-major: [run tokens, kv_heads, head_dim] each, `nbytes` the
+kind's bytes in all. That is the prefill pool's own memory, sent without a gather where a
+request's slots lie in a few runs (transfer/push.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pdserve.transfer.checksum import done_digest, frames_checksum
 
 __all__ = ["done_digest", "frames_checksum"]  # re-exported: the checksums of these messages
 
-PROTOCOL_VERSION = 2  # 2: XXH3-64 checksums (1: crc32)
+PROTOCOL_VERSION = 3  # 3: KVChunk.runs (2: XXH3-64 checksums, 1: crc32)
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 
 
@@ -51,8 +55,9 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     tok_end: int
     kind: str  # "kv" | "k" | "v"
     dtype: str
-    nbytes: int  # per payload frame
+    nbytes: int  # per payload frame; with runs, per kind (all its frames)
     checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
+    runs: list[int] = msgspec.field(default_factory=list)  # [] : one frame per kind
 
 
 class KVDone(_Msg, tag="done", kw_only=True, frozen=True):

@@ -21,13 +21,26 @@ taking turns: 1k 0.39/0.39 -> 0.41/0.43 of raw TCP, 8k 0.64/0.64 -> 0.77/0.75, 3
 0.72/0.71 -> 0.80/0.76.)
 The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
 it goes back to the pool only when its tracker says libzmq is done.
+
+In place: where a piece's slots lie in at most MAX_RUNS runs of consecutive slots (a
+prefill pool hands a request's pages out in ascending runs, kvcache/pools.py), each
+layer's run of K (then V) is already contiguous in the pool,
+
+    pool.k[layer, s0 : s0 + n]   (n tokens' rows, slots s0.. consecutive)
+
+so it goes out as its own frame straight from the pool, with no gather (`KVChunk.runs`
+says how the frames split the tokens). The room keeps the frames' trackers
+(`Room.inflight`): the sender reports the room to the engine, which then frees its
+pages, only once libzmq is done with every one of them (sender.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+import zmq
 
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
@@ -50,6 +63,8 @@ class Room:
     sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
     done_sent: bool = False
     deadline: float = 0.0
+    # frames sent in place from the pool: its pages are read by libzmq until these are done
+    inflight: list[zmq.MessageTracker] = field(default_factory=list)
 
 
 def phase(st: Room) -> str:
@@ -58,6 +73,22 @@ def phase(st: Room) -> str:
     if st.ready is None:
         return "wait_ready"
     return "wait_ack" if st.done_sent else "pushing"
+
+
+MAX_RUNS = 4  # runs of slots a piece may have and still go in place (frames: layers * runs)
+
+
+def slot_runs(idx: np.ndarray, max_runs: int = MAX_RUNS) -> list[tuple[int, int]] | None:
+    """(first slot, count) of each run of consecutive slots in `idx`, or None if more
+    than `max_runs` (or `idx` is empty)."""
+    if len(idx) == 0:
+        return None
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    if len(breaks) >= max_runs:
+        return None
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(idx)]))
+    return [(int(idx[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 class Pusher:
@@ -76,29 +107,55 @@ class Pusher:
         then a V chunk, so K is on the wire (and verified, written) while V is gathered."""
         assert st.ready is not None and len(idx) <= self.max_tokens
         idx = idx.to(pool.k.device)
+        runs = None if pool.k.is_cuda else slot_runs(idx.numpy())
+        if runs is not None:
+            self._send_in_place(sock, st, pool, runs, tok, len(idx))
+            return
         staging = self._staging_for(pool)
         for kind, src in (("k", pool.k), ("v", pool.v)):
             buf, frame = staging.gather(src, idx)
-            with stages.timed("checksum"):
-                checksum = frames_checksum([frame])
-            hdr = KVChunk(
-                room=st.room,
-                session=st.ready.session,
-                index=len(st.sent),
-                layer_start=0,
-                layer_end=self.layout.num_layers,
-                tok_start=tok,
-                tok_end=tok + len(idx),
-                kind=kind,
-                dtype=self.layout.dtype,
-                nbytes=frame.nbytes,
-                checksum=checksum,
-            )
-            st.sent.append((hdr.index, hdr.checksum))
+            hdr = self._header(st, kind, tok, len(idx), [frame], frame.nbytes)
             with stages.timed("send"):
                 trackers = sock.send(hdr, [frame])
             # NOTE: a staging buffer returns to the pool only when libzmq is done with it
             staging.hold(buf, trackers)
+
+    def _send_in_place(
+        self, sock: MsgSocket, st: Room, pool: KVPool, runs: list[tuple[int, int]], tok: int, n: int
+    ) -> None:
+        """K, then V, of positions [tok, tok + n) as one frame per (layer, run), read by
+        libzmq straight from the pool's pages (the module docstring)."""
+        for kind, src in (("k", pool.k), ("v", pool.v)):
+            rows = src.view(src.shape[0], src.shape[1], -1).view(torch.uint8).numpy()
+            frames = [rows[layer, s0 : s0 + c] for layer in range(len(rows)) for s0, c in runs]
+            nbytes = sum(f.nbytes for f in frames)
+            hdr = self._header(st, kind, tok, n, frames, nbytes, [c for _, c in runs])
+            with stages.timed("send"):
+                st.inflight += sock.send(hdr, frames)
+
+    def _header(
+        self, st: Room, kind: str, tok: int, n: int, frames: list, nbytes: int, runs=None
+    ) -> KVChunk:
+        """The KVChunk for `frames` (hashed here), recorded in st.sent."""
+        assert st.ready is not None
+        with stages.timed("checksum"):
+            checksum = frames_checksum(frames)
+        hdr = KVChunk(
+            room=st.room,
+            session=st.ready.session,
+            index=len(st.sent),
+            layer_start=0,
+            layer_end=self.layout.num_layers,
+            tok_start=tok,
+            tok_end=tok + n,
+            kind=kind,
+            dtype=self.layout.dtype,
+            nbytes=nbytes,
+            checksum=checksum,
+            runs=runs or [],
+        )
+        st.sent.append((hdr.index, hdr.checksum))
+        return hdr
 
     def send_done(self, sock: MsgSocket, st: Room) -> None:
         assert st.ready is not None and st.req is not None and st.done is not None

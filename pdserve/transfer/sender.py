@@ -9,10 +9,13 @@ room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
 
 Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
-  SinkEvent only after its last read of that room's slots, so once poll() reports
-  a room the prefill may free its pages at once.
-- Pool memory is never handed to ZeroMQ: each chunk is gathered into a staging
-  tensor which pyzmq keeps alive until libzmq has sent it (copy=False frames).
+  SinkEvent only after the last read of that room's slots, its own or libzmq's, so
+  once poll() reports a room the prefill may free its pages at once.
+- Pool memory reaches ZeroMQ only as frames sent in place (push.py): read by libzmq
+  until their trackers say done, so a room's SinkEvent waits for those (`_report`;
+  a dead decode's queued frames are released when its socket is dropped). Any other
+  chunk is gathered into a staging tensor which pyzmq keeps alive until libzmq has
+  sent it (copy=False frames).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class KVSender:
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
+        self._held: list[tuple[list[zmq.MessageTracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
         self._data = DataSockets(self._decoder, curve, fault_hook)  # decode endpoint -> PUSH
@@ -255,7 +259,7 @@ class KVSender:
         elif st.done_sent:
             del self._rooms[st.room]
             if st.req is not None:
-                self._io.emit(SinkEvent(st.req.rid, True))
+                self._report(st, SinkEvent(st.req.rid, True))
 
     def _on_early_abort(self, msg: Abort, st: Room | None) -> None:
         """The decode refused a room before sending Ready (or before the prefill admitted
@@ -274,8 +278,8 @@ class KVSender:
                 Abort(room=st.room, session=st.ready.session, reason=reason), to=st.peer
             )
         if st.req is not None:
-            self._io.emit(SinkEvent(st.req.rid, False, reason))
-        elif tell_engine:  # the request may be queued in the prefill, not admitted yet
+            self._report(st, SinkEvent(st.req.rid, False, reason))
+        elif tell_engine:  # (never admitted: nothing of it was sent)  # the request may be queued in the prefill, not admitted yet
             self._io.emit(SinkEvent("", False, reason, room=st.room))
         if st.ready is not None:
             self._drop_idle_endpoint(st.ready.data_endpoint)
@@ -285,8 +289,22 @@ class KVSender:
             self._refused.add(st.room, reason)
 
     # ---- timers (I/O thread) --------------------------------------------------------
+    def _report(self, st: Room, event: SinkEvent) -> None:
+        """Emit `event` (the engine then frees st's pages) once libzmq reads none of them:
+        at once for frames it is already done with, else from a later tick (`_held`)."""
+        if settled(st.inflight):
+            self._io.emit(event)
+        else:
+            self._held.append((st.inflight, event))
+
     def _tick(self) -> None:
         now = time.monotonic()
+        held, self._held = self._held, []
+        for trackers, event in held:
+            if all(t.done for t in trackers):
+                self._io.emit(event)
+            else:
+                self._held.append((trackers, event))
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
             self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s))
         self._fail_silent_peers(now)
@@ -308,3 +326,20 @@ class KVSender:
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
         self._data.close()
+
+
+SETTLE_S = 0.002  # how long a report waits for trackers libzmq is about to finish
+
+
+def settled(trackers: list[zmq.MessageTracker], wait_s: float = SETTLE_S) -> bool:
+    """Whether libzmq is done with every tracked frame, waiting up to `wait_s` in all:
+    a frame's tracker is set by pyzmq's collector thread a moment after libzmq lets go."""
+    end = time.monotonic() + wait_s
+    for t in trackers:
+        if t.done:
+            continue
+        try:
+            t.wait(max(0.0, end - time.monotonic()))
+        except zmq.NotDone:
+            return False
+    return True

@@ -22,7 +22,7 @@ from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
 from pdserve.transfer.checksum import done_digest, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone
-from pdserve.transfer.staging import scatter_rows
+from pdserve.transfer.staging import scatter_rows, scatter_runs
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 
@@ -51,19 +51,37 @@ def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview
         return _check_chunk(layout, x, h, bufs)
 
 
+MAX_RUNS = 64  # runs a chunk may name (the prefill sends at most push.MAX_RUNS)
+
+
+def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
+    """The byte count of each payload frame of one kind that header `h` announces."""
+    layers, row = h.layer_end - h.layer_start, layout.token_bytes_per_layer
+    if not h.runs:
+        return [layers * (h.tok_end - h.tok_start) * row]
+    return [c * row for _ in range(layers) for c in h.runs]
+
+
 def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
     n_layers, n_tok = layout.num_layers, x.req.prompt_len
     if not (0 <= h.layer_start < h.layer_end <= n_layers):
         return f"layer range [{h.layer_start}, {h.layer_end}) outside [0, {n_layers})"
     if not (0 <= h.tok_start < h.tok_end <= n_tok):
         return f"token range [{h.tok_start}, {h.tok_end}) outside [0, {n_tok})"
-    if h.kind not in _KINDS or len(bufs) != len(_KINDS[h.kind]):
-        return f"kind {h.kind!r} with {len(bufs)} payload frames"
+    if h.runs and (
+        len(h.runs) > MAX_RUNS or min(h.runs) < 1 or sum(h.runs) != h.tok_end - h.tok_start
+    ):
+        return f"runs {h.runs[:8]} do not split [{h.tok_start}, {h.tok_end})"
+    if h.kind not in _KINDS:
+        return f"kind {h.kind!r}"
+    sizes = frame_bytes(layout, h) * len(_KINDS[h.kind])
+    if len(bufs) != len(sizes):
+        return f"kind {h.kind!r} with {len(bufs)} payload frames, not {len(sizes)}"
     if h.dtype != layout.dtype:
         return f"dtype {h.dtype} != {layout.dtype}"
-    want = (h.layer_end - h.layer_start) * (h.tok_end - h.tok_start) * layout.token_bytes_per_layer
-    if h.nbytes != want or any(b.nbytes != want for b in bufs):
-        return f"byte count {[b.nbytes for b in bufs]} (header {h.nbytes}) != {want}"
+    per_kind = sum(sizes) // len(_KINDS[h.kind])
+    if h.nbytes != (per_kind if h.runs else sizes[0]) or [b.nbytes for b in bufs] != sizes:
+        return f"byte count {[b.nbytes for b in bufs][:8]} (header {h.nbytes}) != {sizes[:8]}"
     for kind in _KINDS[h.kind]:
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
@@ -87,6 +105,18 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
+    if h.runs:  # one frame per (layer, run) of each kind
+        per_kind = n_layers * len(h.runs)
+        for i, kind in enumerate(_KINDS[h.kind]):
+            dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
+            frames = bufs[i * per_kind : (i + 1) * per_kind]
+            if dst.is_cuda:
+                _copy_runs_to_device(dst, idx, h.runs, frames)
+            else:
+                scatter_runs(dst, idx, h.runs, frames, lay.page_size, native)
+            x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+        x.chunks.append((h.index, h.checksum))
+        return
     for kind, buf in zip(_KINDS[h.kind], bufs):
         dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
         if dst.is_cuda:
@@ -102,6 +132,22 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
             scatter_rows(dst, idx, frame, lay.page_size, native)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
+
+
+def _copy_runs_to_device(
+    dst: torch.Tensor, idx: torch.Tensor, runs: list[int], frames: list[memoryview]
+) -> None:
+    """scatter_runs for a pool on a GPU (a CPU prefill's frames sent in place)."""
+    off = 0
+    for r, count in enumerate(runs):
+        part = idx[off : off + count]
+        for layer in range(dst.shape[0]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only view over the ZeroMQ frame
+                src = torch.frombuffer(frames[layer * len(runs) + r], dtype=dst.dtype)
+            dst[layer].index_copy_(0, part, src.view(count, *dst.shape[2:]).to(dst.device))
+        off += count
+    land(dst.device)
 
 
 def land(device: torch.device) -> None:

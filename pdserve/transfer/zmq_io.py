@@ -91,16 +91,18 @@ class MsgSocket:
     def send(
         self, msg: Message, frames: Sequence[Frame] = (), to: bytes | None = None
     ) -> list[zmq.MessageTracker]:
-        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy;
-        the returned trackers say when libzmq no longer reads them."""
+        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy,
+        every one however small (pyzmq would copy those under its copy threshold, and
+        report them done at once); the returned trackers, one per frame, say when libzmq
+        no longer reads them."""
         parts: list[Frame] = [encode(msg), *frames]
         batches = self.hook(type(msg).__name__, parts) if self.hook else [parts]
         trackers = []
         for batch in batches:
             prefix: list[Frame] = [to] if (self.routed and to is not None) else []
-            tracker = self.sock.send_multipart(prefix + batch, copy=False, track=bool(frames))
-            if tracker is not None:
-                trackers.append(tracker)
+            payload = [zmq.Frame(f, copy=False, track=True) for f in batch[1:]]
+            self.sock.send_multipart([*prefix, batch[0], *payload], copy=False)
+            trackers += [f.tracker for f in payload]
         return trackers
 
     def recv(self) -> tuple[bytes | None, Message | None, list[zmq.Frame]]:

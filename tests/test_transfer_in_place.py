@@ -1,0 +1,149 @@
+"""KV frames sent in place from the prefill's pool (transfer/push.py): the bytes, when
+the path is taken, and the page lifetime it needs (the sender reports a room only once
+libzmq reads none of its pages)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from pdserve.kvcache.pools import KVLayout, PageAllocator, slots_of
+from pdserve.transfer.loopback import (
+    Side,
+    gather,
+    make_req,
+    push_prompt,
+    random_pool,
+    reserve,
+    wait_for,
+)
+from pdserve.transfer.messages import Decoder, Ready
+from pdserve.transfer.peers import DataSockets
+from pdserve.transfer.push import MAX_RUNS, slot_runs
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.sender import KVSender
+from pdserve.transfer.zmq_io import MsgSocket, make_socket
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+
+
+def test_slot_runs() -> None:
+    assert slot_runs(np.array([4, 5, 6, 7])) == [(4, 4)]
+    assert slot_runs(np.array([6, 7, 20, 21, 22, 3])) == [(6, 2), (20, 3), (3, 1)]
+    assert slot_runs(np.arange(0, 2 * MAX_RUNS + 2, 2)) is None  # one run per slot: gather
+    assert slot_runs(np.array([], dtype=np.int64)) is None
+
+
+def test_freed_pages_come_back_in_runs() -> None:
+    alloc = PageAllocator(64, 4)
+    a, b = alloc.alloc(5), alloc.alloc(3)
+    assert (a, b) == ([1, 2, 3, 4, 5], [6, 7, 8])
+    alloc.free(a)
+    assert alloc.alloc(7) == [1, 2, 3, 4, 5, 9, 10]  # a's pages, in order, then fresh ones
+
+
+def in_runs(pool, n: int, runs: int) -> Side:
+    """`n` tokens' pages in `runs` runs of consecutive pages (a page left out between)."""
+    need = pool.allocator.pages_for(n)
+    got = pool.allocator.alloc(need + runs - 1)  # a fresh pool: ascending, consecutive
+    assert got is not None
+    parts = np.array_split(np.arange(need), runs)
+    pages = [got[int(i) + r] for r, part in enumerate(parts) for i in part]
+    return Side(pool, pages, slots_of(pages, n, pool.page_size))
+
+
+def transfer(pre: Side, n: int, chunk: int, max_frame_bytes: int = 1 << 20) -> KVSender:
+    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=max_frame_bytes)
+    rx = KVReceiver(LAYOUT, kv_timeout_s=5)
+    try:
+        dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 99)
+        dec_pool.allocator.alloc(2)
+        dec = Side(dec_pool, *reserve(dec_pool, n, 5))  # shuffled: the decode scatters
+        rx.expect(make_req("r", 7, n, tx.bootstrap_port), dec.pool, dec.slots)
+        push_prompt(tx, make_req("r", 7, n, tx.bootstrap_port), pre, chunk=chunk)
+        [ev] = wait_for(rx.poll)
+        assert ev.ok, ev.reason
+        k_pre, v_pre = gather(pre.pool, pre.slots)
+        k_dec, v_dec = gather(dec.pool, dec.slots)
+        assert torch.equal(k_pre, k_dec) and torch.equal(v_pre, v_dec)
+        [sev] = wait_for(tx.poll)
+        assert sev.ok
+        return tx
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("n, chunk", [(1, 1), (7, 3), (64, 64), (301, 50)])
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_bytes_sent_in_place_arrive_exactly(n: int, chunk: int, runs: int) -> None:
+    pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, n + runs)
+    pre = in_runs(pool, n, runs)
+    tx = transfer(pre, n, chunk)
+    assert tx._pusher._staging is None  # no piece was gathered
+
+
+def test_scattered_pages_are_gathered() -> None:
+    n = 64
+    pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, 5)
+    pre = Side(pool, *reserve(pool, n, 5))  # shuffled pages: one run per page
+    assert slot_runs(pre.slots.numpy()) is None
+    tx = transfer(pre, n, n)
+    assert tx._pusher._staging is not None
+
+
+def fake_ready(port: int, room: int, n: int, data_endpoint: str) -> MsgSocket:
+    """A decode's Ready for `room`, from a DEALER the test holds (it never heartbeats)."""
+    sock = MsgSocket(make_socket(zmq.DEALER), Decoder())
+    sock.sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(
+        Ready(
+            room=room,
+            rid="r",
+            session=5,
+            data_endpoint=data_endpoint,
+            layout=LAYOUT.fingerprint(),
+            num_tokens=n,
+            decode_id="d",
+        )  # fmt: skip
+    )
+    return sock
+
+
+def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> None:
+    """The race: frames sent in place are the pool's pages. A room that fails while they
+    still sit in libzmq's queue (here: a decode endpoint nobody listens on) must not be
+    reported, or the prefill frees pages that libzmq sends later (another request's KV
+    by then). Keeping the data socket open keeps the frames queued; the report comes
+    only once the socket is closed and libzmq has dropped them. Fails with the wait in
+    KVSender._report removed (the room is reported at its ack timeout)."""
+    closes: list[MsgSocket] = []
+    monkeypatch.setattr(DataSockets, "drop", lambda self, ep: closes.append(self._socks.pop(ep)))
+    n = 32
+    pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, 1)
+    pre = in_runs(pool, n, 1)
+    free = zmq.Context.instance().socket(zmq.PULL)
+    dead = f"tcp://127.0.0.1:{free.bind_to_random_port('tcp://127.0.0.1')}"
+    free.close(linger=0)  # nothing listens there now: frames stay queued
+    tx = KVSender("127.0.0.1", 0, LAYOUT, ack_timeout_s=0.3, heartbeat_s=0.05)
+    ctrl = fake_ready(tx.bootstrap_port, 9, n, dead)
+    try:
+        push_prompt(tx, make_req("r", 9, n, tx.bootstrap_port), pre, chunk=n)
+        deadline = time.monotonic() + 5
+        while not closes and time.monotonic() < deadline:  # the room failed (ack timeout)
+            assert tx.poll() == []
+            time.sleep(0.01)
+        assert closes, "the room did not fail"
+        assert wait_for(tx.poll, 1, 1.0) == []  # frames still queued: no report
+        closes[0].close()  # libzmq drops the queued frames
+        [ev] = wait_for(tx.poll, 1, 3)
+        assert not ev.ok and "no Ack" in ev.reason
+    finally:
+        ctrl.close()
+        tx.close()
