@@ -118,3 +118,26 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     finally:
         on.close()
         off.close()
+
+
+@pytest.mark.parametrize("pb", [8192, 80])
+def test_scatter_frames_matches_indexing(kernel, pb) -> None:
+    """One frame per layer (frames sent in place), each anywhere in memory."""
+    dst, pages, src, want = _case(3, 40, pb, 17, seed=pb + 1)
+    frames = [np.ascontiguousarray(src[layer]) for layer in range(3)]
+    kernel.scatter_frames(dst, pages, frames)
+    assert np.array_equal(dst, want)
+
+
+def test_scatter_frames_refuses_before_writing(kernel) -> None:
+    dst, pages, src, _ = _case(2, 10, 64, 4, seed=5)
+    frames = [np.ascontiguousarray(src[layer]) for layer in range(2)]
+    before = dst.copy()
+    with pytest.raises(ValueError):
+        kernel.scatter_frames(dst, pages, frames[:1])  # a frame short
+    with pytest.raises(ValueError):
+        kernel.scatter_frames(dst, pages, [frames[0], frames[1][:3]])  # a page short
+    pages[2] = 10
+    with pytest.raises(ValueError, match="outside"):
+        kernel.scatter_frames(dst, pages, frames)
+    assert np.array_equal(dst, before)

@@ -134,7 +134,14 @@ class Pusher:
                 st.inflight += sock.send(hdr, frames)
 
     def _header(
-        self, st: Room, kind: str, tok: int, n: int, frames: list, nbytes: int, runs=None
+        self,
+        st: Room,
+        kind: str,
+        tok: int,
+        n: int,
+        frames: list,
+        nbytes: int,
+        runs: list[int] | None = None,
     ) -> KVChunk:
         """The KVChunk for `frames` (hashed here), recorded in st.sent."""
         assert st.ready is not None

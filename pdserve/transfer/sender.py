@@ -279,7 +279,7 @@ class KVSender:
             )
         if st.req is not None:
             self._report(st, SinkEvent(st.req.rid, False, reason))
-        elif tell_engine:  # (never admitted: nothing of it was sent)  # the request may be queued in the prefill, not admitted yet
+        elif tell_engine:  # queued in the prefill, not admitted: nothing of it was sent
             self._io.emit(SinkEvent("", False, reason, room=st.room))
         if st.ready is not None:
             self._drop_idle_endpoint(st.ready.data_endpoint)
@@ -288,7 +288,6 @@ class KVSender:
             # refused with the same reason (a prefill rejection must reach the decode)
             self._refused.add(st.room, reason)
 
-    # ---- timers (I/O thread) --------------------------------------------------------
     def _report(self, st: Room, event: SinkEvent) -> None:
         """Emit `event` (the engine then frees st's pages) once libzmq reads none of them:
         at once for frames it is already done with, else from a later tick (`_held`)."""
@@ -297,6 +296,7 @@ class KVSender:
         else:
             self._held.append((st.inflight, event))
 
+    # ---- timers (I/O thread) --------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
         held, self._held = self._held, []

@@ -154,7 +154,16 @@ def scatter_rows(
     view over a received ZeroMQ frame (read straight from it, no intermediate copy).
     Whole pages go through `native` (kernels/page_copy.py) when given, else numpy."""
     rows, slots = _rows(dst), idx.numpy()
-    _scatter(rows, slots, _pieces(slots, page_size, dst.shape[1]), frame, page_size, native)
+    mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
+    if len(pages):
+        to, src = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size)
+        if native is not None:
+            native.scatter(to, pages.astype(np.int64, copy=False), src)
+        else:
+            to[:, pages] = src
+    for part in rest:
+        if part.start < part.stop:
+            rows[:, slots[part]] = frame[:, part]
 
 
 def scatter_runs(
@@ -166,34 +175,26 @@ def scatter_runs(
     native: PageCopy | None = None,
 ) -> None:
     """As scatter_rows, from frames sent in place (messages.KVChunk.runs): frames[layer *
-    len(runs) + r] holds run r's tokens of that layer (runs split idx in order)."""
+    len(runs) + r] holds run r's tokens of that layer (runs split idx in order). Whole
+    pages of every layer go in one native call per run."""
     rows, slots, off = _rows(dst), idx.numpy(), 0
     for r, count in enumerate(runs):
         part = slots[off : off + count]
-        pieces = _pieces(part, page_size, dst.shape[1])  # the same for every layer
-        for layer in range(rows.shape[0]):
-            frame = np.frombuffer(frames[layer * len(runs) + r], dtype=np.uint8)
-            one = frame.reshape(1, count, -1)
-            _scatter(rows[layer : layer + 1], part, pieces, one, page_size, native)
+        mid, pages, rest = _pieces(part, page_size, dst.shape[1])
+        per_layer = [
+            np.frombuffer(frames[layer * len(runs) + r], dtype=np.uint8).reshape(count, -1)
+            for layer in range(rows.shape[0])
+        ]
+        if len(pages):
+            to = _np_pages(rows, page_size)
+            srcs = [f[mid].reshape(len(pages), -1) for f in per_layer]  # raises rather than copy
+            if native is not None:
+                native.scatter_frames(to, pages.astype(np.int64, copy=False), srcs)
+            else:
+                for layer, src in enumerate(srcs):
+                    to[layer, pages] = src
+        for piece in rest:
+            if piece.start < piece.stop:
+                for layer, f in enumerate(per_layer):
+                    rows[layer, part[piece]] = f[piece]
         off += count
-
-
-def _scatter(
-    rows: np.ndarray,
-    slots: np.ndarray,
-    pieces: tuple[slice, np.ndarray, list[slice]],
-    frame: np.ndarray,
-    page_size: int,
-    native: PageCopy | None,
-) -> None:
-    """rows[:, slots[i]] = frame[:, i], whole pages as `pieces` (_pieces) found them."""
-    mid, pages, rest = pieces
-    if len(pages):
-        to, src = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size)
-        if native is not None:
-            native.scatter(to, pages.astype(np.int64, copy=False), src)
-        else:
-            to[:, pages] = src
-    for part in rest:
-        if part.start < part.stop:
-            rows[:, slots[part]] = frame[:, part]

@@ -3,6 +3,9 @@
  *   pd_page_scatter   for l < layers, i < n:
  *                       dst[l * dst_ls + pages[i] * pb .. + pb] = src[l * src_ls + i * pb .. + pb]
  *                     1 (nothing written) when a page is outside [0, num_pages)
+ *   pd_page_scatter_frames   the same with each layer's pages in a buffer of its own:
+ *                       dst[l * dst_ls + pages[i] * pb .. + pb] = srcs[l][i * pb .. + pb]
+ *                     (frames sent in place, one per layer: transfer/staging.py)
  *
  * A page is pb bytes (page_size tokens of one layer's K or V). The pool is far larger
  * than the caches and is not read again until a decode step, so the stores bypass the
@@ -50,16 +53,21 @@ static int nt_ok(const char *dst, int64_t dst_ls, int64_t pb) {
 #endif
 }
 
-int pd_page_scatter(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
-                    int64_t n, const char *src, int64_t src_ls, int64_t pb, int64_t layers) {
+static int32_t pages_ok(const int64_t *pages, int64_t n, int64_t num_pages) {
     for (int64_t i = 0; i < n; i++)
-        if (pages[i] < 0 || pages[i] >= num_pages) return 1;
+        if (pages[i] < 0 || pages[i] >= num_pages) return 0;
+    return 1;
+}
+
+/* Layer l's n pages from srcs[l] (page i at i * pb) into dst's pages. */
+static void scatter_layers(char *dst, int64_t dst_ls, const int64_t *pages, int64_t n,
+                           const char *const *srcs, int64_t pb, int64_t layers) {
     int nt = nt_ok(dst, dst_ls, pb);
     (void)nt; /* unused where the CPU has no non-temporal stores */
     for (int64_t l = 0; l < layers; l++) {
         for (int64_t i = 0; i < n; i++) {
             char *d = dst + l * dst_ls + pages[i] * pb;
-            const char *s = src + l * src_ls + i * pb;
+            const char *s = srcs[l] + i * pb;
 #ifdef NT_BYTES
             if (nt) {
                 copy_nt(d, s, pb);
@@ -72,5 +80,20 @@ int pd_page_scatter(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t 
 #ifdef NT_BYTES
     if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
 #endif
+}
+
+int pd_page_scatter(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
+                    int64_t n, const char *src, int64_t src_ls, int64_t pb, int64_t layers) {
+    if (!pages_ok(pages, n, num_pages)) return 1;
+    const char *srcs[layers > 0 ? layers : 1];
+    for (int64_t l = 0; l < layers; l++) srcs[l] = src + l * src_ls;
+    scatter_layers(dst, dst_ls, pages, n, srcs, pb, layers);
+    return 0;
+}
+
+int pd_page_scatter_frames(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
+                           int64_t n, const char *const *srcs, int64_t pb, int64_t layers) {
+    if (!pages_ok(pages, n, num_pages)) return 1;
+    scatter_layers(dst, dst_ls, pages, n, srcs, pb, layers);
     return 0;
 }
