@@ -147,3 +147,23 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
     finally:
         ctrl.close()
         tx.close()
+
+
+def test_runs_copied_into_a_device_pool(monkeypatch) -> None:
+    """validate._copy_runs_to_device (a CPU prefill's frames, a GPU decode's pool) puts each
+    run's tokens of each layer at their slots; run here on a CPU pool, without the wait
+    for the device."""
+    from pdserve.transfer import validate
+
+    monkeypatch.setattr(validate, "land", lambda device: None)
+    pool = random_pool(LAYOUT, 64, 3)
+    _, slots = reserve(pool, 10, 3)
+    runs = [3, 7]
+    want = torch.randn(LAYOUT.num_layers, 10, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    frames = [
+        memoryview(want[layer, a : a + c].contiguous().numpy().tobytes())
+        for layer in range(LAYOUT.num_layers)
+        for a, c in ((0, 3), (3, 7))
+    ]
+    validate._copy_runs_to_device(pool.k, slots, runs, frames)
+    assert torch.equal(pool.k[:, slots], want)
