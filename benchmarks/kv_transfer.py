@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
+from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
@@ -59,15 +59,6 @@ def cpu_s() -> float:
     """CPU seconds (user + system, all threads) this process has used so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def prefill_slots(pool: KVPool, n: int, pages: str) -> tuple[list[int], torch.Tensor]:
-    """The prefill's pages for `n` tokens: `runs` (its allocator's order) or `shuffled`."""
-    if pages == "shuffled":
-        return reserve(pool, n, 1)
-    got = pool.allocator.alloc(pool.allocator.pages_for(n))
-    assert got is not None
-    return got, slots_of(got, n, pool.page_size)
 
 
 def prefill_side(
@@ -93,7 +84,7 @@ def prefill_side(
         curve=curve,
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1, device)
-    side = Side(pool, *prefill_slots(pool, n, pages))
+    side = Side(pool, *reserve(pool, n, 1, shuffle=pages == "shuffled"))
     for room in rooms:
         push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
     gc.freeze()  # as the engine process does once it is built
@@ -142,7 +133,7 @@ def zmq_run(
         seconds = {**sender_stages, **stages.snapshot()}
         shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
-        _, pre_slots = prefill_slots(pre_pool, n, pages)
+        _, pre_slots = reserve(pre_pool, n, 1, shuffle=pages == "shuffled")
         dec_slots = dec.slots.to(device)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec_slots].cpu())
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec_slots].cpu())

@@ -25,11 +25,15 @@ def random_pool(layout: KVLayout, num_tokens: int, seed: int, device: str = "cpu
     return pool
 
 
-def reserve(pool: KVPool, num_tokens: int, seed: int) -> tuple[list[int], torch.Tensor]:
-    """Pages for `num_tokens` in a shuffled (non-contiguous) order, and their slots."""
+def reserve(
+    pool: KVPool, num_tokens: int, seed: int, shuffle: bool = True
+) -> tuple[list[int], torch.Tensor]:
+    """Pages for `num_tokens` in a shuffled (non-contiguous) order, or with `shuffle`
+    False in the allocator's own order, and their slots."""
     pages = pool.allocator.alloc(pool.allocator.pages_for(num_tokens))
     assert pages is not None, "pool too small"
-    random.Random(seed).shuffle(pages)
+    if shuffle:
+        random.Random(seed).shuffle(pages)
     return pages, slots_of(pages, num_tokens, pool.page_size)
 
 
