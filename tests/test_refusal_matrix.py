@@ -184,19 +184,22 @@ def test_refusal_reaches_the_other_side(pair: Pair, case: Case) -> None:
 
 
 def test_dead_decode_found_by_heartbeat_and_prefill_frees_its_rooms(pair: Pair) -> None:
-    """The decode dies mid-transfer (its I/O thread stops without a word): the prefill notices
-    the missing heartbeats after peer_timeout_s (2 s here; its own timeouts are 60 s) and frees
-    every row and page it held for it."""
+    """The decode dies once its Readies are out (its I/O thread stops without a word), so
+    the prefill computes and pushes KV to a dead peer: it notices the missing heartbeats
+    after peer_timeout_s (2 s here; its own timeouts are 60 s) and frees every row and page
+    it held for it. (Killed after two prefill steps instead, a room could already be
+    done: a 40-token transfer takes a few ms.)"""
     rids = ["dead-0", "dead-1"]
     for i, rid in enumerate(rids):
         pair.decode.add_request(pair.request(rid, 3000 + i, 40))
     pair.step_decode()
+    assert _wait(lambda: pair.sender.active_rooms() == {3000, 3001}, 2.0)  # Readies in
+    pair.receiver._io.stop(kill=True)  # kill -9 of the decode, as far as the prefill can tell
+    t0 = time.monotonic()
     for i, rid in enumerate(rids):
         pair.prefill.add_request(pair.request(rid, 3000 + i, 40))
     _steps(pair, 2)
     assert pair.sender.active_rooms() == {3000, 3001}
-    pair.receiver._io.stop(kill=True)  # kill -9 of the decode, as far as the prefill can tell
-    t0 = time.monotonic()
 
     def prefill_free() -> bool:
         pair.step_prefill()
