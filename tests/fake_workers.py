@@ -9,7 +9,7 @@ Behaviour knobs (set before or between requests):
   OpenAI-style error body;
 - `hold_s`: keep a generation request open this long before answering (polls
   for client disconnect meanwhile and records it in `disconnected`);
-- `stream_chunks` / `chunk_delay_s`: shape of an SSE answer.
+- `stream_chunks` / `chunk_delay_s` / `end_delay_s`: shape of an SSE answer.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class FakeWorker:
     hold_s: float = 0.0
     stream_chunks: int = 3
     chunk_delay_s: float = 0.0
+    end_delay_s: float = 0.0  # a stream's pause between its last event and its end
     healthy: bool = True
     info_status: int = 200  # status of /server_info and /model_info
     model_info: dict[str, Any] = field(
@@ -142,6 +143,7 @@ def _sse(worker: FakeWorker, path: str, body: dict[str, Any]):
                 yield f"data: {json.dumps(payload)}\n\n".encode()
                 await asyncio.sleep(worker.chunk_delay_s)
             yield b"data: [DONE]\n\n"
+            await asyncio.sleep(worker.end_delay_s)
         except (asyncio.CancelledError, GeneratorExit):
             worker.disconnected.append(path)
             raise

@@ -5,8 +5,8 @@ order and each leaves a serving stack behind for the next:
 
     stall prefill (SIGSTOP/SIGCONT)  ->  kill prefill, new prefill  ->  kill decode, new decode
 
-The first prefill runs 16-token prefill chunks so that prompts of a few hundred tokens are
-still being prefilled when the fault lands; every test checks that before faulting.
+The prefills run 2-token prefill chunks so that prompts of a few hundred tokens are still
+being prefilled when the fault lands (at 8, all four could finish before a kill landed).
 Requests are greedy: every 200 must carry exactly transformers' tokens (a 200 built from
 damaged KV would not), every other outcome must be an error.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.soak import Cluster, engine_signal, server_info, wait_quiet
+from benchmarks.soak import Cluster, server_info, wait_quiet
 from pdserve.server.launch_children import Child
 from tests.conftest import hf_greedy, model_path
 
@@ -35,7 +35,7 @@ TIMEOUTS = {"ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_s": 0.25,
             "heartbeat_timeout_s": 2.0}  # fmt: skip
 SLACK_S = 8.0  # HTTP hops, process polls and a loaded 2-core box
 BOUND_S = TIMEOUTS["heartbeat_timeout_s"] + SLACK_S
-SLOW_PREFILL = ["--max-prefill-tokens", "8"]  # 4 prompts of 240 tokens: ~120 steps
+SLOW_PREFILL = ["--max-prefill-tokens", "2"]  # 4 prompts of 240 tokens: ~480 steps, ~1 s
 NEW_TOKENS = 6
 Result = tuple[int, list[str], float, list[int]]  # (status, body lines, seconds, prompt ids)
 
@@ -76,14 +76,16 @@ def _busy(url: str) -> bool:
 
 def _fault_during_load(url: str, busy_url: str, fault: Callable[[], None]) -> list[Result]:
     """4 requests (2 streamed); `fault()` once `busy_url` reports them in flight.
-    Precondition: none of them can finish before that (slow prefill)."""
+    Precondition: none of them can finish before that (slow prefill), and `fault` is quick
+    (a signal to a pid looked up before the load: no HTTP call between seeing the requests
+    in flight and the fault)."""
 
     async def go() -> list[Result]:
         task = asyncio.ensure_future(_load(url, 4, 240))
         deadline = time.monotonic() + 30
         while not await asyncio.to_thread(_busy, busy_url):
             assert time.monotonic() < deadline and not task.done(), "requests never in flight"
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         fault()
         return await task
 
@@ -91,12 +93,19 @@ def _fault_during_load(url: str, busy_url: str, fault: Callable[[], None]) -> li
 
 
 def _failed_cleanly(res: Result) -> bool:
-    """An HTTP error with an error body, or a stream whose every event is an error."""
-    status, lines, *_ = res
+    """An HTTP error with an error body, or a stream that ends in an error event after
+    zero or more token events whose tokens are a prefix of the reference's (a request
+    already decoding when its decode died streamed those before the error)."""
+    status, lines, _, ids = res
     if status >= 500:
         return "error" in "".join(lines)
     events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-    return status == 200 and bool(events) and all("error" in e for e in events)
+    if status != 200 or not events or "error" not in events[-1]:
+        return False
+    if any("error" in e for e in events[:-1]):
+        return False
+    got = list(events[-2].get("output_ids", [])) if len(events) > 1 else []
+    return got == hf_greedy(_MODEL["path"], ids, NEW_TOKENS)[: len(got)]
 
 
 def _completed(res: Result) -> bool:
@@ -147,18 +156,20 @@ def _serves(url: str, model: str = "") -> None:
 def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> None:
     p, d, r = stack["p"], stack["d"], stack["r"]
     _serves(r.url)
-    pid = 0
+    engine = int(server_info(p.url)["engine_pid"])
+    stopped = False
 
     def stop() -> None:
-        nonlocal pid
-        pid = engine_signal(p.url, signal.SIGSTOP)
+        nonlocal stopped
+        os.kill(engine, signal.SIGSTOP)
+        stopped = True
 
     try:
         _assert_failed(_fault_during_load(r.url, p.url, stop))
         _assert_quiet([d.url], BOUND_S, stack["cluster"].logs())
     finally:
-        if pid:
-            os.kill(pid, signal.SIGCONT)
+        if stopped:
+            os.kill(engine, signal.SIGCONT)
     # the prefill drops its stale rooms (aborted by the router, or timed out) and serves again
     _assert_quiet([p.url], TIMEOUTS["ready_timeout_s"] + SLACK_S)
     _serves(r.url)
@@ -167,7 +178,7 @@ def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> N
 def test_killed_prefill_fails_requests_decode_survives(stack: dict[str, Any]) -> None:
     cluster: Cluster = stack["cluster"]
     p, d, r = stack["p"], stack["d"], stack["r"]
-    _assert_failed(_fault_during_load(r.url, p.url, lambda: _kill(p)))
+    _assert_failed(_fault_during_load(r.url, p.url, _killer(p)))
     assert httpx.get(d.url + "/health", timeout=5).status_code == 200
     _assert_quiet([d.url], BOUND_S, cluster.logs())
     p2 = cluster.worker("prefill", SLOW_PREFILL)
@@ -181,7 +192,7 @@ def test_killed_prefill_fails_requests_decode_survives(stack: dict[str, Any]) ->
 def test_killed_decode_fails_requests_prefill_frees_kv(stack: dict[str, Any]) -> None:
     cluster: Cluster = stack["cluster"]
     p, d, r = stack["p"], stack["d"], stack["r"]
-    _assert_failed(_fault_during_load(r.url, p.url, lambda: _kill(d)))
+    _assert_failed(_fault_during_load(r.url, p.url, _killer(d)))
     # the prefill finds the dead decode by its missing heartbeats and frees what it held
     _assert_quiet([p.url], BOUND_S, cluster.logs())
     d2 = cluster.worker("decode")
@@ -215,5 +226,7 @@ def test_different_models_refuse_each_other_and_both_serve_their_own(stack) -> N
     _assert_quiet([p.url, dm.url, pm.url], BOUND_S, cluster.logs())
 
 
-def _kill(worker: Child) -> None:
-    engine_signal(worker.url, signal.SIGKILL)
+def _killer(worker: Child) -> Callable[[], None]:
+    """kill -9 of `worker`'s engine, its pid looked up now."""
+    pid = int(server_info(worker.url)["engine_pid"])
+    return lambda: os.kill(pid, signal.SIGKILL)

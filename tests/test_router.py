@@ -77,6 +77,19 @@ def test_stream_relayed_intact(pd):
     assert raw == expected + b"data: [DONE]\n\n"
 
 
+def test_prefill_answering_between_the_last_event_and_the_streams_end(pd):
+    """The prefill leg's answer lands while the router waits for the decode stream's end:
+    the stream still ends whole (it was cut, 'incomplete chunked read', when the wait for
+    that end raised StopAsyncIteration inside the relay)."""
+    p, d, url = pd
+    d.stream_chunks, d.chunk_delay_s, d.end_delay_s = 2, 0.02, 0.6
+    p.hold_s = 0.25  # answers after the decode's [DONE], before its stream ends
+    with httpx.stream("POST", url + "/generate", json={"text": "x", "stream": True}) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") == 3, raw
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_failing_prefill_returns_its_error_and_cancels_decode(pd, stream):
     p, d, url = pd

@@ -210,20 +210,22 @@ async def _chunks(resp: Http1Response, prefill: asyncio.Task) -> AsyncIterator[b
                 {nxt} | ({prefill} if not prefill.done() else set()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
+            if prefill.done() and prefill.exception() is not None:
+                nxt.cancel()
+                prefill.result()
+            if not nxt.done():  # the prefill succeeded; the chunk is all left to wait for
+                await asyncio.wait({nxt})
         except asyncio.CancelledError:
             nxt.cancel()
             raise
-        if prefill.done() and prefill.exception() is not None:
-            nxt.cancel()
-            prefill.result()
-        if nxt.done():
-            try:
-                yield nxt.result()
-            except StopAsyncIteration:
-                return
-        else:
-            await nxt  # only reached once the prefill succeeded; keep waiting on the chunk
-            yield nxt.result()
+        # NOTE: the stream's end comes out of `nxt` as StopAsyncIteration. Raised inside
+        # this generator (an `await nxt`) it becomes a RuntimeError and the client's
+        # stream is cut mid-body; it must be caught here.
+        try:
+            chunk = nxt.result()
+        except StopAsyncIteration:
+            return
+        yield chunk
     # NOTE: the prefill leg ended well (it usually has by the first token): nothing left
     # to race, so the chunks pass straight through, without a task and a wait per token
     async for chunk in it:
