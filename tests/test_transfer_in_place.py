@@ -4,6 +4,7 @@ libzmq reads none of its pages)."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -87,6 +88,8 @@ def test_bytes_sent_in_place_arrive_exactly(n: int, chunk: int, runs: int) -> No
     pre = in_runs(pool, n, runs)
     tx = transfer(pre, n, chunk)
     assert tx._pusher._staging is None  # no piece was gathered
+    stats = tx.stats()
+    assert stats["pieces_gathered"] == 0 and stats["pieces_in_place"] == -(-n // chunk)
 
 
 def test_scattered_pages_are_gathered() -> None:
@@ -96,6 +99,7 @@ def test_scattered_pages_are_gathered() -> None:
     assert slot_runs(pre.slots.numpy()) is None
     tx = transfer(pre, n, n)
     assert tx._pusher._staging is not None
+    assert tx.stats()["pieces_gathered"] == 1 and tx.stats()["pieces_in_place"] == 0
 
 
 def fake_ready(port: int, room: int, n: int, data_endpoint: str) -> MsgSocket:
@@ -128,9 +132,10 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
     n = 32
     pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, 1)
     pre = in_runs(pool, n, 1)
-    free = zmq.Context.instance().socket(zmq.PULL)
-    dead = f"tcp://127.0.0.1:{free.bind_to_random_port('tcp://127.0.0.1')}"
-    free.close(linger=0)  # nothing listens there now: frames stay queued
+    # a port held by a listener that never answers ZeroMQ's greeting: the frames stay
+    # queued (a freed port could be taken by another process, which would take them)
+    mute = socket.create_server(("127.0.0.1", 0))
+    dead = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
     tx = KVSender("127.0.0.1", 0, LAYOUT, ack_timeout_s=0.3, heartbeat_s=0.05)
     ctrl = fake_ready(tx.bootstrap_port, 9, n, dead)
     try:
@@ -147,6 +152,7 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
     finally:
         ctrl.close()
         tx.close()
+        mute.close()
 
 
 def test_runs_copied_into_a_device_pool(monkeypatch) -> None:

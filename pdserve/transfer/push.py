@@ -99,6 +99,8 @@ class Pusher:
         per_token = layout.token_bytes_per_layer * layout.num_layers
         self.max_tokens = max(1, max_frame_bytes // per_token)
         self._staging: StagingPool | None = None  # made on first use (pool dtype, device)
+        # pieces sent each way (KVSender.stats): how often serving's pages allow in place
+        self.pieces = {"pieces_in_place": 0, "pieces_gathered": 0}
 
     def send_chunk(
         self, sock: MsgSocket, st: Room, pool: KVPool, idx: torch.Tensor, tok: int
@@ -109,8 +111,10 @@ class Pusher:
         idx = idx.to(pool.k.device)
         runs = None if pool.k.is_cuda else slot_runs(idx.numpy())
         if runs is not None:
+            self.pieces["pieces_in_place"] += 1
             self._send_in_place(sock, st, pool, runs, tok, len(idx))
             return
+        self.pieces["pieces_gathered"] += 1
         staging = self._staging_for(pool)
         for kind, src in (("k", pool.k), ("v", pool.v)):
             buf, frame = staging.gather(src, idx)

@@ -118,7 +118,7 @@ class KVSender:
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
-        return {"active_rooms": len(self._rooms), **self._decoder.dropped}
+        return {"active_rooms": len(self._rooms), **self._pusher.pieces, **self._decoder.dropped}
 
     def active_rooms(self) -> set[int]:
         return set(self._rooms)
