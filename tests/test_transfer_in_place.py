@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.kvcache.pools import KVLayout, PageAllocator, slots_of
+from pdserve.kvcache.pools import KVLayout, slots_of
 from pdserve.transfer.loopback import (
     Side,
     gather,
@@ -39,14 +39,6 @@ def test_slot_runs() -> None:
     assert slot_runs(np.array([6, 7, 20, 21, 22, 3])) == [(6, 2), (20, 3), (3, 1)]
     assert slot_runs(np.arange(0, 2 * MAX_RUNS + 2, 2)) is None  # one run per slot: gather
     assert slot_runs(np.array([], dtype=np.int64)) is None
-
-
-def test_freed_pages_come_back_in_runs() -> None:
-    alloc = PageAllocator(64, 4)
-    a, b = alloc.alloc(5), alloc.alloc(3)
-    assert (a, b) == ([1, 2, 3, 4, 5], [6, 7, 8])
-    alloc.free(a)
-    assert alloc.alloc(7) == [1, 2, 3, 4, 5, 9, 10]  # a's pages, in order, then fresh ones
 
 
 def in_runs(pool, n: int, runs: int) -> Side:

@@ -21,18 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kvcache.page_runs import PageRuns
+
 
 class PoolError(RuntimeError):
     """Misuse of a pool: double free, foreign id, or exhaustion where it must not happen."""
 
 
 class _FreeList:
-    """Ids 1..n-1 (id 0 is reserved), LIFO; a set tracks what is out.
-
-    Handed out in ascending order from a fresh list, and freed ids go back so that the
-    next alloc pops them in the order they were freed in: a request's pages then sit in
-    runs of consecutive pages, which a prefill's KV sender reads in place instead of
-    gathering them (transfer/push.py)."""
+    """Ids 1..n-1 (id 0 is reserved), LIFO (a just-freed row is the next one handed
+    out: the row-reuse race of DESIGN §3 happens at once); a set tracks what is out."""
 
     def __init__(self, n: int, what: str) -> None:
         self.what = what
@@ -97,7 +95,7 @@ class ReqToTokenPool:
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
-        self._pages = _FreeList(num_pages, "page")
+        self._pages = PageRuns(num_pages, PoolError)  # in runs: kvcache/page_runs.py
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
