@@ -42,8 +42,9 @@ def _case(layers: int, num_pages: int, pb: int, n: int, seed: int):
 
 @pytest.mark.parametrize("pb", [8192, 4096, 160, 80, 24])  # aligned for every store width, then not
 def test_scatter_matches_indexing(kernel, pb) -> None:
+    """One frame per layer (a frame sent in place, or a gathered frame's layer)."""
     dst, pages, src, want = _case(3, 40, pb, 17, seed=pb)
-    kernel.scatter(dst, pages, src)
+    kernel.scatter_frames(dst, pages, list(src))
     assert np.array_equal(dst, want)
 
 
@@ -56,7 +57,7 @@ def test_unaligned_pool_and_strided_layers(kernel) -> None:
     pages = np.array([39, 0, 17, 5, 22], dtype=np.int64)
     want = dst.copy()
     want[:, pages] = src
-    kernel.scatter(dst, pages, src)
+    kernel.scatter_frames(dst, pages, list(src))
     assert np.array_equal(dst, want)
     assert not base[:8].any()  # nothing before the view
 
@@ -67,22 +68,24 @@ def test_out_of_range_page_writes_nothing(kernel) -> None:
     for bad in (10, -1):
         pages[-1] = bad
         with pytest.raises(ValueError, match="outside"):
-            kernel.scatter(dst, pages, src)
+            kernel.scatter_frames(dst, pages, list(src))
         assert np.array_equal(dst, before)
 
 
 def test_bad_shapes_are_refused(kernel) -> None:
     dst, pages, src, _ = _case(2, 10, 64, 4, seed=4)
     with pytest.raises(ValueError):
-        kernel.scatter(dst, pages[:3], src)  # fewer pages than the frame has
+        kernel.scatter_frames(dst, pages[:3], list(src))  # fewer pages than the frames have
     with pytest.raises(ValueError):
-        kernel.scatter(dst, pages.astype(np.int32), src)
-    with pytest.raises(ValueError):
-        kernel.scatter(dst[:, :, :32], pages, src[:, :, :32].copy())  # pages not contiguous rows
+        kernel.scatter_frames(dst, pages.astype(np.int32), list(src))
+    with pytest.raises(ValueError):  # pages not contiguous rows
+        kernel.scatter_frames(dst[:, :, :32], pages, list(src[:, :, :32].copy()))
+    with pytest.raises(ValueError):  # a frame's pages not contiguous
+        kernel.scatter_frames(dst, pages, [src[0], src[1, :, ::-1]])
     ro = dst.copy()
     ro.setflags(write=False)
     with pytest.raises(ValueError):
-        kernel.scatter(ro, pages, src)
+        kernel.scatter_frames(ro, pages, list(src))
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -118,15 +121,6 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     finally:
         on.close()
         off.close()
-
-
-@pytest.mark.parametrize("pb", [8192, 80])
-def test_scatter_frames_matches_indexing(kernel, pb) -> None:
-    """One frame per layer (frames sent in place), each anywhere in memory."""
-    dst, pages, src, want = _case(3, 40, pb, 17, seed=pb + 1)
-    frames = [np.ascontiguousarray(src[layer]) for layer in range(3)]
-    kernel.scatter_frames(dst, pages, frames)
-    assert np.array_equal(dst, want)
 
 
 def test_scatter_frames_refuses_before_writing(kernel) -> None:

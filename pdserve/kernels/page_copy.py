@@ -1,10 +1,10 @@
 """kernels/cpu/page_copy.c: KV pages from a received frame into the pool (decode side).
 
-    scatter(dst, pages, src)    dst[:, pages[i]] = src[:, i]
-        dst  uint8 [L, num_pages, page bytes]   the pool's K or V, a page per row
-        src  uint8 [L, n, page bytes]           a frame's whole pages, in prompt order
     scatter_frames(dst, pages, srcs)    dst[l, pages[i]] = srcs[l][i]
-        srcs  L arrays uint8 [n, page bytes]    one frame per layer (frames sent in place)
+        dst   uint8 [L, num_pages, page bytes]  the pool's K or V, a page per row
+        srcs  L arrays uint8 [n, page bytes]    each layer's whole pages, in prompt order
+                                                (a frame sent in place, or a layer's rows
+                                                of a gathered frame)
 
 Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
 fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
@@ -33,28 +33,9 @@ def _paged(a: np.ndarray) -> bool:
 
 class PageCopy:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._scatter = lib.pd_page_scatter
-        self._scatter.restype = ctypes.c_int
-        self._scatter.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64]
         self._frames = lib.pd_page_scatter_frames
         self._frames.restype = ctypes.c_int
         self._frames.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
-
-    def scatter(self, dst: np.ndarray, pages: np.ndarray, src: np.ndarray) -> None:
-        ok = _paged(dst) and _paged(src) and dst.flags.writeable
-        ok = ok and src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2]
-        ok = ok and pages.dtype == np.int64 and pages.shape == (src.shape[1],)
-        if not ok:
-            raise ValueError(
-                f"page_copy: {dst.dtype} {dst.shape} {dst.strides} <- {src.dtype} {src.shape}"
-                f" {src.strides} at {pages.dtype} {pages.shape}"
-            )
-        pages = np.ascontiguousarray(pages)
-        layers, num_pages, pb = dst.shape
-        status = self._scatter(dst.ctypes.data, dst.strides[0], num_pages, pages.ctypes.data,
-                               len(pages), src.ctypes.data, src.strides[0], pb, layers)  # fmt: skip
-        if status:
-            raise ValueError(f"page_copy: a page outside [0, {num_pages}) in {pages.tolist()}")
 
     def scatter_frames(self, dst: np.ndarray, pages: np.ndarray, srcs: list[np.ndarray]) -> None:
         n, pb = len(pages), dst.shape[2] if dst.ndim == 3 else -1

@@ -151,19 +151,9 @@ def scatter_rows(
     native: PageCopy | None = None,
 ) -> None:
     """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
-    view over a received ZeroMQ frame (read straight from it, no intermediate copy).
-    Whole pages go through `native` (kernels/page_copy.py) when given, else numpy."""
-    rows, slots = _rows(dst), idx.numpy()
-    mid, pages, rest = _pieces(slots, page_size, dst.shape[1])
-    if len(pages):
-        to, src = _np_pages(rows, page_size), _np_pages(frame[:, mid], page_size)
-        if native is not None:
-            native.scatter(to, pages.astype(np.int64, copy=False), src)
-        else:
-            to[:, pages] = src
-    for part in rest:
-        if part.start < part.stop:
-            rows[:, slots[part]] = frame[:, part]
+    view over a received ZeroMQ frame (read straight from it, no intermediate copy):
+    scatter_runs with one run, each layer's rows a frame."""
+    scatter_runs(dst, idx, [len(idx)], list(frame), page_size, native)
 
 
 def scatter_runs(
@@ -174,9 +164,10 @@ def scatter_runs(
     page_size: int,
     native: PageCopy | None = None,
 ) -> None:
-    """As scatter_rows, from frames sent in place (messages.KVChunk.runs): frames[layer *
-    len(runs) + r] holds run r's tokens of that layer (runs split idx in order). Whole
-    pages of every layer go in one native call per run."""
+    """dst[:, idx] = the frames' rows, from frames sent in place (messages.KVChunk.runs):
+    frames[layer * len(runs) + r] holds run r's tokens of that layer (runs split idx in
+    order), read straight from their buffers. Whole pages of every layer go in one call
+    per run to `native` (kernels/page_copy.py) when given, else numpy's assignment."""
     rows, slots, off = _rows(dst), idx.numpy(), 0
     for r, count in enumerate(runs):
         part = slots[off : off + count]

@@ -1,11 +1,9 @@
 /* Page copies between a received KV frame and the pool (the decode side's scatter).
  *
- *   pd_page_scatter   for l < layers, i < n:
- *                       dst[l * dst_ls + pages[i] * pb .. + pb] = src[l * src_ls + i * pb .. + pb]
- *                     1 (nothing written) when a page is outside [0, num_pages)
- *   pd_page_scatter_frames   the same with each layer's pages in a buffer of its own:
+ *   pd_page_scatter_frames   for l < layers, i < n:
  *                       dst[l * dst_ls + pages[i] * pb .. + pb] = srcs[l][i * pb .. + pb]
- *                     (frames sent in place, one per layer: transfer/staging.py)
+ *                     (each layer's pages in a buffer of its own: transfer/staging.py)
+ *                     1 (nothing written) when a page is outside [0, num_pages)
  *
  * A page is pb bytes (page_size tokens of one layer's K or V). The pool is far larger
  * than the caches and is not read again until a decode step, so the stores bypass the
@@ -80,15 +78,6 @@ static void scatter_layers(char *dst, int64_t dst_ls, const int64_t *pages, int6
 #ifdef NT_BYTES
     if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
 #endif
-}
-
-int pd_page_scatter(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
-                    int64_t n, const char *src, int64_t src_ls, int64_t pb, int64_t layers) {
-    if (!pages_ok(pages, n, num_pages)) return 1;
-    const char *srcs[layers > 0 ? layers : 1];
-    for (int64_t l = 0; l < layers; l++) srcs[l] = src + l * src_ls;
-    scatter_layers(dst, dst_ls, pages, n, srcs, pb, layers);
-    return 0;
 }
 
 int pd_page_scatter_frames(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
