@@ -6,7 +6,8 @@ order and each leaves a serving stack behind for the next:
     stall prefill (SIGSTOP/SIGCONT)  ->  kill prefill, new prefill  ->  kill decode, new decode
 
 The prefills run 2-token prefill chunks so that prompts of a few hundred tokens are still
-being prefilled when the fault lands (at 8, all four could finish before a kill landed).
+being prefilled when the fault lands (at 8-token steps and 240-token prompts all four
+could finish before a kill landed; at 2 and 240, before a loaded box's poll saw them).
 Requests are greedy: every 200 must carry exactly transformers' tokens (a 200 built from
 damaged KV would not), every other outcome must be an error.
 """
@@ -35,7 +36,8 @@ TIMEOUTS = {"ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_s": 0.25,
             "heartbeat_timeout_s": 2.0}  # fmt: skip
 SLACK_S = 8.0  # HTTP hops, process polls and a loaded 2-core box
 BOUND_S = TIMEOUTS["heartbeat_timeout_s"] + SLACK_S
-SLOW_PREFILL = ["--max-prefill-tokens", "2"]  # 4 prompts of 240 tokens: ~480 steps, ~1 s
+SLOW_PREFILL = ["--max-prefill-tokens", "2"]  # 4 prompts of PROMPT_LEN: ~960 steps, ~2 s
+PROMPT_LEN = 480  # under the cluster's --max-context 512 with NEW_TOKENS
 NEW_TOKENS = 6
 Result = tuple[int, list[str], float, list[int]]  # (status, body lines, seconds, prompt ids)
 
@@ -81,7 +83,7 @@ def _fault_during_load(url: str, busy_url: str, fault: Callable[[], None]) -> li
     in flight and the fault)."""
 
     async def go() -> list[Result]:
-        task = asyncio.ensure_future(_load(url, 4, 240))
+        task = asyncio.ensure_future(_load(url, 4, PROMPT_LEN))
         deadline = time.monotonic() + 30
         while not await asyncio.to_thread(_busy, busy_url):
             assert time.monotonic() < deadline and not task.done(), "requests never in flight"
