@@ -38,7 +38,7 @@ from pdserve.server.http_util import (
     until_disconnect,
 )
 from pdserve.server.openai_api import SSE_DONE, GenerateIn, as_list, native_meta, sse
-from pdserve.server.openai_routes import engine_error_status
+from pdserve.server.openai_routes import engine_error_status, stream_failure
 from pdserve.server.server_config import ServerConfig
 
 
@@ -99,6 +99,8 @@ class _Native:
                     yield sse(self.body(acc[d.index]))
         except EngineDead as e:
             yield sse(error_body(str(e), "server_error", None, 503))
+        except Exception as e:  # NOTE: never a stream cut mid-body (cancellation passes)
+            yield stream_failure(e)
         finally:
             await gen.aclose()  # type: ignore[attr-defined]
         yield SSE_DONE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -98,6 +99,17 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         return JSONResponse({"object": "list", "data": [card]})
 
 
+log = logging.getLogger(__name__)
+
+
+def stream_failure(e: Exception) -> str:
+    """The SSE error event that ends a stream something unexpected broke; call it inside
+    the `except` (it logs the traceback). Without it the server would cut the response
+    mid-body: the client sees a broken connection, not an error."""
+    log.exception("stream failed")
+    return sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, 500))
+
+
 def engine_error_status(fe: Frontend) -> int:
     return 503 if not fe.client.alive else 500
 
@@ -150,6 +162,10 @@ async def _sse(
                 started.add(d.index)
     except EngineDead as e:  # died between the liveness check and submission
         yield sse(error_body(str(e), "server_error", None, 503))
+        yield SSE_DONE
+        return
+    except Exception as e:  # NOTE: never a stream cut mid-body (cancellation passes)
+        yield stream_failure(e)
         yield SSE_DONE
         return
     finally:
