@@ -15,7 +15,6 @@ import zmq
 from pdserve.kvcache.pools import KVLayout, slots_of
 from pdserve.transfer.loopback import (
     Side,
-    gather,
     make_req,
     push_prompt,
     random_pool,
@@ -28,6 +27,7 @@ from pdserve.transfer.push import MAX_RUNS, slot_runs
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVSender
 from pdserve.transfer.zmq_io import MsgSocket, make_socket
+from tests.test_transfer_roundtrip import arrives_exactly
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,22 +51,15 @@ def in_runs(pool, n: int, runs: int) -> Side:
     return Side(pool, pages, slots_of(pages, n, pool.page_size))
 
 
-def transfer(pre: Side, n: int, chunk: int, max_frame_bytes: int = 1 << 20) -> KVSender:
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=max_frame_bytes)
+def transfer(pre: Side, n: int, chunk: int) -> KVSender:
+    """`pre`'s prompt into a decode's shuffled pages (the decode scatters), checked by
+    the roundtrip tests' arrives_exactly; returns the (closed) sender for its stats."""
+    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=1 << 20)
     rx = KVReceiver(LAYOUT, kv_timeout_s=5)
     try:
         dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 99)
         dec_pool.allocator.alloc(2)
-        dec = Side(dec_pool, *reserve(dec_pool, n, 5))  # shuffled: the decode scatters
-        rx.expect(make_req("r", 7, n, tx.bootstrap_port), dec.pool, dec.slots)
-        push_prompt(tx, make_req("r", 7, n, tx.bootstrap_port), pre, chunk=chunk)
-        [ev] = wait_for(rx.poll)
-        assert ev.ok, ev.reason
-        k_pre, v_pre = gather(pre.pool, pre.slots)
-        k_dec, v_dec = gather(dec.pool, dec.slots)
-        assert torch.equal(k_pre, k_dec) and torch.equal(v_pre, v_dec)
-        [sev] = wait_for(tx.poll)
-        assert sev.ok
+        arrives_exactly(tx, rx, pre, Side(dec_pool, *reserve(dec_pool, n, 5)), chunk)
         return tx
     finally:
         tx.close()

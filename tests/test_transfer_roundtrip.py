@@ -71,22 +71,28 @@ def roundtrip(lay: KVLayout, n: int) -> None:
     try:
         pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)
         assert not torch.equal(pre.slots, dec.slots) or n == 1
-        req_p = make_req("r", 42, n, tx.bootstrap_port)
-        req_d = make_req("r", 42, n, tx.bootstrap_port)
-        rx.expect(req_d, dec.pool, dec.slots)
-        push_prompt(tx, req_p, pre, chunk=max(1, n // 3))
-        [ev] = wait_for(rx.poll)
-        assert ev.ok, ev.reason
-        assert (ev.first_token, ev.first_logprob) == (7, -0.5)
-        k_pre, v_pre = gather(pre.pool, pre.slots)
-        k_dec, v_dec = gather(dec.pool, dec.slots)
-        assert torch.equal(k_pre, k_dec) and torch.equal(v_pre, v_dec)
-        [sev] = wait_for(tx.poll)
-        assert sev.ok and sev.rid == "r"
-        assert_no_state(tx, rx)
+        arrives_exactly(tx, rx, pre, dec, chunk=max(1, n // 3))
     finally:
         tx.close()
         rx.close()
+
+
+def arrives_exactly(tx: KVSender, rx: KVReceiver, pre: Side, dec: Side, chunk: int) -> None:
+    """One transfer of `pre`'s prompt into `dec`'s slots in prefill chunks of `chunk`:
+    both sides report success, the decode's slots hold the prefill's bytes, and neither
+    side keeps any state afterwards."""
+    n = len(pre.slots)
+    rx.expect(make_req("r", 42, n, tx.bootstrap_port), dec.pool, dec.slots)
+    push_prompt(tx, make_req("r", 42, n, tx.bootstrap_port), pre, chunk=chunk)
+    [ev] = wait_for(rx.poll)
+    assert ev.ok, ev.reason
+    assert (ev.first_token, ev.first_logprob) == (7, -0.5)
+    k_pre, v_pre = gather(pre.pool, pre.slots)
+    k_dec, v_dec = gather(dec.pool, dec.slots)
+    assert torch.equal(k_pre, k_dec) and torch.equal(v_pre, v_dec)
+    [sev] = wait_for(tx.poll)
+    assert sev.ok and sev.rid == "r"
+    assert_no_state(tx, rx)
 
 
 def test_ready_after_prefill_done(pair) -> None:

@@ -76,12 +76,7 @@ class PageRuns:
             return np.arange(starts[best], starts[best] + k)
         order = np.argsort(-lens, kind="stable")  # longest first, then lowest page
         need = int(np.searchsorted(np.cumsum(lens[order]), k)) + 1
-        chosen = np.sort(order[:need])
-        pages = np.concatenate([np.arange(starts[i], ends[i]) for i in chosen])
-        # the shortest chosen run may give only part of itself: keep the longer ones whole
-        drop = len(pages) - k
-        if drop:
-            last = chosen[np.argmin(lens[chosen])]
-            cut = np.arange(ends[last] - drop, ends[last])
-            pages = np.setdiff1d(pages, cut, assume_unique=True)
-        return pages
+        runs = [np.arange(starts[i], ends[i]) for i in order[:need]]
+        whole = int(lens[order[: need - 1]].sum())
+        runs[-1] = runs[-1][: k - whole]  # the last (shortest) run gives only its head
+        return np.sort(np.concatenate(runs))

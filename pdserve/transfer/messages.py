@@ -55,7 +55,7 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     tok_end: int
     kind: str  # "kv" | "k" | "v"
     dtype: str
-    nbytes: int  # per payload frame; with runs, per kind (all its frames)
+    nbytes: int  # bytes of each kind: its one frame, or with runs its frames together
     checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
     runs: list[int] = msgspec.field(default_factory=list)  # [] : one frame per kind
 

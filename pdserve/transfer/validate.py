@@ -79,8 +79,8 @@ def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryvie
         return f"kind {h.kind!r} with {len(bufs)} payload frames, not {len(sizes)}"
     if h.dtype != layout.dtype:
         return f"dtype {h.dtype} != {layout.dtype}"
-    per_kind = sum(sizes) // len(_KINDS[h.kind])
-    if h.nbytes != (per_kind if h.runs else sizes[0]) or [b.nbytes for b in bufs] != sizes:
+    per_kind = sum(sizes) // len(_KINDS[h.kind])  # without runs: the kind's one frame
+    if h.nbytes != per_kind or [b.nbytes for b in bufs] != sizes:
         return f"byte count {[b.nbytes for b in bufs][:8]} (header {h.nbytes}) != {sizes[:8]}"
     for kind in _KINDS[h.kind]:
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
