@@ -11,6 +11,10 @@ every page gathered into a staging frame).
 The received bytes are checked against the prefill's afterwards. The raw-TCP
 baseline, measured in the same run, is a child process's `sendall` of a buffer of
 the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
+The ZeroMQ floor, also in the same run, is ZeroMQ alone moving the same messages
+(a K and a V message per piece, a zero-copy frame per layer) between two processes,
+timed from a 'go' message: how far raw TCP is out of reach of any ZeroMQ path here,
+and how much of that floor pdserve's whole path keeps ('of floor').
 The same transfer runs again with CURVE on (encryption + authentication).
 
 Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
@@ -36,7 +40,9 @@ import socket
 import statistics
 import time
 
+import numpy as np
 import torch
+import zmq
 
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
@@ -44,7 +50,7 @@ from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
-from pdserve.transfer.zmq_io import CurveKeys
+from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 
@@ -178,19 +184,78 @@ def raw_run(nbytes: int, repeats: int) -> tuple[float, float]:
     return nbytes / statistics.median(times[1:]) / 1e9, cpu / (nbytes * (repeats + 1)) * 1e9
 
 
+def floor_pieces(n: int, frame_bytes: int) -> list[tuple[int, int]]:
+    """[tok_start, tok_end) of each piece, as the sender splits a prompt of n tokens."""
+    per = max(1, frame_bytes // (BENCH_LAYOUT.token_bytes_per_layer * BENCH_LAYOUT.num_layers))
+    return [(t, min(n, t + per)) for t in range(0, n, per)]
+
+
+def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
+    """Child process: ZeroMQ alone. Once per 'go' message, the bytes of an n-token
+    transfer as pdserve sends them in place (a K then a V message per piece, a small
+    header and one zero-copy, tracked frame per layer), and nothing else: no Ready
+    handling, no checksum, no KVDone."""
+    lay = BENCH_LAYOUT
+    rows = np.random.default_rng(0).integers(
+        0, 255, (2, lay.num_layers, n, lay.token_bytes_per_layer), dtype=np.uint8
+    )
+    sock = make_socket(zmq.PAIR)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    header = bytes(160)  # about a msgspec KVChunk's size
+    c0 = cpu_s()
+    for _ in range(repeats):
+        sock.recv()
+        for t0, t1 in floor_pieces(n, frame_bytes):
+            for kind in range(2):
+                frames = [zmq.Frame(rows[kind, layer, t0:t1], copy=False, track=True)
+                          for layer in range(lay.num_layers)]  # fmt: skip
+                sock.send_multipart([header, *frames], copy=False)
+    sock.recv()  # the receiver is done
+    sock.send(str(cpu_s() - c0).encode())  # CPU seconds of the sends (all threads)
+    sock.close(linger=1000)
+
+
+def floor_run(n: int, repeats: int, frame_bytes: int) -> tuple[float, float]:
+    """(GB/s, CPU ns per byte of both processes) of ZeroMQ alone (floor_sender), timed
+    as zmq_run: from the 'go' to the last message received, median over the repeats
+    after a warm-up."""
+    sock = make_socket(zmq.PAIR)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=floor_sender, args=(port, n, repeats + 1, frame_bytes))
+    child.start()
+    messages, times, c0 = 2 * len(floor_pieces(n, frame_bytes)), [], cpu_s()
+    try:
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            sock.send(b"g")
+            for _ in range(messages):
+                sock.recv_multipart(copy=False)
+            times.append(time.perf_counter() - t0)
+        cpu = cpu_s() - c0
+        sock.send(b"end")
+        cpu += float(sock.recv())
+    finally:
+        child.join(timeout=30)
+        sock.close()
+    nbytes = kv_bytes(BENCH_LAYOUT, n)
+    return nbytes / statistics.median(times[1:]) / 1e9, cpu / (nbytes * (repeats + 1)) * 1e9
+
+
 def measure(n: int, args: argparse.Namespace) -> dict:
-    """Rounds of (ZeroMQ, raw TCP) back to back; the ratio is the median of the rounds'
-    ratios, so a baseline that drifts (raw loopback TCP swings 2x here, with where the
-    scheduler puts the two processes) moves both sides of a pair together."""
+    """Rounds of (ZeroMQ, raw TCP, ZeroMQ alone) back to back; each ratio is the median
+    of the rounds' ratios, so a baseline that drifts (raw loopback TCP swings 2x here,
+    with where the scheduler puts the two processes) moves both sides of a pair together."""
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
     rounds = []
     for _ in range(args.rounds):
-        z, z_cpu, shares = zmq_run(
+        z, z_sides, shares = zmq_run(
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages
         )
-        r, r_cpu = raw_run(nbytes, args.repeats)
-        rounds.append((z, r, z_cpu, r_cpu, shares))
+        r, r_ns = raw_run(nbytes, args.repeats)
+        f, f_ns = floor_run(n, args.repeats, frame)
+        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns))
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
     z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
@@ -203,6 +268,10 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "raw_tcp_gbps": round(r, 3),
         "ratio": round(med(x[0] / x[1] for x in rounds), 3),
         "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
+        "zmq_floor_gbps": round(med(x[5] for x in rounds), 3),
+        "floor_ratio": round(med(x[5] / x[1] for x in rounds), 3),
+        "of_floor": round(med(x[0] / x[5] for x in rounds), 3),
+        "floor_cpu_ns_per_byte": round(med(x[6] for x in rounds), 3),
         "zmq_cpu_ns_per_byte": round(z_cpu, 3),
         "zmq_sender_cpu_ns_per_byte": round(z_tx, 3),
         "zmq_receiver_cpu_ns_per_byte": round(z_rx, 3),
@@ -225,7 +294,7 @@ def print_table(results: list[dict], repeats: int, pages: str) -> None:
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
-        f" {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9} {'tx ns/B':>7} {'rx ns/B':>7}  "
+        f" {'floor GB/s':>10} {'ratio':>6} {'of floor':>8} {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9} {'tx ns/B':>7} {'rx ns/B':>7} {'raw ns/B':>8} {'floor ns/B':>10}  "
         + " ".join(f"{s:>8}" for s in STAGES)
     )
     for x in results:
@@ -234,12 +303,17 @@ def print_table(results: list[dict], repeats: int, pages: str) -> None:
         )
         print(
             f"{x['tokens']:>7} {x['bytes'] / 2**20:>7.1f} {x['zmq_gbps']:>9.2f}"
-            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {curve} {x['cpu_ratio']:>9.2f}"
-            f" {x['zmq_sender_cpu_ns_per_byte']:>7.2f} {x['zmq_receiver_cpu_ns_per_byte']:>7.2f}  "
+            f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {x['zmq_floor_gbps']:>10.2f}"
+            f" {x['floor_ratio']:>6.2f} {x['of_floor']:>8.2f} {curve} {x['cpu_ratio']:>9.2f}"
+            f" {x['zmq_sender_cpu_ns_per_byte']:>7.2f} {x['zmq_receiver_cpu_ns_per_byte']:>7.2f}"
+            f" {x['raw_cpu_ns_per_byte']:>8.2f} {x['floor_cpu_ns_per_byte']:>10.2f}  "
             + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
         )
+    print("floor: ZeroMQ alone moving the same messages (no Ready, checksum, scatter or KVDone);")
+    print("  its ratio to raw TCP, and pdserve's share of it (of floor)")
     print("CPU ratio: raw TCP's CPU seconds per byte / ZeroMQ's (both processes, all threads)")
-    print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process")
+    print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process;")
+    print("  raw / floor ns/B: both processes' CPU nanoseconds per byte in raw TCP / the floor")
     print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
 
 
