@@ -58,17 +58,80 @@ def test_quiet_polls_drops_successful_polls_only():
 def test_serve_warns_and_installs_the_filter(monkeypatch, caplog):
     """serve() is the one way pdserve listens: check what it does before uvicorn runs."""
     seen = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(kw))
+
+    def run(app, sock, what, **kw):
+        seen.update(kw, bound=sock.getsockname()[0])
+        return True
+
+    monkeypatch.setattr(listen, "run", run)
     with caplog.at_level(logging.WARNING, logger="pdserve.listen"):
-        listen.serve(FastAPI(), host="0.0.0.0", port=1, api_key=None, what="pdserve decode",
+        listen.serve(FastAPI(), host="0.0.0.0", port=0, api_key=None, what="pdserve decode",
                      log_level="info")  # fmt: skip
     assert "pdserve decode listens on 0.0.0.0 WITHOUT an API key" in caplog.text
-    assert seen == {"host": "0.0.0.0", "port": 1, "log_level": "info"}
+    assert seen == {"host": "0.0.0.0", "port": 0, "log_level": "info", "bound": "0.0.0.0"}
     assert any(isinstance(f, QuietPolls) for f in logging.getLogger("uvicorn.access").filters)
     caplog.clear()
-    listen.serve(FastAPI(), host="127.0.0.1", port=1, api_key=None, what="x")
-    listen.serve(FastAPI(), host="0.0.0.0", port=1, api_key="k", what="x")
+    listen.serve(FastAPI(), host="127.0.0.1", port=0, api_key=None, what="x")
+    listen.serve(FastAPI(), host="0.0.0.0", port=0, api_key="k", what="x")
     assert "WITHOUT" not in caplog.text
+
+
+def test_a_taken_port_fails_before_anything_starts(monkeypatch):
+    """The port is bound before uvicorn runs the app's start-up (which loads the model):
+    a taken port ends the server at once, naming the port and the reason."""
+    import socket
+
+    ran = []
+    monkeypatch.setattr(listen, "run", lambda *a, **kw: ran.append(1) or True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            listen.serve(FastAPI(), host="127.0.0.1", port=port, api_key=None, what="pdserve x")
+    assert f"pdserve x: cannot listen on 127.0.0.1:{port}: Address already in use" in str(e.value)
+    assert not ran
+
+
+def test_a_failed_start_up_exits_3_and_frees_the_port(capfd):
+    """An app whose start-up fails (an engine that could not start) exits as uvicorn
+    does, and its bound port is free again."""
+    import socket
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        raise RuntimeError("engine did not start")
+        yield
+
+    sock = listen.bind("127.0.0.1", 0, "x")
+    port = sock.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+        listen.serve(FastAPI(lifespan=lifespan), host="127.0.0.1", port=port, api_key=None,
+                     what="x", sock=sock, log_level="info")  # fmt: skip
+    assert e.value.code == 3
+    assert "engine did not start" in capfd.readouterr().err
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
+
+
+def test_a_server_binds_its_port_before_it_looks_at_the_model(tmp_path):
+    """`pdserve decode` with a taken port fails on the port, before resolving (possibly
+    converting) its model: here a model that does not exist."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdserve.server.serve_cli", "decode",
+               "--model", str(tmp_path / "no-such-model"), "--port", str(port)]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "no-such-model" not in out.stderr
 
 
 def test_frontend_and_router_start_through_serve():

@@ -79,7 +79,8 @@ def test_engine_death_fails_requests_fast_and_health_goes_503(model):
             os.kill(pid, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         assert time.monotonic() - t0 < 3.0
-        assert "engine" in json.loads(rest[-2][len("data: ") :])["error"]["message"]
+        message = json.loads(rest[-2][len("data: ") :])["error"]["message"]
+        assert message == "engine process exited unexpectedly (code -9, SIGKILL)"
         assert rest[-1] == "data: [DONE]"
         assert httpx.get(s.url + "/health").status_code == 503
         r2 = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
@@ -87,6 +88,22 @@ def test_engine_death_fails_requests_fast_and_health_goes_503(model):
         assert httpx.get(s.url + "/health_generate").status_code == 503
     finally:
         s.stop()
+
+
+def test_ctrl_c_stops_frontend_and_engine_without_a_traceback(model, capfd):
+    """Ctrl+C in a terminal sends SIGINT to every process of the group: both end, cleanly."""
+    s = ServerProc(model, "decode").wait_healthy()
+    pid = engine_pid(s)
+    for p in (pid, s.proc.pid):
+        os.kill(p, signal.SIGINT)
+    try:
+        assert s.proc.wait(15) == 0
+    finally:
+        s.stop()
+    assert process_gone(pid, 5.0)
+    out = capfd.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert "KeyboardInterrupt" not in out.out + out.err
 
 
 def test_engine_exits_with_its_frontend(model):

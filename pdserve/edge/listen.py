@@ -1,6 +1,10 @@
 """Starting an HTTP listener (frontends and router alike).
 
-Every server of pdserve starts through `serve`, so two rules hold for all of them:
+Every server of pdserve starts through `serve`, so three rules hold for all of them:
+- its port is bound first (`bind`), before the app's start-up loads a model or starts
+  an engine: a port already taken fails at once, naming the port and the reason, not
+  after a model loaded (uvicorn alone binds after the start-up). Listening itself
+  starts once the start-up is done, so until then a client is refused, not left waiting;
 - a server that listens beyond loopback without an API key says so loudly at start
   (`exposure_warning`): anyone who can reach the port may then generate;
 - the routine polls (`/health`, `/health_generate`, `/metrics`) that orchestrators and
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from typing import Any
 
 logger = logging.getLogger("pdserve.listen")
@@ -63,12 +68,64 @@ def quiet_polls() -> None:
         access.addFilter(QuietPolls())
 
 
-def serve(app: Any, *, host: str, port: int, api_key: str | None, what: str, **kw: Any) -> None:
-    """Run `app` with uvicorn on host:port until stopped (the one way pdserve listens)."""
-    import uvicorn
+def bind(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening), or SystemExit saying why not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"{what}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
+
+def serve(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    what: str,
+    sock: socket.socket | None = None,
+    **kw: Any,
+) -> None:
+    """Run `app` with uvicorn on host:port until stopped (the one way pdserve listens).
+    `sock`: host:port already bound by `bind` (callers that do slow work first bind
+    before it); bound here otherwise. SystemExit(3), as uvicorn, if the app's start-up
+    failed."""
+    sock = sock if sock is not None else bind(host, port, what)
     warning = exposure_warning(host, api_key, what)
     if warning:
         logger.warning(warning)
     quiet_polls()  # uvicorn keeps existing filters when it configures its loggers
-    uvicorn.run(app, host=host, port=port, **kw)
+    try:
+        started = run(app, sock, what, host=host, port=port, **kw)
+    finally:
+        sock.close()
+    if not started:
+        raise SystemExit(3)  # uvicorn's STARTUP_FAILURE; the reason is in the log above
+
+
+def run(app: Any, sock: socket.socket, what: str = "server", **kw: Any) -> bool:
+    """uvicorn serving `app` on the bound `sock` until stopped; False if it never started."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where it listens only when it bound the port
+                host, port = sock.getsockname()[:2]
+                logger.info("%s listening on http://%s:%d", what, _url_host(host), port)
+
+    server = Server(uvicorn.Config(app, **kw))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    return server.started
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -143,6 +143,8 @@ def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) 
     ctx = zmq.Context()
     try:
         engine = build(spec.role, spec.engine, spec.transfer)
+    except KeyboardInterrupt:  # Ctrl+C while the model loads: gone quietly (see below)
+        return 130
     except Exception as e:
         log.exception("engine build failed")
         _report_error(ctx, ipc_dir, f"engine build failed: {type(e).__name__}: {e}")
@@ -155,6 +157,11 @@ def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) 
     gc.freeze()
     loop = EngineLoop(engine, ctx, ipc_dir)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopping", True))
+    # NOTE: Ctrl+C in a terminal signals every process of the group, the frontend and its
+    # engine alike. The engine leaves it to the frontend, which stops it (SIGTERM) once its
+    # own graceful shutdown is done: requests still streaming get their last tokens, and
+    # no KeyboardInterrupt traceback. A frontend that dies instead: _watch_parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     loop.send(P.EngineReady(role=spec.role, pid=os.getpid()))
     try:
         loop.run()
@@ -185,5 +192,16 @@ def main(argv: list[str] | None = None, build: EngineBuilder | None = None) -> i
     return serve(spec, args.ipc_dir, build)
 
 
+def exit_now(code: int) -> None:
+    """End the process with `code` once logs and stdio are flushed, skipping the
+    interpreter's teardown: everything was closed by then (serve), and the teardown only
+    made Triton's bindings (nanobind) print a page of "leaked instance" lines at every
+    engine shutdown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

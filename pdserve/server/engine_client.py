@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -205,7 +206,7 @@ class EngineClient:
             assert self._proc is not None
             code = self._proc.poll()
             if code is not None:
-                self._fail(f"engine process exited unexpectedly (code {code})")
+                self._fail(f"engine process exited unexpectedly ({exit_status(code)})")
             elif time.monotonic() - self._last_beat > self.heartbeat_timeout_s:
                 self._fail(f"engine unresponsive for {self.heartbeat_timeout_s:.0f}s")
 
@@ -221,6 +222,17 @@ class EngineClient:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDead(self.error))
+
+
+def exit_status(code: int) -> str:
+    """'code -9, SIGKILL' for a process a signal ended; 'code 0: ...' for one stopped
+    cleanly by a SIGTERM its frontend did not send (a whole process group signalled)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"code {code}, {signal.Signals(-code).name}"
+    if code == 0:
+        return "code 0: stopped by a signal from outside its server"
+    return f"code {code}"
 
 
 async def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:

@@ -6,9 +6,10 @@
         ├─ decode j   (pdserve decode --port D_j)                         ─ its engine
         └─ router     (pdserve router --prefill http://H:P_i B_i ... --decode http://H:D_j ...)
 
-Invariant: when `up` returns, every child's process group has been sent
-SIGTERM and, after the grace period, SIGKILL; so no server outlives it and
-its ports are free again.
+Invariant: when `up` returns, every child's process group is gone: each server got
+SIGTERM (its frontend stops its own engine), what was left of a group once its
+leader exited got SIGTERM too, and anything alive after the grace period SIGKILL;
+so no server outlives it and its ports are free again.
 """
 
 from __future__ import annotations

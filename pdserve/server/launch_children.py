@@ -127,6 +127,11 @@ def _signal_group(child: Child, sig: int) -> None:
         pass
 
 
+def _signal_leader(child: Child, sig: int) -> None:
+    if child.proc is not None and child.proc.poll() is None:
+        child.proc.send_signal(sig)
+
+
 def _group_alive(child: Child) -> bool:
     if child.proc is None:
         return False
@@ -141,11 +146,19 @@ def _group_alive(child: Child) -> bool:
 
 
 def stop_all(children: list[Child], grace_s: float) -> None:
-    """SIGTERM every group (last started first), SIGKILL what is left after `grace_s`."""
+    """SIGTERM each server's leader (last started first): a frontend shuts down
+    gracefully (streams in flight end) and then stops its own engine, so no engine dies
+    under a live frontend (which would log it as a crash). Once a leader is gone, SIGTERM
+    what is left of its group; SIGKILL every group still alive after `grace_s`."""
     for c in reversed(children):
-        _signal_group(c, signal.SIGTERM)
+        _signal_leader(c, signal.SIGTERM)
+    swept: set[int] = set()
     deadline = time.monotonic() + grace_s
     while any(_group_alive(c) for c in children) and time.monotonic() < deadline:
+        for i, c in enumerate(children):
+            if i not in swept and c.proc is not None and c.proc.poll() is not None:
+                _signal_group(c, signal.SIGTERM)
+                swept.add(i)
         time.sleep(0.05)
     for c in children:
         if _group_alive(c):

@@ -266,16 +266,17 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
 
 
 def run_server(role: str, args: argparse.Namespace) -> int:
-    from pdserve.edge.listen import serve
+    from pdserve.edge.listen import bind, serve
     from pdserve.server.app import create_app
 
+    sock = bind(args.host, args.port, f"pdserve {role}")  # NOTE: before the model is resolved
     try:
         server, spec = configs_from_args(role, args)
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
     app = create_app(server, spec)
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
-          log_level=server.log_level.lower(), timeout_graceful_shutdown=3)  # fmt: skip
+          sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3)  # fmt: skip
     return 0
 
 
