@@ -194,3 +194,29 @@ def test_unknown_fields_are_logged_not_silent(caplog: pytest.LogCaptureFixture) 
     with caplog.at_level("WARNING", logger="pdserve.model.hf_config"):
         arch_from_config(_cfg(some_new_knob=3, use_cache=True))
     assert "some_new_knob" in caplog.text and "use_cache" not in caplog.text
+
+
+def test_a_model_that_is_not_there_is_refused_by_name(tmp_path):
+    """--model names a folder, a GGUF file or a built-in name; anything else is refused
+    up front (not passed on for a library to fail on with 'No such file')."""
+    import subprocess
+    import sys
+
+    from pdserve.model.resolve import resolve_model
+    from pdserve.server.tokenizer import Tokenizer
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no such folder or GGUF file, and not a built-in"):
+        resolve_model(str(missing))
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        Tokenizer(tmp_path)  # a folder, but not a model's
+    for model, why in ((missing, "no such folder or GGUF file"), (tmp_path, "no tokenizer.json")):
+        cmd = [sys.executable, "-m", "pdserve.server.serve_cli", "decode", "--model", str(model),
+               "--port", "0"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert (
+            out.stderr.startswith(f"pdserve decode: {model}")
+            or "pdserve decode: model" in out.stderr
+        )
+        assert why in out.stderr and "Traceback" not in out.stderr

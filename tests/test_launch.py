@@ -34,7 +34,7 @@ sys.exit(main(sys.argv[1:]))
 def start_up(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
     pids = tmp_path / "grandchildren.pid"
     code = LAUNCHER.format(fake=FAKE, pids=str(pids))
-    argv = [sys.executable, "-c", code, "up", "--model", "/unused", "--port", str(port),
+    argv = [sys.executable, "-c", code, "up", "--model", str(tmp_path), "--port", str(port),
             "--grace-period", "3", "--startup-timeout", "30", "--log-dir", str(tmp_path), *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, pids
@@ -129,3 +129,21 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         args = argparse.Namespace(host="127.0.0.1", port=s.getsockname()[1])
         with pytest.raises(SystemExit, match="in use"):
             run_up(args)  # fails before planning or starting any child
+    with pytest.raises(SystemExit, match="--port 70000 is not a port"):
+        run_up(argparse.Namespace(host="127.0.0.1", port=70000))
+
+
+def test_a_model_that_is_not_there_fails_before_any_server_starts(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from pdserve.server import launch
+    from pdserve.server.launch import run_up
+
+    monkeypatch.setattr(launch, "_Stop", lambda: lambda: False)  # keep pytest's handlers
+
+    args = argparse.Namespace(host="127.0.0.1", port=free_port(), log_dir=str(tmp_path),
+                              model=str(tmp_path / "nothing-here"))  # fmt: skip
+    assert run_up(args) == 1
+    err = capsys.readouterr().err
+    assert f"pdserve up: model {tmp_path / 'nothing-here'}: no such folder or GGUF file" in err
+    assert not list(tmp_path.glob("*.log")), "no server was started"

@@ -93,6 +93,18 @@ def test_a_taken_port_fails_before_anything_starts(monkeypatch):
     assert not ran
 
 
+@pytest.mark.parametrize(
+    ("host", "port", "why"),
+    [("127.0.0.1", 70000, "port must be 0-65535"), ("nosuch.invalid", 0, "cannot listen on"),
+     ("192.0.2.1", 0, "Cannot assign requested address")],
+)  # fmt: skip
+def test_a_port_or_host_that_cannot_be_bound_is_named(host, port, why):
+    with pytest.raises(SystemExit) as e:
+        listen.bind(host, port, "pdserve router")
+    assert f"pdserve router: cannot listen on {host}:{port}" in str(e.value)
+    assert why in str(e.value)
+
+
 def test_a_failed_start_up_exits_3_and_frees_the_port(capfd):
     """An app whose start-up fails (an engine that could not start) exits as uvicorn
     does, and its bound port is free again."""

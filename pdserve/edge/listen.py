@@ -75,9 +75,10 @@ def bind(host: str, port: int, what: str) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
         sock.close()
-        raise SystemExit(f"{what}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise SystemExit(f"{what}: cannot listen on {host}:{port}: {why}") from None
     return sock
 
 

@@ -7,8 +7,8 @@
     an existing FILE.gguf        converted once (see gguf_folder)      the file's stem
     an existing folder           itself                                the folder's name
 
-An existing path wins over a short name of the same spelling. Anything else is
-passed through unchanged (the engine reports the missing folder).
+An existing path wins over a short name of the same spelling. Anything else is refused
+(FileNotFoundError naming the path and the built-in names): pdserve downloads nothing.
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
         return ResolvedModel(make.default_model_path(text), text)
     if text.endswith(".gguf"):
         raise FileNotFoundError(f"GGUF file {text} does not exist")
-    return ResolvedModel(path, path.name or text)
+    names = ", ".join([DEFAULT_MODEL, *make.PRESETS])
+    raise FileNotFoundError(
+        f"model {text}: no such folder or GGUF file, and not a built-in name ({names})"
+    )
 
 
 def is_short_name(spec: str | None) -> bool:

@@ -141,14 +141,14 @@ def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
 
 
 def _prepare_model(spec: str | None) -> str:
-    """The --model every server gets. A short name or a GGUF is resolved here first, so
-    the servers find it converted (once, under a lock) and a missing package fails at
-    once; the servers get the spec itself, so they serve it under its short name."""
-    from pdserve.model.resolve import DEFAULT_MODEL, is_short_name, resolve_model
+    """The --model every server gets. It is resolved here first, so a model that is not
+    there fails at once, before any server starts, and the servers find a short name or
+    a GGUF converted (once, under a lock); they get the spec itself, so they serve it
+    under its short name."""
+    from pdserve.model.resolve import DEFAULT_MODEL, resolve_model
 
     spec = spec or DEFAULT_MODEL
-    if is_short_name(spec) or spec.endswith(".gguf"):
-        resolve_model(spec)
+    resolve_model(spec)
     return spec
 
 
@@ -203,9 +203,11 @@ def _check_port_free(host: str, port: int) -> None:
     with socket.socket() as s:
         try:
             s.bind((host, port))
-        except OSError:
+        except OverflowError:
+            raise SystemExit(f"pdserve up: --port {port} is not a port (0-65535)") from None
+        except OSError as e:
             raise SystemExit(
-                f"pdserve up: port {port} on {host} is in use; choose --port"
+                f"pdserve up: cannot listen on {host}:{port} ({e.strerror}); choose --port"
             ) from None
 
 

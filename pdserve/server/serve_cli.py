@@ -272,9 +272,9 @@ def run_server(role: str, args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port, f"pdserve {role}")  # NOTE: before the model is resolved
     try:
         server, spec = configs_from_args(role, args)
+        app = create_app(server, spec)  # reads the tokenizer
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
-    app = create_app(server, spec)
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
           sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3)  # fmt: skip
     return 0
