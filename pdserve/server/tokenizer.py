@@ -61,7 +61,9 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
         if not (d / "tokenizer.json").is_file():  # the library's own error names no file
-            raise FileNotFoundError(f"{d}: no tokenizer.json (a model folder needs its fast tokenizer)")
+            raise FileNotFoundError(
+                f"{d}: no tokenizer.json (a model folder needs its fast tokenizer)"
+            )
         self.hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
