@@ -119,6 +119,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.queue or self.running or self.out)
 
+    def has_unfinished(self) -> bool:
+        return self.has_work()
+
     def stats(self) -> dict[str, float]:
         return {
             "free_rows": float(self.total_rows - len(self.running)),
