@@ -168,6 +168,28 @@ def test_parse_prefill_args_like_sglang_router():
         parse_prefill_args([["http://a:1", "x"]])
 
 
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [(["--prefill", "localhost:30000"], "--prefill 'localhost:30000': not an http(s) URL"),
+     (["--prefill", "http://a:1", "70000"], "bad bootstrap port 70000 for http://a:1"),
+     (["--decode", "http://a:99999"], "--decode 'http://a:99999': Port out of range"),
+     (["--decode", "ftp://a:1"], "--decode 'ftp://a:1': not an http(s) URL")],
+)  # fmt: skip
+def test_the_router_refuses_a_worker_address_that_cannot_work(argv, why):
+    """A router started on a bad address would serve nothing but errors: refused by name."""
+    import subprocess
+    import sys
+
+    flags = {"--prefill": ["http://127.0.0.1:1"], "--decode": ["http://127.0.0.1:2"]}
+    flags[argv[0]] = argv[1:]
+    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", "0"]
+    for flag, value in flags.items():
+        cmd += [flag, *value]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert why in out.stderr and "Traceback" not in out.stderr
+
+
 def test_with_bootstrap_does_not_touch_the_clients_body():
     body = {"prompt": "x", "n": 1}
     out = with_bootstrap("/v1/completions", body, Worker("http://10.0.0.7:5", "prefill", None))

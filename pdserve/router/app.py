@@ -233,11 +233,13 @@ def _prometheus(state: RouterState) -> str:
 
 
 def config_from_args(args: Any) -> RouterConfig:
-    from pdserve.router.workers import parse_prefill_args
+    """Raises ValueError naming a flag whose value cannot work."""
+    from pdserve.router.workers import parse_prefill_args, worker_url
 
+    decode = (d[0] if isinstance(d, list) else d for d in (args.decode or []))
     return RouterConfig(
         prefill=tuple(parse_prefill_args(args.prefill or [])),
-        decode=tuple(d[0] if isinstance(d, list) else d for d in (args.decode or [])),
+        decode=tuple(worker_url(d, "--decode") for d in decode),
         host=args.host,
         port=args.port,
         policy=args.policy,

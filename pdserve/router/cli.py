@@ -36,7 +36,10 @@ def _run_router(args: argparse.Namespace) -> int:
     from pdserve.edge.listen import serve  # lazy: keeps --help quick
     from pdserve.router.app import config_from_args, create_app
 
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"pdserve router: {e}") from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per worker health poll
     serve(create_app(cfg), host=cfg.host, port=cfg.port, api_key=cfg.api_key,
           what="pdserve router", log_level="warning")  # fmt: skip

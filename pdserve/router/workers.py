@@ -91,6 +91,19 @@ def _norm(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+def worker_url(url: str, flag: str) -> str:
+    """`url` if it names an http(s) server, else ValueError naming `flag` (a router
+    pointed at "localhost:30000" would start and fail every request)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number or out of range)
+    except ValueError as e:
+        raise ValueError(f"{flag} {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} {url!r}: not an http(s) URL (for example http://127.0.0.1:30000)")
+    return url
+
+
 def parse_prefill_args(groups: list[list[str]]) -> list[tuple[str, int | None]]:
     """`--prefill URL [BOOTSTRAP_PORT]` groups (argparse nargs="+", action="append").
 
@@ -106,5 +119,7 @@ def parse_prefill_args(groups: list[list[str]]) -> list[tuple[str, int | None]]:
                 port = int(group[1])
             except ValueError:
                 raise ValueError(f"bad bootstrap port {group[1]!r} for {group[0]}") from None
-        out.append((group[0], port))
+            if not 0 < port < 65536:
+                raise ValueError(f"bad bootstrap port {port} for {group[0]} (1-65535)")
+        out.append((worker_url(group[0], "--prefill"), port))
     return out
