@@ -21,6 +21,9 @@ class CacheConfig:
     max_total_tokens: int = 65536  # KV capacity in tokens (rounded up to pages)
     max_context: int = 4096  # longest prompt + output of one request
 
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "page_size", "max_total_tokens", "max_context")
+
     @property
     def num_pages(self) -> int:
         return -(-self.max_total_tokens // self.page_size) + 1  # +1: padding page 0
@@ -69,6 +72,8 @@ class SchedulerConfig:
     prefill_max_wait_ms: int = 10_000
 
     def __post_init__(self) -> None:
+        _at_least(self, 1, "max_running_requests")
+        _at_least(self, 0, "max_prefill_tokens", "max_queued_requests", "prefill_first_ms")
         if self.prefill_first not in PREFILL_FIRST_MODES:
             raise ValueError(
                 f"prefill_first must be one of {PREFILL_FIRST_MODES}, got {self.prefill_first!r}"
@@ -109,6 +114,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "num_threads")
+        _one_of(self, "dtype", ("float32", "bfloat16", "float16"))
+        _one_of(self, "kernel_backend", ("torch", "triton"))
+        _one_of(self, "attention_backend", ("auto", "torch", "triton"))
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+
     @property
     def max_rows(self) -> int:
         return self.scheduler.max_running_requests + 1  # +1: padding row 0
@@ -131,3 +144,18 @@ class TransferConfig:
     # One cluster CURVE keypair (a zmq.auth `.key_secret` file) encrypts and authenticates
     # the channel; None falls back to PDSERVE_CURVE_PUBLIC/SECRET, else no CURVE.
     curve_secret_key_file: str | None = None
+
+
+def _at_least(cfg: object, low: int, *names: str) -> None:
+    """ValueError naming the first field among `names` below `low` (a flag of that name)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value < low:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name} ({flag}) must be >= {low}, got {value}")
+
+
+def _one_of(cfg: object, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

@@ -220,3 +220,25 @@ def test_a_model_that_is_not_there_is_refused_by_name(tmp_path):
             or "pdserve decode: model" in out.stderr
         )
         assert why in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [(["--page-size", "0"], "page_size (--page-size) must be >= 1, got 0"),
+     (["--max-total-tokens", "-5"], "max_total_tokens (--max-total-tokens) must be >= 1, got -5"),
+     (["--max-running-requests", "0"], "max_running_requests (--max-running-requests) must be >= 1"),
+     (["--num-threads", "-1"], "num_threads (--num-threads) must be >= 0, got -1"),
+     (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
+     (["--dtype", "int8"], "dtype must be one of float32, bfloat16, float16, got 'int8'")],
+)  # fmt: skip
+def test_engine_flags_that_cannot_work_are_refused_at_start(tmp_path, flags, why):
+    """A page size of 0 divided by zero in the engine; 0 rows or 0 KV pages started a
+    server that could serve nothing. Each is refused before anything starts."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pdserve.server.serve_cli", "decode", "--model", str(tmp_path),
+           "--port", "0", *flags]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.startswith("pdserve decode: ") and why in out.stderr
