@@ -48,6 +48,7 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
+from pdserve.transfer.push import Pusher
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
 from pdserve.transfer.zmq_io import CurveKeys, make_socket
@@ -186,7 +187,7 @@ def raw_run(nbytes: int, repeats: int) -> tuple[float, float]:
 
 def floor_pieces(n: int, frame_bytes: int) -> list[tuple[int, int]]:
     """[tok_start, tok_end) of each piece, as the sender splits a prompt of n tokens."""
-    per = max(1, frame_bytes // (BENCH_LAYOUT.token_bytes_per_layer * BENCH_LAYOUT.num_layers))
+    per = Pusher(BENCH_LAYOUT, frame_bytes).max_tokens
     return [(t, min(n, t + per)) for t in range(0, n, per)]
 
 

@@ -166,14 +166,16 @@ def test_parse_prefill_args_like_sglang_router():
     assert got == [("http://a:1", 8998), ("http://b:2", None), ("http://c:3", None)]
     with pytest.raises(ValueError):
         parse_prefill_args([["http://a:1", "x"]])
+    # "host:port" means http, as sglang-router takes it
+    assert parse_prefill_args([["localhost:30000"]]) == [("http://localhost:30000", None)]
 
 
 @pytest.mark.parametrize(
     ("argv", "why"),
-    [(["--prefill", "localhost:30000"], "--prefill 'localhost:30000': not an http(s) URL"),
+    [(["--prefill", "ftp://a:1"], "--prefill 'ftp://a:1': not an http(s) URL"),
      (["--prefill", "http://a:1", "70000"], "bad bootstrap port 70000 for http://a:1"),
      (["--decode", "http://a:99999"], "--decode 'http://a:99999': Port out of range"),
-     (["--decode", "ftp://a:1"], "--decode 'ftp://a:1': not an http(s) URL")],
+     (["--decode", "http://:5"], "--decode 'http://:5': not an http(s) URL")],
 )  # fmt: skip
 def test_the_router_refuses_a_worker_address_that_cannot_work(argv, why):
     """A router started on a bad address would serve nothing but errors: refused by name."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV, cache_root
 from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
@@ -25,15 +26,13 @@ from pdserve.model.ops import NativeOps
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES}  # config.DTYPES -> torch
 
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
         """`model`: share already loaded weights (read-only) instead of loading them."""
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-        self.cfg = cfg
+        self.cfg = cfg  # NOTE: EngineConfig refused a dtype outside config.DTYPES
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
         self.native_forward: NativeDecodeForward | None = None  # set by warm_up_decode

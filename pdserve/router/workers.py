@@ -92,16 +92,18 @@ def _norm(url: str) -> str:
 
 
 def worker_url(url: str, flag: str) -> str:
-    """`url` if it names an http(s) server, else ValueError naming `flag` (a router
-    pointed at "localhost:30000" would start and fail every request)."""
+    """`url` as the router uses it (_norm: "host:port" means http), or ValueError naming
+    `flag` where it cannot name an http(s) server: another scheme, no host, a port that
+    is not a number or outside 0-65535."""
+    norm = _norm(url)
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(norm)
         parts.port  # noqa: B018 (raises on a port that is not a number or out of range)
     except ValueError as e:
         raise ValueError(f"{flag} {url!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{flag} {url!r}: not an http(s) URL (for example http://127.0.0.1:30000)")
-    return url
+    return norm
 
 
 def parse_prefill_args(groups: list[list[str]]) -> list[tuple[str, int | None]]:

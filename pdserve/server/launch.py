@@ -169,7 +169,9 @@ class _Stop:
 
 def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
     """Start, wait healthy, serve until a signal (0) or a child's death (1)."""
-    _check_port_free(args.host, args.port)
+    from pdserve.edge.listen import bind
+
+    bind(args.host, args.port, "pdserve up").close()  # the router's port, before any child
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
     stop = _Stop()
     log_dir = _log_dir(args.log_dir)
@@ -195,20 +197,6 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
         return 1
     finally:
         stop_all(children, args.grace_period)
-
-
-def _check_port_free(host: str, port: int) -> None:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OverflowError:
-            raise SystemExit(f"pdserve up: --port {port} is not a port (0-65535)") from None
-        except OSError as e:
-            raise SystemExit(
-                f"pdserve up: cannot listen on {host}:{port} ({e.strerror}); choose --port"
-            ) from None
 
 
 def _temp_log_dir() -> str:
