@@ -4,7 +4,10 @@ Two processes, as deployed: the prefill side (KVSender) runs in a child process,
 the decode side (KVReceiver) here. The ZeroMQ figure covers the whole path of one
 request, from the decode's expect() to its SourceEvent: Ready, the prompt's pages read
 out of the prefill pool, checksums, send, receive, validation, scatter into the decode
-pool's (shuffled, differently numbered) pages, KVDone. The prefill's pages
+pool's (shuffled, differently numbered) pages, KVDone. --ready: whether the prefill
+has computed the prompt when the decode's Ready comes (late, the default: the sender
+hashed the pieces sent in place before it came, transfer/push.py) or computes it after
+(first: every hash on the path). The prefill's pages
 (--prefill-pages): `runs` as its allocator hands them out of a fresh pool (consecutive
 pages, sent in place: no gather, transfer/push.py), or `shuffled` (a fragmented pool:
 every page gathered into a staging frame).
@@ -55,6 +58,8 @@ from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 
+POLL_S = 0.0002  # --ready first: how often the prefill looks for the decode's Ready
+
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
 
 
@@ -76,10 +81,13 @@ def prefill_side(
     curve: CurveKeys | None,
     device: str,
     pages: str,
+    ready: str,
 ) -> None:
-    """Child process: the prefill. Admits and computes every room at once; each one's
-    KV leaves as soon as the decode's Ready arrives (so the decode's clock, started
-    at expect(), covers Ready + gather + send + receive + scatter + KVDone)."""
+    """Child process: the prefill. `ready` late: admits and computes every room at once,
+    and each one's KV leaves as soon as the decode's Ready arrives (so the decode's clock,
+    started at expect(), covers Ready + gather + send + receive + scatter + KVDone; the
+    sender hashes in-place pieces before the Ready, push.py). `first`: computes a room
+    only once its Ready has arrived (polled every POLL_S), so every hash is on the path."""
     keep_freed_memory()  # as the engine process does, before its sockets exist
     tx = KVSender(
         "127.0.0.1",
@@ -92,11 +100,18 @@ def prefill_side(
     )
     pool = random_pool(BENCH_LAYOUT, n + 64, 1, device)
     side = Side(pool, *reserve(pool, n, 1, shuffle=pages == "shuffled"))
-    for room in rooms:
-        push_prompt(tx, make_req(f"b{room}", room, n, tx.bootstrap_port), side, chunk=n)
+    reqs = [make_req(f"b{room}", room, n, tx.bootstrap_port) for room in rooms]
+    if ready == "late":
+        for req in reqs:
+            push_prompt(tx, req, side, chunk=n)
     gc.freeze()  # as the engine process does once it is built
     c0 = cpu_s()
     port_q.put(tx.bootstrap_port)
+    if ready == "first":  # the decode asks for one room at a time, in order
+        for req in reqs:
+            while req.room not in tx.active_rooms():
+                time.sleep(POLL_S)
+            push_prompt(tx, req, side, chunk=n)
     events = wait_for(tx.poll, len(rooms), 600)
     port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0))
     tx.close()
@@ -109,13 +124,14 @@ def zmq_run(
     curve: CurveKeys | None = None,
     device: str = "cpu",
     pages: str = "runs",
+    ready: str = "late",
 ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
     receiver) process, stage -> share of the wall time)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device, pages)
+        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device, pages, ready)
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
@@ -252,7 +268,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     rounds = []
     for _ in range(args.rounds):
         z, z_sides, shares = zmq_run(
-            n, args.repeats, frame, device=args.device, pages=args.prefill_pages
+            n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready
         )
         r, r_ns = raw_run(nbytes, args.repeats)
         f, f_ns = floor_run(n, args.repeats, frame)
@@ -264,6 +280,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     out = {
         "tokens": n,
         "prefill_pages": args.prefill_pages,
+        "ready": args.ready,
         "bytes": nbytes,
         "zmq_gbps": round(z, 3),
         "raw_tcp_gbps": round(r, 3),
@@ -282,15 +299,18 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     }
     if not args.no_curve:
         keys = CurveKeys.generate()
-        c, _, c_shares = zmq_run(n, args.repeats, frame, keys, args.device, args.prefill_pages)
+        c, _, c_shares = zmq_run(
+            n, args.repeats, frame, keys, args.device, args.prefill_pages, args.ready
+        )
         r2, _ = raw_run(nbytes, args.repeats)
         out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
 
 
-def print_table(results: list[dict], repeats: int, pages: str) -> None:
+def print_table(results: list[dict], repeats: int, pages: str, ready: str) -> None:
     print(
         f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, prefill pages {pages},"
+        f" Ready {ready},"
         f" median of {repeats} transfers per run, ratio: median over paired rounds"
     )
     print(
@@ -338,6 +358,14 @@ def main() -> None:
         default="cpu",
         help="where both pools live (cuda: gather into pinned staging, scatter from the host)",
     )
+    ap.add_argument(
+        "--ready",
+        choices=("late", "first"),
+        default="late",
+        help="late: the prefill has computed the prompt when the decode's Ready comes (a "
+        "decode that admits late; the sender hashes in place pieces before it comes); "
+        "first: the prefill computes it once the Ready came, so every hash is on the path",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine process does (the decode side runs here)
@@ -345,7 +373,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"results": results}))
     else:
-        print_table(results, args.repeats, args.prefill_pages)
+        print_table(results, args.repeats, args.prefill_pages, args.ready)
 
 
 if __name__ == "__main__":

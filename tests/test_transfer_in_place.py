@@ -5,6 +5,7 @@ libzmq reads none of its pages)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 import zmq
 
 from pdserve.kvcache.pools import KVLayout, slots_of
+from pdserve.transfer import stages
 from pdserve.transfer.loopback import (
     Side,
     make_req,
@@ -85,6 +87,53 @@ def test_scattered_pages_are_gathered() -> None:
     tx = transfer(pre, n, n)
     assert tx._pusher._staging is not None
     assert tx.stats()["pieces_gathered"] == 1 and tx.stats()["pieces_in_place"] == 0
+
+
+def hashed_before_ready(n: int, chunk: int, change_after: bool) -> tuple[str, dict]:
+    """A prompt computed (pages in one run) before the decode's Ready: wait until the
+    sender has taken in every chunk, optionally change one byte of the prefill's pool,
+    then let the decode ask. Returns (the decode's failure reason or "", stage seconds
+    spent meanwhile)."""
+    pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, 3)
+    pre = in_runs(pool, n, 1)
+    dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 4)
+    dec = Side(dec_pool, *reserve(dec_pool, n, 5))
+    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=1 << 12)
+    rx = KVReceiver(LAYOUT, kv_timeout_s=5)
+    try:
+        before = stages.snapshot()
+        push_prompt(tx, make_req("r", 42, n, tx.bootstrap_port), pre, chunk=chunk)
+        taken = threading.Event()
+        tx._io.submit(taken.set)  # behind the chunks: they have all been taken in
+        assert taken.wait(5)
+        if change_after:
+            pool.k[1, int(pre.slots[n - 1]), 0, 0] += 1.0  # in the last piece
+        rx.expect(make_req("r", 42, n, tx.bootstrap_port), dec.pool, dec.slots)
+        [ev] = wait_for(rx.poll)
+        after = stages.snapshot()
+        spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("prepare", "checksum")}
+        if ev.ok:
+            assert torch.equal(pool.k[:, pre.slots], dec_pool.k[:, dec.slots])
+            assert torch.equal(pool.v[:, pre.slots], dec_pool.v[:, dec.slots])
+        return ev.reason, spent
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_pieces_computed_before_ready_are_hashed_before_it_comes() -> None:
+    """Pusher.prepare: a room whose KV is complete before the decode's Ready has its
+    pieces hashed then (the 'prepare' stage), and its sends hash nothing."""
+    reason, spent = hashed_before_ready(70, 16, change_after=False)
+    assert reason == ""
+    assert spent["prepare"] > 0 and spent["checksum"] == 0
+
+
+def test_a_byte_changed_after_hashing_is_refused() -> None:
+    """The checksum that goes out is the one prepare() took: the decode refuses the chunk
+    if the pool's bytes differ from it when they are sent (fail closed, never a 200)."""
+    reason, _ = hashed_before_ready(70, 16, change_after=True)
+    assert "checksum mismatch" in reason
 
 
 def fake_ready(port: int, room: int, n: int, data_endpoint: str) -> MsgSocket:

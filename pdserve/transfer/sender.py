@@ -34,7 +34,7 @@ from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
 from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
-from pdserve.transfer.push import Pusher, Room, phase
+from pdserve.transfer.push import Piece, Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,10 @@ class KVSender:
         if st is None or st.req is not req:
             return  # failed or foreign: the event was already emitted
         for s in range(start, end, self._max_tokens):  # one frame-sized piece per entry
-            st.pending.append((pool, slots, s, min(end, s + self._max_tokens)))
+            piece = Piece(pool, slots, s, min(end, s + self._max_tokens))
+            if st.ready is None:  # nowhere to send yet: hash now, off the transfer's path
+                self._pusher.prepare(piece)
+            st.pending.append(piece)
         self._flush(st)
 
     def _done(
@@ -196,8 +199,7 @@ class KVSender:
         assert st.ready is not None
         sock = self._data.get(st.ready.data_endpoint)
         if st.pending:  # one piece per turn; the rest is resubmitted behind other work
-            pool, slots, start, end = st.pending.pop(0)
-            self._pusher.send_chunk(sock, st, pool, slots[start:end], start)
+            self._pusher.send_chunk(sock, st, st.pending.pop(0))
             if st.pending:
                 self._io.submit(lambda: self._flush(st) if self._rooms.get(st.room) is st else None)
                 return
