@@ -127,6 +127,53 @@ def test_a_failed_start_up_exits_3_and_frees_the_port(capfd):
         again.bind(("127.0.0.1", port))
 
 
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_refused_start_up_is_one_line_a_bug_keeps_its_traceback(capfd, refused):
+    """StartupRefused (an engine that refused its flags, or died while loading: its own
+    log has the details) is logged as its message alone; any other error in the start-up
+    keeps uvicorn's traceback."""
+    from contextlib import asynccontextmanager
+
+    kind = listen.StartupRefused if refused else RuntimeError
+
+    @asynccontextmanager
+    async def lifespan(app):
+        raise kind("engine refused to start: --device cuda: no CUDA here")
+        yield
+
+    sock = listen.bind("127.0.0.1", 0, "x")
+    with pytest.raises(SystemExit):
+        listen.serve(FastAPI(lifespan=lifespan), host="127.0.0.1", port=0, api_key=None,
+                     what="x", sock=sock, log_level="info")  # fmt: skip
+    err = capfd.readouterr().err
+    line = "engine refused to start: --device cuda: no CUDA here\n"
+    if refused:
+        assert f"ERROR:    {line}" in err and "Traceback" not in err
+    else:
+        assert "Traceback" in err and f"RuntimeError: {line}" in err
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="a CUDA device is there: cuda would start"
+)
+def test_device_cuda_without_cuda_is_refused_in_one_line(tmp_path):
+    """`--device cuda` where torch has no CUDA: the engine refuses it before the model
+    loads, and the server exits saying so, without a traceback."""
+    import subprocess
+    import sys
+
+    from tests.fake_workers import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "decode", "--model", "tiny", "--device", "cuda",
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    assert "engine refused to start: --device cuda: this torch" in out.stderr
+    assert "use --device cpu" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_a_server_binds_its_port_before_it_looks_at_the_model(tmp_path):
     """`pdserve decode` with a taken port fails on the port, before resolving (possibly
     converting) its model: here a model that does not exist."""

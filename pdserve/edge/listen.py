@@ -62,10 +62,32 @@ class QuietPolls(logging.Filter):
 
 
 def quiet_polls() -> None:
-    """Install QuietPolls on uvicorn's access logger (once)."""
-    access = logging.getLogger(ACCESS_LOGGER)
-    if not any(isinstance(f, QuietPolls) for f in access.filters):
-        access.addFilter(QuietPolls())
+    """Install QuietPolls on uvicorn's access logger, OneLineRefusals on its error logger
+    (once each)."""
+    for name, kind in ((ACCESS_LOGGER, QuietPolls), ("uvicorn.error", OneLineRefusals)):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in target.filters):
+            target.addFilter(kind())
+
+
+class StartupRefused(Exception):
+    """An app's start-up cannot go on, for a reason meant for the user (a flag the engine
+    refused, an engine that died while loading: its own log has the details), not a bug:
+    raised from the lifespan, it is logged as its message alone (OneLineRefusals)."""
+
+
+class OneLineRefusals(logging.Filter):
+    """uvicorn logs a failed start-up's traceback; for a StartupRefused only its message
+    is kept (the frontend's stack says nothing about why)."""
+
+    MARK = f"{StartupRefused.__module__}.{StartupRefused.__qualname__}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        last = text.rstrip().rpartition("\n")[2]
+        if text.startswith("Traceback") and last.startswith(self.MARK):
+            record.msg, record.args = last[len(self.MARK) :], ()
+        return True
 
 
 def bind(host: str, port: int, what: str) -> socket.socket:

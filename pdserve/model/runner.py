@@ -29,9 +29,29 @@ log = logging.getLogger(__name__)
 DTYPES = {name: getattr(torch, name) for name in config.DTYPES}  # config.DTYPES -> torch
 
 
+def device_problem(device: str) -> str:
+    """Why this process cannot compute on `device` ("" if it can): said before the model
+    loads, instead of torch's assertion from the first tensor moved there."""
+    if not device.startswith("cuda"):
+        return ""
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            why = f"this torch ({torch.__version__}) is built without CUDA"
+        else:
+            why = "no CUDA device is visible (torch.cuda.is_available() is False)"
+        return f"--device {device}: {why}; use --device cpu"
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        return f"--device {device}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})"
+    return ""
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
         """`model`: share already loaded weights (read-only) instead of loading them."""
+        problem = device_problem(cfg.device)
+        if problem:
+            raise ValueError(problem)
         self.cfg = cfg  # NOTE: EngineConfig refused a dtype outside config.DTYPES
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process

@@ -155,6 +155,10 @@ def serve(spec: P.EngineSpec, ipc_dir: str, build: EngineBuilder | None = None) 
         engine = build(spec.role, spec.engine, spec.transfer)
     except KeyboardInterrupt:  # Ctrl+C while the model loads: gone quietly (see below)
         return 130
+    except ValueError as e:  # a refusal (device, model, config field) says why by itself
+        log.debug("engine refused to start", exc_info=True)  # where, for --log-level debug
+        _report_error(ctx, ipc_dir, f"engine refused to start: {e}")
+        return 1
     except Exception as e:
         log.exception("engine build failed")
         _report_error(ctx, ipc_dir, f"engine build failed: {type(e).__name__}: {e}")

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve import protocol as P
+from pdserve.edge.listen import StartupRefused
 from pdserve.envs import ENV
 from pdserve.protocol import EngineRequest, EngineSpec, TokenEvent
 
@@ -118,10 +119,11 @@ class EngineClient:
                     log.info("engine ready (role=%s, pid=%d)", msg.role, msg.pid)
                     return
                 if isinstance(msg, P.EngineError):
-                    raise RuntimeError(msg.message)
+                    raise StartupRefused(msg.message)
             elif self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"engine process exited with code {self._proc.returncode}")
-        raise RuntimeError(f"engine not ready after {self.start_timeout_s:.0f}s")
+                code = self._proc.returncode
+                raise StartupRefused(f"engine process exited with code {code} while starting")
+        raise StartupRefused(f"engine not ready after {self.start_timeout_s:.0f}s")
 
     async def close(self) -> None:
         """Stop the engine (Shutdown, then SIGTERM, then SIGKILL) and release everything."""
