@@ -135,3 +135,133 @@ def test_scatter_frames_refuses_before_writing(kernel) -> None:
     with pytest.raises(ValueError, match="outside"):
         kernel.scatter_frames(dst, pages, frames)
     assert np.array_equal(dst, before)
+
+
+def _runs_case(ps: int, rb: int, seed: int):
+    """A pool of 3 layers, a request of 5 shuffled pages holding 5 * ps - 3 positions."""
+    g = np.random.default_rng(seed)
+    dst = g.integers(0, 256, (3, 12, ps * rb), dtype=np.uint8)
+    tpages = g.permutation(12)[:5].astype(np.int64)
+    return g, dst, tpages
+
+
+def _runs_want(dst, tpages, ps, rb, layer0, t0, runs, srcs):
+    """scatter_runs by plain indexing, a position at a time."""
+    want = dst.copy()
+    layers = len(srcs) // len(runs)
+    for j in range(layers):
+        p = t0
+        for r, count in enumerate(runs):
+            rows = np.frombuffer(srcs[j * len(runs) + r], np.uint8).reshape(count, rb)
+            for row in rows:
+                page, off = tpages[p // ps], (p % ps) * rb
+                want[layer0 + j, page, off : off + rb] = row
+                p += 1
+    return want
+
+
+# (first position, runs): from a page's start or not, ending inside a page or not,
+# runs that cross pages and runs shorter than one
+RUNS = [(0, [4 * 4]), (1, [2]), (3, [1, 6, 2]), (5, [7, 1, 1, 4]), (0, [17])]
+
+
+@pytest.mark.parametrize("rb", [256, 64, 24])  # rows aligned for every store width, then not
+@pytest.mark.parametrize("t0, runs", RUNS)
+def test_scatter_runs_matches_indexing(kernel, rb, t0, runs) -> None:
+    """A received chunk of one kind: each (layer, run) a buffer of rows, written by prompt
+    position into the request's pages, whatever the alignment."""
+    ps = 4
+    g, dst, tpages = _runs_case(ps, rb, seed=rb + t0)
+    layer0, layers = 1, 2
+    srcs = [
+        g.integers(0, 256, count * rb, dtype=np.uint8).tobytes()  # read-only, like a frame
+        for _ in range(layers)
+        for count in runs
+    ]
+    want = _runs_want(dst, tpages, ps, rb, layer0, t0, runs, srcs)
+    kernel.scatter_runs(dst[layer0 : layer0 + layers], tpages, ps, t0, runs, srcs)
+    assert np.array_equal(dst, want)
+
+
+def test_scatter_runs_refuses_before_writing(kernel) -> None:
+    ps, rb = 4, 64
+    _, dst, tpages = _runs_case(ps, rb, seed=9)
+    before = dst.copy()
+    frames = [bytes(3 * rb) for _ in range(3)]
+    with pytest.raises(ValueError, match="outside"):  # positions past the request's pages
+        kernel.scatter_runs(dst, tpages, ps, 5 * ps - 2, [3], frames)
+    with pytest.raises(ValueError, match="outside"):
+        kernel.scatter_runs(dst, tpages, ps, -1, [3], frames)
+    bad = tpages.copy()
+    bad[1] = 12  # a page outside the pool
+    with pytest.raises(ValueError, match="outside"):
+        kernel.scatter_runs(dst, bad, ps, 2, [3], frames)
+    with pytest.raises(ValueError):  # a frame short
+        kernel.scatter_runs(dst, tpages, ps, 0, [3], frames[:2])
+    with pytest.raises(ValueError):  # a frame a row short
+        kernel.scatter_runs(dst, tpages, ps, 0, [3], [*frames[:2], bytes(2 * rb)])
+    with pytest.raises(ValueError):
+        kernel.scatter_runs(dst, tpages.astype(np.int32), ps, 0, [3], frames)
+    ro = dst.copy()
+    ro.setflags(write=False)
+    with pytest.raises(ValueError):
+        kernel.scatter_runs(ro, tpages, ps, 0, [3], frames)
+    assert np.array_equal(dst, before)
+
+
+def _chunk_case(kind: str, layers: tuple[int, int], toks: tuple[int, int], runs: list[int]):
+    """A KVChunk of random bytes for a 37-token request (pages of 4, shuffled)."""
+    from pdserve.kvcache.pools import KVLayout
+    from pdserve.transfer.checksum import frames_checksum
+    from pdserve.transfer.messages import KVChunk
+
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+    row, n_layers = lay.token_bytes_per_layer, layers[1] - layers[0]
+    g = np.random.default_rng(len(runs) + toks[0])
+    sizes = (
+        [c * row for _ in range(n_layers) for c in runs]
+        if runs
+        else [n_layers * (toks[1] - toks[0]) * row]
+    )
+    frames = [g.integers(0, 256, s, dtype=np.uint8).tobytes() for _ in kind for s in sizes]
+    hdr = KVChunk(room=1, session=7, index=0, layer_start=layers[0], layer_end=layers[1],
+                  tok_start=toks[0], tok_end=toks[1], kind=kind, dtype="float32",
+                  nbytes=sum(sizes), checksum=frames_checksum(frames), runs=runs)  # fmt: skip
+    return lay, hdr, [memoryview(f) for f in frames]
+
+
+@pytest.mark.parametrize(
+    "kind, layers, toks, runs",
+    [
+        ("kv", (0, 3), (0, 37), []),  # a whole gathered prompt, last page in part
+        ("k", (1, 3), (5, 18), []),  # enters and leaves pages mid-way
+        ("v", (0, 3), (3, 37), [2, 9, 23]),  # sent in place: runs of the prefill's slots
+        ("kv", (0, 2), (8, 16), [8]),
+    ],
+)
+def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, layers, toks, runs):
+    """validate.write_chunk with the native scatter (one scatter_runs call per kind) puts
+    every byte where numpy's indexed assignment does."""
+    from pdserve.transfer.loopback import make_req, random_pool, reserve
+    from pdserve.transfer.validate import Transfer, check_chunk, write_chunk
+
+    kernel = page_copy(tmp_path)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    lay, hdr, bufs = _chunk_case(kind, layers, toks, runs)
+    pools = []
+    for native in (kernel, None):
+        pool = random_pool(lay, 64, seed=0)
+        _, slots = reserve(pool, 37, seed=1)
+        x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+        assert check_chunk(lay, x, hdr, bufs) == ""
+        write_chunk(x, hdr, bufs, native)
+        assert (x.paged() is not None) and x.cov.sum() == len(kind) * (
+            (layers[1] - layers[0]) * (toks[1] - toks[0])
+        )
+        pools.append(pool)
+    assert torch.equal(pools[0].k.view(torch.uint8), pools[1].k.view(torch.uint8))
+    assert torch.equal(pools[0].v.view(torch.uint8), pools[1].v.view(torch.uint8))
+    fresh = random_pool(lay, 64, seed=0)
+    for kv in kind:  # something was written
+        assert not torch.equal(getattr(pools[0], kv), getattr(fresh, kv))

@@ -89,11 +89,14 @@ def test_scattered_pages_are_gathered() -> None:
     assert tx.stats()["pieces_gathered"] == 1 and tx.stats()["pieces_in_place"] == 0
 
 
-def hashed_before_ready(n: int, chunk: int, change_after: bool) -> tuple[str, dict]:
+def hashed_before_ready(
+    n: int, chunk: int, change_after: bool, pieces: list | None = None
+) -> tuple[str, dict]:
     """A prompt computed (pages in one run) before the decode's Ready: wait until the
     sender has taken in every chunk, optionally change one byte of the prefill's pool,
     then let the decode ask. Returns (the decode's failure reason or "", stage seconds
-    spent meanwhile)."""
+    spent meanwhile). `pieces`: filled with the room's pieces as they were before the
+    Ready, once the sender has reported the room."""
     pool = random_pool(LAYOUT, n + 8 * LAYOUT.page_size, 3)
     pre = in_runs(pool, n, 1)
     dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 4)
@@ -108,9 +111,15 @@ def hashed_before_ready(n: int, chunk: int, change_after: bool) -> tuple[str, di
         assert taken.wait(5)
         if change_after:
             pool.k[1, int(pre.slots[n - 1]), 0, 0] += 1.0  # in the last piece
+        held = list(tx._rooms[42].pending)  # the I/O thread is done with them until Ready
+        made = [p.prepared is not None and p.prepared.zframes is not None for p in held]
         rx.expect(make_req("r", 42, n, tx.bootstrap_port), dec.pool, dec.slots)
         [ev] = wait_for(rx.poll)
         after = stages.snapshot()
+        if pieces is not None:
+            [sent] = wait_for(tx.poll, 1, 5)  # only once libzmq let go of every frame
+            assert sent.ok == ev.ok
+            pieces += [(was_made, p) for was_made, p in zip(made, held)]
         spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("prepare", "checksum")}
         if ev.ok:
             assert torch.equal(pool.k[:, pre.slots], dec_pool.k[:, dec.slots])
@@ -127,6 +136,17 @@ def test_pieces_computed_before_ready_are_hashed_before_it_comes() -> None:
     reason, spent = hashed_before_ready(70, 16, change_after=False)
     assert reason == ""
     assert spent["prepare"] > 0 and spent["checksum"] == 0
+
+
+def test_frames_of_a_hashed_piece_are_made_before_the_ready_and_dropped_once_sent() -> None:
+    """prepare() also makes a piece's zero-copy frames (about 12 us each, 16 for a 1k-token
+    prompt here), so the Ready's first send only queues them. They are sent once and
+    then dropped, or their trackers would never be done and the room never reported."""
+    pieces: list = []
+    reason, _ = hashed_before_ready(70, 16, change_after=False, pieces=pieces)
+    assert reason == "" and len(pieces) == 5
+    assert all(was_made for was_made, _ in pieces)
+    assert all(p.prepared.zframes is None for _, p in pieces)
 
 
 def test_a_byte_changed_after_hashing_is_refused() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.transfer.staging import gather_rows, page_split, scatter_rows
+from pdserve.transfer.staging import gather_rows, page_split, request_pages, scatter_rows
 
 P = 4
 SLOTS = 12 * P
@@ -49,3 +49,17 @@ def test_page_split() -> None:
     assert head == 2 and pages.tolist() == [2]
     assert page_split(np.array([8, 9, 11, 10]), P) is None  # not in order inside the page
     assert page_split(idx, 1) is None
+
+
+def test_request_pages() -> None:
+    """A request's slots as whole pages in prompt order (the last maybe in part) give its
+    pages; anything else (entered mid-page, out of order inside a page) gives None."""
+    whole = _slot_lists()[0].numpy()
+    assert request_pages(whole, P).tolist() == [5, 2, 9, 0]
+    assert request_pages(whole[:-1], P).tolist() == [5, 2, 9, 0]  # ends inside page 0
+    assert request_pages(whole[:2], P).tolist() == [5]
+    assert request_pages(whole[2:], P) is None  # starts mid-page
+    swapped = whole.copy()
+    swapped[[5, 6]] = swapped[[6, 5]]
+    assert request_pages(swapped, P) is None
+    assert request_pages(whole[:0], P) is None

@@ -139,8 +139,7 @@ class KVLayout:
     @property
     def token_bytes_per_layer(self) -> int:
         """Bytes of K (or of V) for one token in one layer."""
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_kv_heads * self.head_dim * elem
+        return self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
 
 class KVPool:

@@ -37,9 +37,12 @@ Hashed early: a piece computed while the decode's Ready has not come yet (a deco
 that admits late, or a prefill faster than the decode's admission) is hashed at once
 (`Pusher.prepare`, the 'prepare' stage), so when the Ready comes its first byte goes on
 the wire without waiting for a hash (a 1k-token transfer here: Ready received to the K
-message queued, 0.33 -> 0.06 ms median). The checksum sent is the one taken then: the
-pages it covers are final and stay untouched until the room is reported, and if they
-were not, the decode would refuse the chunk (tests/test_transfer_in_place.py).
+message queued, 0.33 -> 0.06 ms median). Its zero-copy zmq.Frames are made then too
+(`zero_copy`: about 12 us each in pyzmq, and a 1k-token prompt of the bench layout has 16:
+the K message's send on the Ready's path went from 0.31 to 0.06 ms, traced). The
+checksum sent is the one taken then: the pages it covers are final and stay untouched
+until the room is reported, and if they were not, the decode would refuse the chunk
+(tests/test_transfer_in_place.py).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class InPlace:
     runs: list[tuple[int, int]]
     frames: tuple[list[np.ndarray], list[np.ndarray]]  # K's, V's: one per (layer, run)
     checksums: tuple[int, int] | None = None  # K's, V's, once Pusher.prepare hashed them
+    # K's, V's frames as zero-copy zmq.Frames, made by Pusher.prepare; sent once, then
+    # dropped (NOTE: a frame's tracker is done only once this object is gone too)
+    zframes: tuple[list[zmq.Frame], list[zmq.Frame]] | None = None
 
 
 @dataclass
@@ -130,6 +136,11 @@ def in_place(piece: Piece) -> InPlace | None:
     return InPlace(runs, (_frames(piece.pool.k, runs), _frames(piece.pool.v, runs)))
 
 
+def zero_copy(frames: list[np.ndarray]) -> list[zmq.Frame]:
+    """`frames` as zmq.Frames that libzmq reads in place, each with its tracker."""
+    return [zmq.Frame(f, copy=False, track=True) for f in frames]
+
+
 def _frames(src: torch.Tensor, runs: list[tuple[int, int]]) -> list[np.ndarray]:
     """One frame per (layer, run) of `src` (a pool's K or V): views, no copy."""
     rows = src.view(src.shape[0], src.shape[1], -1).view(torch.uint8).numpy()
@@ -160,6 +171,7 @@ class Pusher:
         if p is not None and p.checksums is None:
             with stages.timed("prepare"):
                 p.checksums = (frames_checksum(p.frames[0]), frames_checksum(p.frames[1]))
+                p.zframes = (zero_copy(p.frames[0]), zero_copy(p.frames[1]))
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:
         """Send `piece`: a K chunk, then a V chunk, so K is on the wire (and verified,
@@ -187,12 +199,14 @@ class Pusher:
         libzmq straight from the pool's pages (the module docstring); hashed here unless
         prepare() did."""
         sums = p.checksums or (None, None)
-        for kind, frames, checksum in zip("kv", p.frames, sums):
+        made, p.zframes = p.zframes, None  # sent once: no reference may outlive the send
+        for i, (kind, frames, checksum) in enumerate(zip("kv", p.frames, sums)):
             nbytes = sum(f.nbytes for f in frames)
             counts = [c for _, c in p.runs]
             hdr = self._header(st, kind, tok, n, frames, nbytes, counts, checksum)
             with stages.timed("send"):
-                st.inflight += sock.send(hdr, frames)
+                st.inflight += sock.send(hdr, made[i] if made else frames)
+        del made
 
     def _header(
         self,

@@ -106,6 +106,26 @@ def page_split(idx: np.ndarray, page_size: int) -> tuple[int, np.ndarray] | None
     return head, first // page_size
 
 
+def request_pages(slots: np.ndarray, page_size: int) -> np.ndarray | None:
+    """int64 `pages` with slots[i] == pages[i // P] * P + i % P for every position i (a
+    request's slots as the pool hands them out: whole pages, the last one maybe in
+    part), or None if they are not so."""
+    n, first = len(slots), slots[::page_size]
+    if n == 0 or page_size < 1 or (first % page_size).any():
+        return None
+    if not np.array_equal(slots - np.repeat(first, page_size)[:n], np.arange(n) % page_size):
+        return None
+    return (first // page_size).astype(np.int64)
+
+
+def paged_view(pool: torch.Tensor, page_size: int) -> np.ndarray | None:
+    """A CPU pool's K or V [L, S, ...] as uint8 [L, S / P, page bytes] sharing memory,
+    or None where it cannot be (on a GPU, S not a multiple of P)."""
+    if pool.is_cuda or pool.shape[1] % page_size or not pool.is_contiguous():
+        return None
+    return _np_pages(_rows(pool), page_size)
+
+
 def _rows(t: torch.Tensor) -> np.ndarray:
     """[L, S, ...] (contiguous rows) as a uint8 array [L, S, row bytes] sharing memory."""
     return t.view(t.shape[0], t.shape[1], -1).view(torch.uint8).numpy()

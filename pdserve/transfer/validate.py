@@ -4,6 +4,12 @@ Coverage map of one transfer (1 = received), per kind:
     cov[kind, layer, token]    kind 0 = K, 1 = V;  layer in [0, L);  token in [0, prompt_len)
 KVDone is accepted only when every cell is exactly 1 (each written exactly once:
 a chunk overlapping cells already received is refused before writing).
+
+Writing: where the request's slots are whole pages in prompt order (as the decode's
+allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
+native call (kernels/page_copy.py scatter_runs), with its pages looked up once per
+transfer (`Transfer.paged`); elsewhere page by page in Python (staging.py), or by
+index_copy_ on a GPU pool.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
 from pdserve.transfer.checksum import done_digest, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone
-from pdserve.transfer.staging import scatter_rows, scatter_runs
+from pdserve.transfer.staging import paged_view, request_pages, scatter_rows, scatter_runs
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 
@@ -40,9 +46,32 @@ class Transfer:
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
     cov: np.ndarray = field(init=False)
+    _paged: Paged | None = field(init=False, default=None)
+    _paged_known: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.cov = np.zeros((2, self.pool.layout.num_layers, self.req.prompt_len), dtype=np.uint8)
+
+    def paged(self) -> Paged | None:
+        """The pool's K and V as pages and this request's pages, found at the first chunk
+        (I/O thread); None where chunks go through the general path (a GPU pool, slots
+        that are not whole pages in prompt order)."""
+        if not self._paged_known:
+            self._paged_known = True
+            page_size = self.pool.layout.page_size
+            k, v = paged_view(self.pool.k, page_size), paged_view(self.pool.v, page_size)
+            pages = request_pages(self.slots.numpy(), page_size) if k is not None else None
+            if k is not None and v is not None and pages is not None:
+                self._paged = Paged((k, v), pages)
+        return self._paged
+
+
+@dataclass(frozen=True)
+class Paged:
+    """Where a transfer's rows go: position p to row p % P of page pages[p // P]."""
+
+    kinds: tuple[np.ndarray, np.ndarray]  # the pool's K, V: uint8 [L, num_pages, page bytes]
+    pages: np.ndarray  # int64, the request's pages in prompt order
 
 
 def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
@@ -102,6 +131,10 @@ def write_chunk(
 
 
 def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> None:
+    paged = x.paged() if native is not None else None
+    if native is not None and paged is not None:  # one native call per kind
+        _write_paged(x, h, bufs, native, paged)
+        return
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
@@ -130,6 +163,24 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
         else:  # straight from the frame's bytes into the pool pages
             frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
             scatter_rows(dst, idx, frame, lay.page_size, native)
+        x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+    x.chunks.append((h.index, h.checksum))
+
+
+def _write_paged(
+    x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy, paged: Paged
+) -> None:
+    layers, runs = h.layer_end - h.layer_start, h.runs or [h.tok_end - h.tok_start]
+    kinds = _KINDS[h.kind]
+    per_kind = len(bufs) // len(kinds)
+    for i, kind in enumerate(kinds):
+        srcs: list = bufs[i * per_kind : (i + 1) * per_kind]
+        if not h.runs:  # the kind's one frame, [layers, tokens, row]: a view per layer
+            whole = memoryview(srcs[0]).cast("B")
+            step = whole.nbytes // layers
+            srcs = [whole[j * step : (j + 1) * step] for j in range(layers)]
+        dst = paged.kinds[kind][h.layer_start : h.layer_end]
+        native.scatter_runs(dst, paged.pages, x.pool.layout.page_size, h.tok_start, runs, srcs)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
 

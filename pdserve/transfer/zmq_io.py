@@ -79,6 +79,11 @@ def bind(sock: zmq.Socket, host: str, port: int) -> int:
     return port
 
 
+def _tracked(f: Frame) -> bool:
+    """A zmq.Frame made with a tracker (push.zero_copy): sent as it is."""
+    return isinstance(f, zmq.Frame) and f.tracker is not None
+
+
 class MsgSocket:
     """A socket that speaks `Message` headers followed by raw frames."""
 
@@ -94,13 +99,17 @@ class MsgSocket:
         """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy,
         every one however small (pyzmq would copy those under its copy threshold, and
         report them done at once); the returned trackers, one per frame, say when libzmq
-        no longer reads them."""
+        no longer reads them. A frame may come already made (a tracked zmq.Frame, made
+        before its message was due: push.zero_copy); its tracker is done only once the
+        caller has dropped it too."""
         parts: list[Frame] = [encode(msg), *frames]
         batches = self.hook(type(msg).__name__, parts) if self.hook else [parts]
         trackers = []
         for batch in batches:
             prefix: list[Frame] = [to] if (self.routed and to is not None) else []
-            payload = [zmq.Frame(f, copy=False, track=True) for f in batch[1:]]
+            payload = [
+                f if _tracked(f) else zmq.Frame(f, copy=False, track=True) for f in batch[1:]
+            ]
             self.sock.send_multipart([*prefix, batch[0], *payload], copy=False)
             trackers += [f.tracker for f in payload]
         return trackers

@@ -4,6 +4,9 @@
  *                       dst[l * dst_ls + pages[i] * pb .. + pb] = srcs[l][i * pb .. + pb]
  *                     (each layer's pages in a buffer of its own: transfer/staging.py)
  *                     1 (nothing written) when a page is outside [0, num_pages)
+ *   pd_page_scatter_runs     a received chunk's rows, by prompt position, into the
+ *                     request's pages (any alignment): one call per kind of a chunk
+ *                     (transfer/validate.py)
  *
  * A page is pb bytes (page_size tokens of one layer's K or V). The pool is far larger
  * than the caches and is not read again until a decode step, so the stores bypass the
@@ -84,5 +87,48 @@ int pd_page_scatter_frames(char *dst, int64_t dst_ls, int64_t num_pages, const i
                            int64_t n, const char *const *srcs, int64_t pb, int64_t layers) {
     if (!pages_ok(pages, n, num_pages)) return 1;
     scatter_layers(dst, dst_ls, pages, n, srcs, pb, layers);
+    return 0;
+}
+
+/* The rows of prompt positions t .. t + runs[0] + runs[1] + ... (t = t0) of each layer,
+ * run r of layer l from srcs[l * n_runs + r] (row j at j * rb), into the request's pages:
+ * position p is row p % ps of page tpages[p / ps]. A page entered or left mid-way is
+ * written in part. 1 (nothing written) when a position has no page in tpages or a page
+ * is outside [0, num_pages). */
+int pd_page_scatter_runs(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *tpages,
+                         int64_t n_tpages, int64_t ps, int64_t rb, int64_t t0,
+                         const int64_t *runs, int64_t n_runs, const char *const *srcs,
+                         int64_t layers) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < n_runs; r++) {
+        if (runs[r] < 0) return 1;
+        total += runs[r];
+    }
+    if (t0 < 0 || ps < 1 || (total && (t0 + total - 1) / ps >= n_tpages)) return 1;
+    if (total && !pages_ok(tpages + t0 / ps, (t0 + total - 1) / ps - t0 / ps + 1, num_pages))
+        return 1;
+    int64_t pb = ps * rb;
+    int nt = nt_ok(dst, dst_ls, rb); /* rows aligned: so is every page, whole or in part */
+    (void)nt;
+    for (int64_t l = 0; l < layers; l++) {
+        int64_t p = t0;
+        for (int64_t r = 0; r < n_runs; r++) {
+            const char *s = srcs[l * n_runs + r];
+            for (int64_t end = p + runs[r]; p < end;) {
+                int64_t row = p % ps, seg = ps - row < end - p ? ps - row : end - p;
+                char *d = dst + l * dst_ls + tpages[p / ps] * pb + row * rb;
+#ifdef NT_BYTES
+                if (nt) copy_nt(d, s, seg * rb);
+                else
+#endif
+                    memcpy(d, s, (size_t)(seg * rb));
+                s += seg * rb;
+                p += seg;
+            }
+        }
+    }
+#ifdef NT_BYTES
+    if (nt) _mm_sfence();
+#endif
     return 0;
 }
