@@ -1,6 +1,6 @@
-"""kernels/cpu/page_copy.c: the decode's page scatter equals numpy's indexed assignment,
-on every store path (non-temporal AVX-512 / AVX / SSE2 stores, memcpy), and refuses
-out-of-range pages and bad shapes before writing anything."""
+"""kernels/cpu/page_copy.c: the decode's page scatter equals plain indexing and the
+receiver's numpy path, on every store path (non-temporal AVX-512 / AVX / SSE2 stores,
+memcpy), and refuses out-of-range positions, pages and bad shapes before writing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.kernels.page_copy import PageCopy, page_copy
-from pdserve.transfer.staging import scatter_rows
 
 # -march=native plus these: each build takes another path through the same source
 ISAS = [(), ("-mno-avx512f",), ("-mno-avx",), ("-mno-sse2", "-mno-avx")]
@@ -29,84 +28,6 @@ def kernel(request, tmp_path_factory) -> PageCopy:
     return PageCopy(ctypes.CDLL(str(lib)))
 
 
-def _case(layers: int, num_pages: int, pb: int, n: int, seed: int):
-    g = np.random.default_rng(seed)
-    dst = g.integers(0, 256, (layers, num_pages, pb), dtype=np.uint8)
-    src = g.integers(0, 256, (layers, n, pb), dtype=np.uint8)
-    src.setflags(write=False)  # like a received ZeroMQ frame
-    pages = g.permutation(num_pages)[:n].astype(np.int64)
-    want = dst.copy()
-    want[:, pages] = src
-    return dst, pages, src, want
-
-
-@pytest.mark.parametrize("pb", [8192, 4096, 160, 80, 24])  # aligned for every store width, then not
-def test_scatter_matches_indexing(kernel, pb) -> None:
-    """One frame per layer (a frame sent in place, or a gathered frame's layer)."""
-    dst, pages, src, want = _case(3, 40, pb, 17, seed=pb)
-    kernel.scatter_frames(dst, pages, list(src))
-    assert np.array_equal(dst, want)
-
-
-def test_unaligned_pool_and_strided_layers(kernel) -> None:
-    """A pool view 8 bytes off alignment, layers of a frame further apart than its pages."""
-    base = np.zeros(3 * 41 * 256 + 8, dtype=np.uint8)
-    dst = base[8:].reshape(3, 41, 256)[:, :40]  # layer stride 41 pages, 40 used
-    src_all = np.random.default_rng(1).integers(0, 256, (3, 9, 256), dtype=np.uint8)
-    src = src_all[:, 2:7]  # 5 pages of each layer, layers 9 pages apart
-    pages = np.array([39, 0, 17, 5, 22], dtype=np.int64)
-    want = dst.copy()
-    want[:, pages] = src
-    kernel.scatter_frames(dst, pages, list(src))
-    assert np.array_equal(dst, want)
-    assert not base[:8].any()  # nothing before the view
-
-
-def test_out_of_range_page_writes_nothing(kernel) -> None:
-    dst, pages, src, _ = _case(2, 10, 4096, 4, seed=3)
-    before = dst.copy()
-    for bad in (10, -1):
-        pages[-1] = bad
-        with pytest.raises(ValueError, match="outside"):
-            kernel.scatter_frames(dst, pages, list(src))
-        assert np.array_equal(dst, before)
-
-
-def test_bad_shapes_are_refused(kernel) -> None:
-    dst, pages, src, _ = _case(2, 10, 64, 4, seed=4)
-    with pytest.raises(ValueError):
-        kernel.scatter_frames(dst, pages[:3], list(src))  # fewer pages than the frames have
-    with pytest.raises(ValueError):
-        kernel.scatter_frames(dst, pages.astype(np.int32), list(src))
-    with pytest.raises(ValueError):  # pages not contiguous rows
-        kernel.scatter_frames(dst[:, :, :32], pages, list(src[:, :, :32].copy()))
-    with pytest.raises(ValueError):  # a frame's pages not contiguous
-        kernel.scatter_frames(dst, pages, [src[0], src[1, :, ::-1]])
-    ro = dst.copy()
-    ro.setflags(write=False)
-    with pytest.raises(ValueError):
-        kernel.scatter_frames(ro, pages, list(src))
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_scatter_rows_native_or_numpy(tmp_path, native) -> None:
-    """The transfer's scatter (staging.scatter_rows) writes the same pool either way."""
-    kernel = page_copy(tmp_path) if native else None
-    if native and kernel is None:
-        pytest.skip("no C compiler")
-    P = 16
-    pool = torch.randn(4, 64 * P, 2, 64)
-    pages = torch.tensor([9, 3, 60, 0, 33])
-    idx = (pages[:, None] * P + torch.arange(P)).reshape(-1)[5:-3]  # starts and ends mid-page
-    src = torch.randn(4, len(idx), 2, 64)
-    frame = src.view(4, len(idx), -1).view(torch.uint8).numpy().copy()
-    frame.setflags(write=False)
-    want = pool.clone()
-    want[:, idx] = src
-    scatter_rows(pool, idx, frame, P, kernel)
-    assert torch.equal(pool, want)
-
-
 def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) -> None:
     """Built when the receiver is made (a second's compile, never inside a transfer);
     --disable-compile (native_scatter=False) keeps numpy's assignment."""
@@ -121,20 +42,6 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     finally:
         on.close()
         off.close()
-
-
-def test_scatter_frames_refuses_before_writing(kernel) -> None:
-    dst, pages, src, _ = _case(2, 10, 64, 4, seed=5)
-    frames = [np.ascontiguousarray(src[layer]) for layer in range(2)]
-    before = dst.copy()
-    with pytest.raises(ValueError):
-        kernel.scatter_frames(dst, pages, frames[:1])  # a frame short
-    with pytest.raises(ValueError):
-        kernel.scatter_frames(dst, pages, [frames[0], frames[1][:3]])  # a page short
-    pages[2] = 10
-    with pytest.raises(ValueError, match="outside"):
-        kernel.scatter_frames(dst, pages, frames)
-    assert np.array_equal(dst, before)
 
 
 def _runs_case(ps: int, rb: int, seed: int):
@@ -181,6 +88,20 @@ def test_scatter_runs_matches_indexing(kernel, rb, t0, runs) -> None:
     want = _runs_want(dst, tpages, ps, rb, layer0, t0, runs, srcs)
     kernel.scatter_runs(dst[layer0 : layer0 + layers], tpages, ps, t0, runs, srcs)
     assert np.array_equal(dst, want)
+
+
+def test_unaligned_pool_and_strided_layers(kernel) -> None:
+    """A pool view 8 bytes off alignment (no non-temporal stores), layers further apart
+    than their pages."""
+    ps, rb = 4, 64
+    base = np.zeros(3 * 13 * ps * rb + 8, dtype=np.uint8)
+    dst = base[8:].reshape(3, 13, ps * rb)[:, :12]  # layer stride 13 pages, 12 used
+    tpages = np.array([11, 0, 7], dtype=np.int64)
+    srcs = [np.random.default_rng(layer).bytes(10 * rb) for layer in range(3)]
+    want = _runs_want(dst, tpages, ps, rb, 0, 1, [10], srcs)
+    kernel.scatter_runs(dst, tpages, ps, 1, [10], srcs)
+    assert np.array_equal(dst, want)
+    assert not base[:8].any()  # nothing before the view
 
 
 def test_scatter_runs_refuses_before_writing(kernel) -> None:

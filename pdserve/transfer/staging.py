@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.kernels.page_copy import PageCopy
 from pdserve.transfer import stages
 
 
@@ -168,12 +167,11 @@ def scatter_rows(
     idx: torch.Tensor,
     frame: np.ndarray,
     page_size: int,
-    native: PageCopy | None = None,
 ) -> None:
     """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
     view over a received ZeroMQ frame (read straight from it, no intermediate copy):
     scatter_runs with one run, each layer's rows a frame."""
-    scatter_runs(dst, idx, [len(idx)], list(frame), page_size, native)
+    scatter_runs(dst, idx, [len(idx)], list(frame), page_size)
 
 
 def scatter_runs(
@@ -182,12 +180,11 @@ def scatter_runs(
     runs: list[int],
     frames: list,
     page_size: int,
-    native: PageCopy | None = None,
 ) -> None:
     """dst[:, idx] = the frames' rows, from frames sent in place (messages.KVChunk.runs):
     frames[layer * len(runs) + r] holds run r's tokens of that layer (runs split idx in
-    order), read straight from their buffers. Whole pages of every layer go in one call
-    per run to `native` (kernels/page_copy.py) when given, else numpy's assignment."""
+    order), read straight from their buffers, whole pages by numpy's assignment (the
+    receiver's native path is kernels/page_copy.py scatter_runs, transfer/validate.py)."""
     rows, slots, off = _rows(dst), idx.numpy(), 0
     for r, count in enumerate(runs):
         part = slots[off : off + count]
@@ -199,11 +196,8 @@ def scatter_runs(
         if len(pages):
             to = _np_pages(rows, page_size)
             srcs = [f[mid].reshape(len(pages), -1) for f in per_layer]  # raises rather than copy
-            if native is not None:
-                native.scatter_frames(to, pages.astype(np.int64, copy=False), srcs)
-            else:
-                for layer, src in enumerate(srcs):
-                    to[layer, pages] = src
+            for layer, src in enumerate(srcs):
+                to[layer, pages] = src
         for piece in rest:
             if piece.start < piece.stop:
                 for layer, f in enumerate(per_layer):

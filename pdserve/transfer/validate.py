@@ -8,8 +8,8 @@ a chunk overlapping cells already received is refused before writing).
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
 native call (kernels/page_copy.py scatter_runs), with its pages looked up once per
-transfer (`Transfer.paged`); elsewhere page by page in Python (staging.py), or by
-index_copy_ on a GPU pool.
+transfer (`Transfer.paged`); elsewhere (other slots, no C compiler, --disable-compile)
+by numpy's assignment (staging.py), or by index_copy_ on a GPU pool.
 """
 
 from __future__ import annotations
@@ -131,8 +131,7 @@ def write_chunk(
 
 
 def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> None:
-    paged = x.paged() if native is not None else None
-    if native is not None and paged is not None:  # one native call per kind
+    if native is not None and (paged := x.paged()) is not None:  # one native call per kind
         _write_paged(x, h, bufs, native, paged)
         return
     lay = x.pool.layout
@@ -146,7 +145,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
             if dst.is_cuda:
                 _copy_runs_to_device(dst, idx, h.runs, frames)
             else:
-                scatter_runs(dst, idx, h.runs, frames, lay.page_size, native)
+                scatter_runs(dst, idx, h.runs, frames, lay.page_size)
             x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
         x.chunks.append((h.index, h.checksum))
         return
@@ -162,7 +161,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
             land(dst.device)
         else:  # straight from the frame's bytes into the pool pages
             frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
-            scatter_rows(dst, idx, frame, lay.page_size, native)
+            scatter_rows(dst, idx, frame, lay.page_size)
         x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
     x.chunks.append((h.index, h.checksum))
 

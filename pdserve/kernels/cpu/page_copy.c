@@ -1,9 +1,5 @@
 /* Page copies between a received KV frame and the pool (the decode side's scatter).
  *
- *   pd_page_scatter_frames   for l < layers, i < n:
- *                       dst[l * dst_ls + pages[i] * pb .. + pb] = srcs[l][i * pb .. + pb]
- *                     (each layer's pages in a buffer of its own: transfer/staging.py)
- *                     1 (nothing written) when a page is outside [0, num_pages)
  *   pd_page_scatter_runs     a received chunk's rows, by prompt position, into the
  *                     request's pages (any alignment): one call per kind of a chunk
  *                     (transfer/validate.py)
@@ -60,36 +56,6 @@ static int32_t pages_ok(const int64_t *pages, int64_t n, int64_t num_pages) {
     return 1;
 }
 
-/* Layer l's n pages from srcs[l] (page i at i * pb) into dst's pages. */
-static void scatter_layers(char *dst, int64_t dst_ls, const int64_t *pages, int64_t n,
-                           const char *const *srcs, int64_t pb, int64_t layers) {
-    int nt = nt_ok(dst, dst_ls, pb);
-    (void)nt; /* unused where the CPU has no non-temporal stores */
-    for (int64_t l = 0; l < layers; l++) {
-        for (int64_t i = 0; i < n; i++) {
-            char *d = dst + l * dst_ls + pages[i] * pb;
-            const char *s = srcs[l] + i * pb;
-#ifdef NT_BYTES
-            if (nt) {
-                copy_nt(d, s, pb);
-                continue;
-            }
-#endif
-            memcpy(d, s, (size_t)pb);
-        }
-    }
-#ifdef NT_BYTES
-    if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
-#endif
-}
-
-int pd_page_scatter_frames(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *pages,
-                           int64_t n, const char *const *srcs, int64_t pb, int64_t layers) {
-    if (!pages_ok(pages, n, num_pages)) return 1;
-    scatter_layers(dst, dst_ls, pages, n, srcs, pb, layers);
-    return 0;
-}
-
 /* The rows of prompt positions t .. t + runs[0] + runs[1] + ... (t = t0) of each layer,
  * run r of layer l from srcs[l * n_runs + r] (row j at j * rb), into the request's pages:
  * position p is row p % ps of page tpages[p / ps]. A page entered or left mid-way is
@@ -109,7 +75,7 @@ int pd_page_scatter_runs(char *dst, int64_t dst_ls, int64_t num_pages, const int
         return 1;
     int64_t pb = ps * rb;
     int nt = nt_ok(dst, dst_ls, rb); /* rows aligned: so is every page, whole or in part */
-    (void)nt;
+    (void)nt; /* unused where the CPU has no non-temporal stores */
     for (int64_t l = 0; l < layers; l++) {
         int64_t p = t0;
         for (int64_t r = 0; r < n_runs; r++) {
@@ -128,7 +94,7 @@ int pd_page_scatter_runs(char *dst, int64_t dst_ls, int64_t num_pages, const int
         }
     }
 #ifdef NT_BYTES
-    if (nt) _mm_sfence();
+    if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
 #endif
     return 0;
 }
