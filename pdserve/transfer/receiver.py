@@ -108,7 +108,7 @@ class KVReceiver:
             decode_id=self.decode_id,
             model=self.model,
         )
-        self._io.submit(lambda: self._control(endpoint).send(ready))
+        self._io.submit(lambda: self._send_ready(x, ready))
 
     def cancel(self, req: Ticket, reason: str) -> None:
         """After this returns nothing writes into req's slots; poll() reports nothing for it."""
@@ -177,6 +177,10 @@ class KVReceiver:
             self._io.add_reader(raw, lambda: self._on_control(endpoint, sock))
         return sock
 
+    def _send_ready(self, x: Transfer, ready: Ready) -> None:
+        self._control(x.endpoint).send(ready)
+        x.arm()  # NOTE: off the transfer's path, while the Ready is on its way
+
     def _lookup(self, room: int, session: int) -> Transfer | None:
         with self._lock:
             x = self._xfers.get(room)
@@ -223,10 +227,11 @@ class KVReceiver:
             self._fail(x, f"KVDone refused: {reason}")
             return
         if self._close(x):
+            # the Ack first: the engine thread the event wakes would hold the GIL it needs
+            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
             stages = prefill_stages(done.stages)
             ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
             self._io.emit(ok)
-            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
         _, msg, _ = sock.recv()

@@ -8,7 +8,8 @@ a chunk overlapping cells already received is refused before writing).
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
 native call (kernels/page_copy.py scatter_runs), with its pages looked up once per
-transfer (`Transfer.paged`); elsewhere (other slots, no C compiler, --disable-compile)
+transfer (`Transfer.arm`: on the I/O thread right after the Ready is sent, while the
+prefill's answer is on its way); elsewhere (other slots, no C compiler, --disable-compile)
 by numpy's assignment (staging.py), or by index_copy_ on a GPU pool.
 """
 
@@ -45,17 +46,28 @@ class Transfer:
     started: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
-    cov: np.ndarray = field(init=False)
+    _cov: np.ndarray | None = field(init=False, default=None)
     _paged: Paged | None = field(init=False, default=None)
     _paged_known: bool = field(init=False, default=False)
 
-    def __post_init__(self) -> None:
-        self.cov = np.zeros((2, self.pool.layout.num_layers, self.req.prompt_len), dtype=np.uint8)
+    @property
+    def cov(self) -> np.ndarray:
+        """The coverage map (module docstring), made on first use: on the I/O thread
+        (`arm`), not in the engine's expect()."""
+        if self._cov is None:
+            self._cov = np.zeros((2, self.pool.layout.num_layers, self.req.prompt_len), np.uint8)
+        return self._cov
+
+    def arm(self) -> None:
+        """Make what the first chunk needs (I/O thread, once the Ready is sent: the
+        prefill's answer takes longer than this)."""
+        _ = self.cov
+        self.paged()
 
     def paged(self) -> Paged | None:
-        """The pool's K and V as pages and this request's pages, found at the first chunk
-        (I/O thread); None where chunks go through the general path (a GPU pool, slots
-        that are not whole pages in prompt order)."""
+        """The pool's K and V as pages and this request's pages, found once (I/O thread);
+        None where chunks go through the general path (a GPU pool, slots that are not
+        whole pages in prompt order)."""
         if not self._paged_known:
             self._paged_known = True
             page_size = self.pool.layout.page_size
