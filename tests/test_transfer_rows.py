@@ -63,3 +63,21 @@ def test_request_pages() -> None:
     swapped[[5, 6]] = swapped[[6, 5]]
     assert request_pages(swapped, P) is None
     assert request_pages(whole[:0], P) is None
+
+
+def test_pool_pages_made_once_per_pool_and_again_for_new_tensors() -> None:
+    """The receiver's page views of a pool are reused while its K and V are the same
+    tensors, and write into them; a pool given new tensors gets new views."""
+    from pdserve.kvcache.pools import KVLayout, KVPool
+    from pdserve.transfer.validate import PoolPages
+
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
+    pool, cache = KVPool(lay, 6), PoolPages()
+    k, v = cache.of(pool)
+    assert k is not None and v is not None and k.shape == (2, 6, P * 16)
+    assert cache.of(pool)[0] is k  # reused
+    k[1, 3, :16] = 255  # page 3's first row of layer 1 ...
+    assert torch.isnan(pool.k[1, 3 * P]).all()  # ... is the pool's slot 12 (0xff.. = NaN)
+    assert not pool.v.any()
+    pool.k = torch.zeros_like(pool.k)
+    assert cache.of(pool)[0] is not k

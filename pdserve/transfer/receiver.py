@@ -32,7 +32,7 @@ from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
-from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
+from pdserve.transfer.validate import PoolPages, Transfer, check_chunk, check_done, write_chunk
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
 
@@ -67,6 +67,7 @@ class KVReceiver:
         self.decode_id = f"decode-{random.getrandbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
+        self._pool_pages = PoolPages()  # I/O thread
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
@@ -179,6 +180,7 @@ class KVReceiver:
 
     def _send_ready(self, x: Transfer, ready: Ready) -> None:
         self._control(x.endpoint).send(ready)
+        x.pool_pages = self._pool_pages.of(x.pool)
         x.arm()  # NOTE: off the transfer's path, while the Ready is on its way
 
     def _lookup(self, room: int, session: int) -> Transfer | None:
@@ -227,11 +229,10 @@ class KVReceiver:
             self._fail(x, f"KVDone refused: {reason}")
             return
         if self._close(x):
-            # the Ack first: the engine thread the event wakes would hold the GIL it needs
-            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
             stages = prefill_stages(done.stages)
             ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
             self._io.emit(ok)
+            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
         _, msg, _ = sock.recv()

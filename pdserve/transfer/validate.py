@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,9 @@ class Transfer:
     started: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
+    # the pool's K and V as pages (PoolPages.of); None: found at the first chunk
+    pool_pages: tuple[np.ndarray | None, np.ndarray | None] | None = None
+    covered: int = 0  # cells of cov set (a chunk overlapping any is refused before)
     _cov: np.ndarray | None = field(init=False, default=None)
     _paged: Paged | None = field(init=False, default=None)
     _paged_known: bool = field(init=False, default=False)
@@ -57,6 +61,11 @@ class Transfer:
         if self._cov is None:
             self._cov = np.zeros((2, self.pool.layout.num_layers, self.req.prompt_len), np.uint8)
         return self._cov
+
+    def cover(self, kind: int, h: KVChunk) -> None:
+        """Mark the cells chunk `h` wrote for `kind` (check_chunk found none set)."""
+        self.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+        self.covered += (h.layer_end - h.layer_start) * (h.tok_end - h.tok_start)
 
     def arm(self) -> None:
         """Make what the first chunk needs (I/O thread, once the Ready is sent: the
@@ -71,11 +80,28 @@ class Transfer:
         if not self._paged_known:
             self._paged_known = True
             page_size = self.pool.layout.page_size
-            k, v = paged_view(self.pool.k, page_size), paged_view(self.pool.v, page_size)
+            k, v = self.pool_pages or PoolPages().of(self.pool)
             pages = request_pages(self.slots.numpy(), page_size) if k is not None else None
             if k is not None and v is not None and pages is not None:
                 self._paged = Paged((k, v), pages)
         return self._paged
+
+
+class PoolPages:
+    """Each pool's K and V as pages (staging.paged_view), made once per pool (about
+    20 us, the largest part of a transfer's set-up) and reused while its tensors are
+    the same. One per receiver, used by its I/O thread."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
+
+    def of(self, pool: KVPool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        hit = self._seen.get(pool)
+        if hit is None or hit[0] is not pool.k or hit[1] is not pool.v:
+            size = pool.layout.page_size
+            hit = (pool.k, pool.v, (paged_view(pool.k, size), paged_view(pool.v, size)))
+            self._seen[pool] = hit
+        return hit[2]
 
 
 @dataclass(frozen=True)
@@ -158,7 +184,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
                 _copy_runs_to_device(dst, idx, h.runs, frames)
             else:
                 scatter_runs(dst, idx, h.runs, frames, lay.page_size)
-            x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+            x.cover(kind, h)
         x.chunks.append((h.index, h.checksum))
         return
     for kind, buf in zip(_KINDS[h.kind], bufs):
@@ -174,7 +200,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
         else:  # straight from the frame's bytes into the pool pages
             frame = np.frombuffer(buf, dtype=np.uint8).reshape(n_layers, n_tok, -1)
             scatter_rows(dst, idx, frame, lay.page_size)
-        x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+        x.cover(kind, h)
     x.chunks.append((h.index, h.checksum))
 
 
@@ -192,7 +218,7 @@ def _write_paged(
             srcs = [whole[j * step : (j + 1) * step] for j in range(layers)]
         dst = paged.kinds[kind][h.layer_start : h.layer_end]
         native.scatter_runs(dst, paged.pages, x.pool.layout.page_size, h.tok_start, runs, srcs)
-        x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
+        x.cover(kind, h)
     x.chunks.append((h.index, h.checksum))
 
 
@@ -226,7 +252,7 @@ def check_done(x: Transfer, d: KVDone) -> str:
     """Why KVDone must be refused ("" if the transfer is complete and intact)."""
     if d.prompt_len != x.req.prompt_len:
         return f"prompt_len {d.prompt_len} != reserved {x.req.prompt_len}"
-    missing = int((x.cov == 0).sum())
+    missing = x.cov.size - x.covered
     if missing:
         return f"{missing} (kind, layer, token) cells of KV never arrived"
     if d.num_chunks != len(x.chunks):
