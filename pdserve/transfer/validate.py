@@ -33,6 +33,7 @@ from pdserve.transfer.messages import KVChunk, KVDone
 from pdserve.transfer.staging import paged_view, request_pages, scatter_rows, scatter_runs
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
+PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
 
 
 @dataclass(eq=False)
@@ -47,9 +48,6 @@ class Transfer:
     started: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
-    # the pool's K and V as pages (PoolPages.of); None: found at the first chunk
-    pool_pages: tuple[np.ndarray | None, np.ndarray | None] | None = None
-    covered: int = 0  # cells of cov set (a chunk overlapping any is refused before)
     _cov: np.ndarray | None = field(init=False, default=None)
     _paged: Paged | None = field(init=False, default=None)
     _paged_known: bool = field(init=False, default=False)
@@ -65,22 +63,21 @@ class Transfer:
     def cover(self, kind: int, h: KVChunk) -> None:
         """Mark the cells chunk `h` wrote for `kind` (check_chunk found none set)."""
         self.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
-        self.covered += (h.layer_end - h.layer_start) * (h.tok_end - h.tok_start)
 
-    def arm(self) -> None:
+    def arm(self, views: PageViews | None = None) -> None:
         """Make what the first chunk needs (I/O thread, once the Ready is sent: the
-        prefill's answer takes longer than this)."""
+        prefill's answer takes longer than this). `views`: the pool's (PoolPages.of)."""
         _ = self.cov
-        self.paged()
+        self.paged(views)
 
-    def paged(self) -> Paged | None:
-        """The pool's K and V as pages and this request's pages, found once (I/O thread);
-        None where chunks go through the general path (a GPU pool, slots that are not
-        whole pages in prompt order)."""
+    def paged(self, views: PageViews | None = None) -> Paged | None:
+        """The pool's K and V as pages (`views`, else made here) and this request's
+        pages, found once (I/O thread); None where chunks go through the general path
+        (a GPU pool, slots that are not whole pages in prompt order)."""
         if not self._paged_known:
             self._paged_known = True
             page_size = self.pool.layout.page_size
-            k, v = self.pool_pages or PoolPages().of(self.pool)
+            k, v = views or (paged_view(self.pool.k, page_size), paged_view(self.pool.v, page_size))
             pages = request_pages(self.slots.numpy(), page_size) if k is not None else None
             if k is not None and v is not None and pages is not None:
                 self._paged = Paged((k, v), pages)
@@ -95,7 +92,7 @@ class PoolPages:
     def __init__(self) -> None:
         self._seen: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
 
-    def of(self, pool: KVPool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def of(self, pool: KVPool) -> PageViews:
         hit = self._seen.get(pool)
         if hit is None or hit[0] is not pool.k or hit[1] is not pool.v:
             size = pool.layout.page_size
@@ -252,7 +249,7 @@ def check_done(x: Transfer, d: KVDone) -> str:
     """Why KVDone must be refused ("" if the transfer is complete and intact)."""
     if d.prompt_len != x.req.prompt_len:
         return f"prompt_len {d.prompt_len} != reserved {x.req.prompt_len}"
-    missing = x.cov.size - x.covered
+    missing = x.cov.size - int(np.count_nonzero(x.cov))
     if missing:
         return f"{missing} (kind, layer, token) cells of KV never arrived"
     if d.num_chunks != len(x.chunks):
