@@ -1,0 +1,45 @@
+"""The attention plan's decode keys (model/attention.py, padded_slots): on the CPU they
+are built with numpy, not torch's kernels, and must be exactly what torch's
+`table[rows, :Lmax]` masked past each request's length gives, as copies."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.model.attention import padded_slots
+
+
+def _table() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, 1 << 20, (32, 48), generator=g, dtype=torch.int32)
+
+
+def _expected(table: torch.Tensor, rows: list[int], lens: list[int]) -> tuple:
+    lmax = max(lens, default=0)
+    pad = torch.arange(lmax)[None, :] >= torch.tensor(lens, dtype=torch.int64)[:, None]
+    return table[torch.tensor(rows, dtype=torch.int64), :lmax].long().masked_fill(pad, 0), pad
+
+
+def test_rows_in_any_order_with_repeats_match_torch() -> None:
+    table = _table()
+    rows, lens = [7, 0, 31, 7, 12, 3], [5, 48, 1, 17, 30, 48]
+    slots, pad = padded_slots(table, rows, lens)
+    want_slots, want_pad = _expected(table, rows, lens)
+    assert slots.dtype == torch.int64 and pad.dtype == torch.bool
+    assert torch.equal(slots, want_slots) and torch.equal(pad, want_pad)
+    assert int(pad.sum()) == sum(48 - n for n in lens) and (slots[pad] == 0).all()
+
+
+def test_no_decode_requests_give_empty_keys() -> None:
+    slots, pad = padded_slots(_table(), [], [])
+    assert slots.shape == pad.shape == (0, 0)
+
+
+def test_the_keys_are_a_copy() -> None:
+    table = _table()
+    before = table.clone()
+    slots, _ = padded_slots(table, [4, 5], [8, 3])
+    slots.fill_(-1)  # writing to the plan must never write the table
+    assert torch.equal(table, before)
+    table[4, 0] = 123
+    assert slots[0, 0] == -1
