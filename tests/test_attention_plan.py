@@ -23,22 +23,23 @@ def _expected(table: torch.Tensor, rows: list[int], lens: list[int]) -> tuple:
 def test_rows_in_any_order_with_repeats_match_torch() -> None:
     table = _table()
     rows, lens = [7, 0, 31, 7, 12, 3], [5, 48, 1, 17, 30, 48]
-    slots, pad = padded_slots(table, rows, lens)
+    slots, pad, keys = padded_slots(table, rows, lens)
     want_slots, want_pad = _expected(table, rows, lens)
-    assert slots.dtype == torch.int64 and pad.dtype == torch.bool
+    assert slots.dtype == keys.dtype == torch.int64 and pad.dtype == torch.bool
+    assert keys.tolist() == lens
     assert torch.equal(slots, want_slots) and torch.equal(pad, want_pad)
     assert int(pad.sum()) == sum(48 - n for n in lens) and (slots[pad] == 0).all()
 
 
 def test_no_decode_requests_give_empty_keys() -> None:
-    slots, pad = padded_slots(_table(), [], [])
-    assert slots.shape == pad.shape == (0, 0)
+    slots, pad, keys = padded_slots(_table(), [], [])
+    assert slots.shape == pad.shape == (0, 0) and keys.shape == (0,)
 
 
 def test_the_keys_are_a_copy() -> None:
     table = _table()
     before = table.clone()
-    slots, _ = padded_slots(table, [4, 5], [8, 3])
+    slots, _, _ = padded_slots(table, [4, 5], [8, 3])
     slots.fill_(-1)  # writing to the plan must never write the table
     assert torch.equal(table, before)
     table[4, 0] = 123

@@ -201,9 +201,10 @@ class TorchAttention:
 
 def padded_slots(
     table: torch.Tensor, rows: list[int], lens: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, pad) of decode requests: slots [B, Lmax] int64 is table[rows[i], :lens[i]]
-    padded with slot 0, pad [B, Lmax] bool is True at the padding; Lmax = max(lens).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, pad, lens) of decode requests, on the table's device: slots [B, Lmax]
+    int64 is table[rows[i], :lens[i]] padded with slot 0, pad [B, Lmax] bool is True at
+    the padding, lens [B] int64; Lmax = max(lens).
 
     On the CPU through numpy, not torch. The overlap scheduler builds this on its
     schedule thread while the previous step's forward holds the cores, and torch's CPU
@@ -215,11 +216,12 @@ def padded_slots(
         keys = device_tensor(lens, torch.int64, table.device)
         pad = torch.arange(lmax, device=table.device)[None, :] >= keys[:, None]
         index = device_tensor(rows, torch.int64, table.device)
-        return table[index, :lmax].long().masked_fill(pad, 0), pad
-    pad_np = np.arange(lmax)[None, :] >= np.asarray(lens, dtype=np.int64)[:, None]
+        return table[index, :lmax].long().masked_fill(pad, 0), pad, keys
+    keys_np = np.asarray(lens, dtype=np.int64)
+    pad_np = np.arange(lmax)[None, :] >= keys_np[:, None]
     slots = table.numpy()[rows, :lmax].astype(np.int64)
     slots[pad_np] = 0
-    return torch.from_numpy(slots), torch.from_numpy(pad_np)
+    return torch.from_numpy(slots), torch.from_numpy(pad_np), torch.from_numpy(keys_np)
 
 
 class _Plan:
@@ -250,10 +252,9 @@ class _Plan:
         device = req_to_token.device
         plan.decode_tok = device_tensor([starts[i] for i in dec], torch.int64, device)
         lens = [batch.seq_lens[i] for i in dec]
-        plan.decode_slots, plan.decode_pad = padded_slots(
+        plan.decode_slots, plan.decode_pad, plan.decode_lens = padded_slots(
             req_to_token, [rows[i] for i in dec], lens
         )
-        plan.decode_lens = device_tensor(lens, torch.int64, device)
         plan._hidden = {0: plan.decode_pad}
         plan._bounds = {}
         plan._extend_bounds = {}

@@ -180,9 +180,8 @@ class KVReceiver:
 
     def _send_ready(self, x: Transfer, ready: Ready) -> None:
         self._control(x.endpoint).send(ready)
-        x.arm(
-            self._pool_pages.of(x.pool)
-        )  # NOTE: off the transfer's path, while the Ready is on its way
+        # NOTE: off the transfer's path, while the Ready is on its way
+        x.arm(self._pool_pages.of(x.pool))
 
     def _lookup(self, room: int, session: int) -> Transfer | None:
         with self._lock:

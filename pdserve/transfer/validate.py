@@ -77,11 +77,17 @@ class Transfer:
         if not self._paged_known:
             self._paged_known = True
             page_size = self.pool.layout.page_size
-            k, v = views or (paged_view(self.pool.k, page_size), paged_view(self.pool.v, page_size))
+            k, v = views or pool_views(self.pool)
             pages = request_pages(self.slots.numpy(), page_size) if k is not None else None
             if k is not None and v is not None and pages is not None:
                 self._paged = Paged((k, v), pages)
         return self._paged
+
+
+def pool_views(pool: KVPool) -> PageViews:
+    """`pool`'s K and V as pages (staging.paged_view), made now."""
+    size = pool.layout.page_size
+    return paged_view(pool.k, size), paged_view(pool.v, size)
 
 
 class PoolPages:
@@ -95,8 +101,7 @@ class PoolPages:
     def of(self, pool: KVPool) -> PageViews:
         hit = self._seen.get(pool)
         if hit is None or hit[0] is not pool.k or hit[1] is not pool.v:
-            size = pool.layout.page_size
-            hit = (pool.k, pool.v, (paged_view(pool.k, size), paged_view(pool.v, size)))
+            hit = (pool.k, pool.v, pool_views(pool))
             self._seen[pool] = hit
         return hit[2]
 
