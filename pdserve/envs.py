@@ -1,13 +1,15 @@
 """Every environment variable pdserve reads, in one typed registry (prefix PDSERVE_).
 
 Read them through `ENV.<name>.get()`, never `os.environ` directly, so `pdserve
---help`, the docs and the code agree on what exists. (The one other variable pdserve
-touches is Triton's own `TRITON_INTERPRET`, set in `pdserve.kernels` without CUDA.)
+--help`, the docs and the code agree on what exists. (Two others pdserve touches:
+Triton's own `TRITON_INTERPRET`, set in `pdserve.kernels` without CUDA, and OpenMP's
+`OMP_WAIT_POLICY`, given to engine processes: `engine_env`.)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,3 +63,18 @@ def cache_root() -> Path:
     """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`: made models, native kernel builds."""
     env = ENV.CACHE_DIR.get()
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
+
+
+def engine_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment an engine process starts with: `base`, plus OMP_WAIT_POLICY=PASSIVE
+    unless `base` sets a policy. OpenMP's threads then sleep when a parallel region ends,
+    instead of spinning on a core for a while (libgomp reads the variable once, when torch
+    loads it, so it is set before the process starts).
+
+    Why: an engine's threads are more than torch's. The decode's overlap scheduler runs
+    its schedule thread beside the forward; the KV transfer has an I/O thread; `pdserve
+    up` puts a prefill and a decode on the same cores. After the sampler's torch ops the
+    OpenMP threads spun on the cores those needed: in `benchmarks/decode_overlap.py` (16
+    requests, two threads) the next step's input ids took 0.39 ms to resolve instead of
+    0.03 (docs/benchmarks.md, twenty-seventh round)."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **base}

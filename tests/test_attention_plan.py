@@ -1,12 +1,13 @@
 """The attention plan's decode keys (model/attention.py, padded_slots): on the CPU they
 are built with numpy, not torch's kernels, and must be exactly what torch's
-`table[rows, :Lmax]` masked past each request's length gives, as copies."""
+`table[rows, :Lmax]` masked past each request's length gives, as copies. The same for
+the native forward's per-window bounds (host_bounds)."""
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.model.attention import padded_slots
+from pdserve.model.attention import host_bounds, padded_slots
 
 
 def _table() -> torch.Tensor:
@@ -44,3 +45,12 @@ def test_the_keys_are_a_copy() -> None:
     assert torch.equal(table, before)
     table[4, 0] = 123
     assert slots[0, 0] == -1
+
+
+def test_host_bounds_match_torch_for_every_window() -> None:
+    lens = torch.tensor([1, 5, 16, 17, 300], dtype=torch.int64)
+    for window in (0, 1, 4, 16, 1000):
+        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        want = torch.stack([first, lens], dim=1)
+        got = torch.from_numpy(host_bounds(lens.numpy(), window))
+        assert got.dtype == torch.int64 and got.is_contiguous() and torch.equal(got, want)

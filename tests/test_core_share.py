@@ -124,6 +124,37 @@ def test_children_sleep_between_parallel_regions_unless_told_otherwise() -> None
     assert launch.child_env({"OMP_WAIT_POLICY": "ACTIVE"}, None) == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
+def test_an_engine_process_starts_with_sleeping_openmp_threads(monkeypatch) -> None:
+    """Whatever started its server (`pdserve up`, a container, by hand), the engine
+    process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets a policy: the decode's
+    schedule thread computes beside its forward and needs a core no OpenMP thread spins on."""
+    import asyncio
+
+    from pdserve import protocol as P
+    from pdserve.config import EngineConfig, TransferConfig
+    from pdserve.server import engine_client
+
+    seen: list[dict[str, str]] = []
+
+    def popen(argv, env=None, **kw):
+        seen.append(env)
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(engine_client.subprocess, "Popen", popen)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    spec = P.EngineSpec(role="decode", engine=EngineConfig(model_path="m"),
+                        transfer=TransferConfig())  # fmt: skip
+    for policy in (None, "ACTIVE"):
+        if policy:
+            monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        client = engine_client.EngineClient(spec)
+        with pytest.raises(OSError):
+            asyncio.run(client.start())
+        asyncio.run(client.close())
+    assert [env["OMP_WAIT_POLICY"] for env in seen] == ["PASSIVE", "ACTIVE"]
+    assert seen[0]["PATH"] == os.environ["PATH"]
+
+
 def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> None:
     """Prefill first: while the prefill has more prompts queued than the decode runs
     streams, the decode skips steps, for at most max_yield_s in a row, and reads as idle

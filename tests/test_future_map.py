@@ -168,6 +168,25 @@ def test_future_map_decode_loop_feeds_each_step_from_the_last(backend: str) -> N
     assert history == [[30, 70, 10], [61, 141, 21], [123, 283, 43], [247, 567, 87]]
 
 
+@pytest.mark.parametrize("backend", fm.BACKENDS)
+def test_future_map_resolve_from_host_rows_sees_every_publish(backend: str) -> None:
+    """With the rows also given as a list (the CPU path reads them through numpy, keeping
+    the GIL), resolve gives what the device path gives, sees each publish and stash since,
+    and returns a copy, not a view of the map."""
+    fmap = FutureMap(9, device=DEVICE, backend=backend)
+    host_rows = [3, 7, 0, 3, 1]  # out of order, a repeat, and the padding row
+    rows = torch.tensor(host_rows, dtype=torch.int64, device=DEVICE)
+    for row, first in ((3, 30), (7, 70), (1, 10)):
+        fmap.stash(row, first)
+    for _ in range(3):
+        ids = fmap.resolve(rows, host_rows)
+        assert ids.dtype == torch.int64 and ids.tolist() == fmap.resolve(rows).tolist()
+        fmap.publish(rows[[0, 1, 4]], ids[[0, 1, 4]] * 2 + 1)
+    assert ids.tolist() == [123, 283, 0, 123, 43]
+    ids.fill_(-5)
+    assert fmap.resolve(rows, host_rows).tolist() == [247, 567, 0, 247, 87]
+
+
 def test_future_map_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError):
         FutureMap(0)

@@ -231,6 +231,7 @@ class _Plan:
     decode_slots: torch.Tensor  # [Bd, Lmax] KV slots (padding -> slot 0)
     decode_pad: torch.Tensor  # [Bd, Lmax] True where padded
     decode_lens: torch.Tensor  # [Bd] seq_lens of decode requests
+    decode_lens_host: np.ndarray | None  # the same on the host (CPU plans only)
     _hidden: dict[int, torch.Tensor]  # window -> [Bd, Lmax] True where not attended
     _bounds: dict[int, torch.Tensor]  # window -> [Bd, 2] (first attended position, seq_len)
     extends: list[tuple[slice, torch.Tensor]]  # (token range, KV slots) per extend request
@@ -255,6 +256,7 @@ class _Plan:
         plan.decode_slots, plan.decode_pad, plan.decode_lens = padded_slots(
             req_to_token, [rows[i] for i in dec], lens
         )
+        plan.decode_lens_host = plan.decode_lens.numpy() if device.type == "cpu" else None
         plan._hidden = {0: plan.decode_pad}
         plan._bounds = {}
         plan._extend_bounds = {}
@@ -288,6 +290,22 @@ class _Plan:
         are positions [first, seq_len), as `hidden(window)` says with a mask."""
         if window not in self._bounds:
             lens = self.decode_lens
-            first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
-            self._bounds[window] = torch.stack([first, lens], dim=1).contiguous()
+            if self.decode_lens_host is not None:  # numpy: see host_bounds
+                self._bounds[window] = torch.from_numpy(host_bounds(self.decode_lens_host, window))
+            else:
+                first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+                self._bounds[window] = torch.stack([first, lens], dim=1).contiguous()
         return self._bounds[window]
+
+
+def host_bounds(lens: np.ndarray, window: int) -> np.ndarray:
+    """[B, 2] int64 (first attended position, seq_len) of decode lengths `lens`.
+
+    numpy, not torch: the native forward asks for these on the forward stream's thread
+    just before its one native call, and torch's CPU ops let go of the GIL and must take
+    it back, while the schedule thread (woken by the previous step's end) holds it for
+    its Python: each op waited for that (scheduler/future_map.py, resolve)."""
+    out = np.empty((lens.shape[0], 2), dtype=np.int64)
+    out[:, 0] = np.maximum(lens - window, 0) if window else 0
+    out[:, 1] = lens
+    return out

@@ -13,6 +13,7 @@ the logits are equal bit for bit (tests/test_decode_forward.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +92,7 @@ class NativeDecodeForward:
         if host is not None:
             p.host_busy = host.address()
         self._scratch = torch.empty(0)
+        self._scratch_b = 0  # the largest batch the scratch was sized for
 
     @classmethod
     def build(
@@ -121,7 +123,8 @@ class NativeDecodeForward:
             assert t.dtype == torch.int64 and t.shape == (b,), "decode inputs: [B] int64"
         keys, bounds = self.attn.decode_keys(batch, self.windows)
         assert keys.dtype == torch.int64 and keys.stride(1) == 1 and keys.shape[0] == b
-        logits = torch.empty(b, self.model.arch.vocab_size, dtype=torch.float32)
+        # numpy's allocation keeps the GIL (torch.empty lets go of it; see host_bounds)
+        logits = torch.from_numpy(np.empty((b, self.model.arch.vocab_size), np.float32))
         p.b, p.threads = b, torch.get_num_threads()
         p.ids, p.positions, p.out_slots = ids.data_ptr(), positions.data_ptr(), slots.data_ptr()
         p.slots, p.slot_stride = keys.data_ptr(), keys.stride(0)
@@ -132,8 +135,12 @@ class NativeDecodeForward:
         return logits
 
     def _scratch_for(self, b: int) -> int:
-        """The scratch for b requests (grown, never shrunk; one step at a time uses it)."""
-        need = self.kernel.scratch_floats(self.plan, b)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        """The scratch for b requests (grown, never shrunk; one step at a time uses it).
+        Its size grows with b; the kernel is asked only when b exceeds every earlier
+        step's (a ctypes call lets go of the GIL: attention.host_bounds)."""
+        if b > self._scratch_b:
+            need = self.kernel.scratch_floats(self.plan, b)
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=torch.float32)
+            self._scratch_b = b
         return self._scratch.data_ptr()

@@ -109,7 +109,7 @@ def launch_step(
 
     def forward() -> None:
         result.timing["start"] = time.perf_counter()
-        batch.input_ids = future.resolve(batch.rows)
+        batch.input_ids = future.resolve(batch.rows, batch.host_rows)
         logits = runner.forward(batch)
         tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax)
         if hook is not None:

@@ -27,6 +27,9 @@ class FutureMap:
         self.device = torch.device(device)
         self.backend = backend
         self.output_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        # CPU: the same memory as a numpy array, for resolve (made here, not on the stream)
+        cpu = self.device.type == "cpu" and backend == "torch"
+        self._host_tokens = self.output_tokens.numpy() if cpu else None
 
     @property
     def rows(self) -> int:
@@ -38,13 +41,22 @@ class FutureMap:
         if rows and not (0 <= min(rows) and max(rows) < self.rows):
             raise ValueError(f"rows must lie in [0, {self.rows}), got {rows}")
 
-    def resolve(self, rows: torch.Tensor) -> torch.Tensor:
+    def resolve(self, rows: torch.Tensor, host_rows: list[int] | None = None) -> torch.Tensor:
         """Input ids of a decode step: a new [B] int64 tensor, output_tokens[rows].
 
         Call on the forward stream, after the publish of the previous step was
         issued there (stream order makes the read see it). `rows`: [B] int32/int64
-        on this map's device, each in [0, self.rows), checked with `check_rows`.
+        on this map's device, each in [0, self.rows), checked with `check_rows`;
+        `host_rows`, the same rows as a list, where the caller has them.
         """
+        if self._host_tokens is not None and host_rows is not None:
+            # NOTE: numpy on the CPU, not torch. This runs on the forward stream's thread
+            # as a step starts, just as the schedule thread wakes for the previous step's
+            # tokens and runs its Python. A torch CPU op lets go of the GIL and must take
+            # it back, which waits for that Python (0.1-0.2 ms a step, the forward's cores
+            # idle meanwhile); numpy's indexing keeps the GIL, so the forward reaches its
+            # native call (which runs without the GIL) first.
+            return torch.from_numpy(self._host_tokens[host_rows])
         return gather_tokens(self.output_tokens, rows, backend=self.backend, rows_checked=True)
 
     def publish(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:

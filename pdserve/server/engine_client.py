@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from pdserve import protocol as P
 from pdserve.edge.listen import StartupRefused
-from pdserve.envs import ENV
+from pdserve.envs import ENV, engine_env
 from pdserve.protocol import EngineRequest, EngineSpec, TokenEvent
 
 log = logging.getLogger("pdserve.engine_client")
@@ -85,7 +85,7 @@ class EngineClient:
         self._push.bind(to_engine)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(from_engine)
-        self._proc = subprocess.Popen(self._argv())
+        self._proc = subprocess.Popen(self._argv(), env=engine_env(os.environ))
         self.pid = self._proc.pid
         await self._wait_ready()
         self._last_beat = time.monotonic()
