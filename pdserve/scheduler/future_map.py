@@ -53,7 +53,7 @@ class FutureMap:
             # NOTE: numpy on the CPU, not torch. This runs on the forward stream's thread
             # as a step starts, just as the schedule thread wakes for the previous step's
             # tokens and runs its Python. A torch CPU op lets go of the GIL and must take
-            # it back, which waits for that Python (0.1-0.2 ms a step, the forward's cores
+            # it back, which waits for that Python (about 0.1 ms a step, the forward's cores
             # idle meanwhile); numpy's indexing keeps the GIL, so the forward reaches its
             # native call (which runs without the GIL) first.
             return torch.from_numpy(self._host_tokens[host_rows])
