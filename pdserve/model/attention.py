@@ -289,10 +289,10 @@ class _Plan:
         """[Bd, 2] int64: (first position a decode token attends to, seq_len); the keys
         are positions [first, seq_len), as `hidden(window)` says with a mask."""
         if window not in self._bounds:
-            lens = self.decode_lens
             if self.decode_lens_host is not None:  # numpy: see host_bounds
                 self._bounds[window] = torch.from_numpy(host_bounds(self.decode_lens_host, window))
             else:
+                lens = self.decode_lens
                 first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
                 self._bounds[window] = torch.stack([first, lens], dim=1).contiguous()
         return self._bounds[window]
