@@ -175,7 +175,7 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
         pool = random_pool(lay, 64, seed=0)
         _, slots = reserve(pool, 37, seed=1)
         x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
-        assert check_chunk(lay, x, hdr, bufs) == ""
+        assert check_chunk(lay, x, hdr, bufs, native) == ""
         write_chunk(x, hdr, bufs, native)
         assert (x.paged() is not None) and x.cov.sum() == len(kind) * (
             (layers[1] - layers[0]) * (toks[1] - toks[0])
@@ -186,3 +186,73 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
     fresh = random_pool(lay, 64, seed=0)
     for kv in kind:  # something was written
         assert not torch.equal(getattr(pools[0], kv), getattr(fresh, kv))
+
+
+@pytest.fixture(scope="module")
+def two_threads(tmp_path_factory) -> PageCopy:
+    """The native build, its work split over two of par.c's threads (the receiver's)."""
+    kernel = page_copy(tmp_path_factory.mktemp("pc2"), threads=2)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    return kernel
+
+
+@pytest.mark.parametrize("t0, runs", RUNS)
+def test_two_threads_write_what_indexing_writes(two_threads, t0, runs) -> None:
+    """Layers split over two threads (each takes the next layer in turn): every row where
+    plain indexing puts it, nothing else touched."""
+    ps, rb, layers = 4, 64, 3
+    g, dst, tpages = _runs_case(ps, rb, seed=t0 + len(runs))
+    srcs = [g.bytes(count * rb) for _ in range(layers) for count in runs]
+    want = _runs_want(dst, tpages, ps, rb, 0, t0, runs, srcs)
+    for _ in range(20):  # workers asleep, spinning, or not started
+        two_threads.scatter_runs(dst, tpages, ps, t0, runs, srcs)
+        assert np.array_equal(dst, want)
+
+
+def test_two_threads_refuse_before_writing(two_threads) -> None:
+    ps, rb = 4, 64
+    _, dst, tpages = _runs_case(ps, rb, seed=3)
+    before = dst.copy()
+    bad = tpages.copy()
+    bad[4] = 12  # the last page of the request is outside the pool: layers 0-2 are fine
+    with pytest.raises(ValueError, match="outside"):
+        two_threads.scatter_runs(dst, bad, ps, 0, [17], [bytes(17 * rb)] * 3)
+    assert np.array_equal(dst, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_frame_hashes_are_the_python_checksums(tmp_path, threads) -> None:
+    """The receiver's native hashes equal the xxhash package's (the sender's), for every
+    kind of buffer a frame arrives as, empty ones included."""
+    from pdserve.transfer.checksum import frame_hash
+
+    kernel = page_copy(tmp_path, threads=threads)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    g = np.random.default_rng(5)
+    frames = [g.bytes(n) for n in (0, 1, 31, 240, 4096, 3 << 18)]
+    frames += [bytearray(g.bytes(1000)), memoryview(g.integers(0, 9, 77, dtype=np.uint8))]
+    got = kernel.frame_hashes(frames)
+    if got is None:
+        pytest.skip("this xxhash library exports no XXH3-64")
+    assert got == [frame_hash(f) for f in frames]
+    assert kernel.frame_hashes([]) == []
+
+
+def test_native_checksum_refuses_a_flipped_byte(two_threads) -> None:
+    """check_chunk hashing on two threads: one byte changed in any frame is refused
+    before anything is written; the intact chunk passes."""
+    from pdserve.transfer.loopback import make_req, random_pool, reserve
+    from pdserve.transfer.validate import Transfer, check_chunk
+
+    lay, hdr, bufs = _chunk_case("v", (0, 3), (3, 37), [2, 9, 23])
+    pool = random_pool(lay, 64, seed=0)
+    _, slots = reserve(pool, 37, seed=1)
+    x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+    assert check_chunk(lay, x, hdr, bufs, two_threads) == ""
+    for i in (0, len(bufs) // 2, len(bufs) - 1):
+        bad = bytearray(bufs[i])
+        bad[len(bad) // 3] ^= 1
+        frames = [*bufs[:i], memoryview(bytes(bad)), *bufs[i + 1 :]]
+        assert check_chunk(lay, x, hdr, frames, two_threads) == "checksum mismatch"

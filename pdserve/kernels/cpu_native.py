@@ -128,11 +128,14 @@ class Split:
     # its host's cores (kernels/core_share.py) sets CoreShare.kernel_threads here.
     budget: Callable[[], int] | None = None
 
-    def __call__(self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0) -> None:
+    def __call__(
+        self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0, threads: int = 0
+    ) -> None:
         """fn over [0, n): one near-equal range per thread, or (grain > 0) chunks of
         `grain` that the threads take in turn (par.c pd_par_run_chunks: a thread another
-        process preempts holds up only its chunk in progress)."""
-        want = torch.get_num_threads() if Split.budget is None else Split.budget()
+        process preempts holds up only its chunk in progress). `threads` > 0: that many
+        threads, whatever the torch thread count or the budget say (the KV receiver)."""
+        want = threads or (torch.get_num_threads() if Split.budget is None else Split.budget())
         parts = max(1, min(want, n))
         if self._run is None or parts == 1:
             fn(ctypes.byref(args), 0, n)
@@ -142,7 +145,7 @@ class Split:
             self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
 
 
-def _range_fn(lib: ctypes.CDLL, name: str) -> _CFn:
+def range_fn(lib: ctypes.CDLL, name: str) -> _CFn:
     fn = lib[name]
     fn.restype, fn.argtypes = None, [_ptr, _i64, _i64]
     return fn
@@ -164,7 +167,7 @@ class PagedDecode:
     """kernels/cpu/paged_decode.c: fp32 decode attention read in place from the pool."""
 
     def __init__(self, lib: ctypes.CDLL, split: Split) -> None:
-        self._fn = _range_fn(lib, "pd_paged_decode_range")
+        self._fn = range_fn(lib, "pd_paged_decode_range")
         self._split = split
 
     @staticmethod
@@ -231,7 +234,7 @@ class LinearF32:
         self._pack = lib.pd_linear_pack
         self._pack.restype = None
         self._pack.argtypes = [_ptr, _ptr, _i64, _i64]
-        self._fn = _range_fn(lib, "pd_linear_f32_range")
+        self._fn = range_fn(lib, "pd_linear_f32_range")
         self._split = split
 
     def pack(

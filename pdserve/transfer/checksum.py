@@ -4,9 +4,10 @@
 
 XXH3 (the `xxhash` package) runs at 10-25 GB/s per core here, several times loopback
 TCP (zlib.crc32, the previous checksum, ran at about 1-2 GB/s and was the bottleneck).
-Frames are hashed on the thread that sends or receives them: the sender sends K and V
-as chunks of one frame each (transfer/push.py), so the parallelism is across chunks,
-one on the wire while the next is gathered, not across helper threads.
+The sender hashes on its I/O thread, mostly before the decode's Ready comes
+(transfer/push.py). The receiver hashes a chunk's frames on two threads where it has
+two cores (kernels/page_copy.py frame_hashes: the same XXH3-64, called from C), since a
+chunk is hashed before it is written and the last chunk's hash is on the transfer's tail.
 Non-cryptographic: it catches corruption, not forgery (CURVE authenticates the peer).
 """
 

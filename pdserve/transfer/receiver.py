@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -57,7 +58,8 @@ class KVReceiver:
         machine, about a second) and loaded here at start-up, never inside a transfer;
         None where no C compiler is. False: numpy's assignment (--disable-compile)."""
         self.layout = layout
-        self._page_copy = page_copy(cache_root()) if native_scatter else None
+        threads = min(2, len(os.sched_getaffinity(0)))
+        self._page_copy = page_copy(cache_root(), threads) if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -208,7 +210,7 @@ class KVReceiver:
             return
         self._last_seen[x.endpoint] = time.monotonic()
         bufs = [f.buffer for f in frames]
-        reason = check_chunk(self.layout, x, hdr, bufs)
+        reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
         if reason:
             self._count("refused_chunk")
             self._fail(x, f"chunk {hdr.index} refused: {reason}")

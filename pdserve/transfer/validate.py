@@ -28,7 +28,7 @@ from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import done_digest, frames_checksum
+from pdserve.transfer.checksum import combine, done_digest, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone
 from pdserve.transfer.staging import paged_view, request_pages, scatter_rows, scatter_runs
 
@@ -114,10 +114,22 @@ class Paged:
     pages: np.ndarray  # int64, the request's pages in prompt order
 
 
-def check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
-    """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`."""
+def check_chunk(
+    layout: KVLayout,
+    x: Transfer,
+    h: KVChunk,
+    bufs: list[memoryview],
+    native: PageCopy | None = None,
+) -> str:
+    """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`.
+    `native`: the frames are hashed on its threads (else here, in Python's xxhash)."""
     with stages.timed("verify"):
-        return _check_chunk(layout, x, h, bufs)
+        return _check_chunk(layout, x, h, bufs, native)
+
+
+def _checksum(bufs: list[memoryview], native: PageCopy | None) -> int:
+    hashes = native.frame_hashes(bufs) if native is not None else None
+    return frames_checksum(bufs) if hashes is None else combine(hashes)
 
 
 MAX_RUNS = 64  # runs a chunk may name (the prefill sends at most push.MAX_RUNS)
@@ -131,7 +143,9 @@ def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
     return [c * row for _ in range(layers) for c in h.runs]
 
 
-def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview]) -> str:
+def _check_chunk(
+    layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None
+) -> str:
     n_layers, n_tok = layout.num_layers, x.req.prompt_len
     if not (0 <= h.layer_start < h.layer_end <= n_layers):
         return f"layer range [{h.layer_start}, {h.layer_end}) outside [0, {n_layers})"
@@ -155,7 +169,7 @@ def _check_chunk(layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryvie
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
     # NOTE: last, so a frame of the wrong size is never hashed
-    if frames_checksum(bufs) != h.checksum:
+    if _checksum(bufs, native) != h.checksum:
         return "checksum mismatch"
     return ""
 

@@ -3,6 +3,10 @@
  *   pd_page_scatter_runs     a received chunk's rows, by prompt position, into the
  *                     request's pages (any alignment): one call per kind of a chunk
  *                     (transfer/validate.py)
+ *   pd_page_scatter_check + pd_page_scatter_layers     the same, its layers split
+ *                     over par.c's threads
+ *   pd_hash_frames    the frames' XXH3-64 hashes (the receiver's checksum), split the
+ *                     same way
  *
  * A page is pb bytes (page_size tokens of one layer's K or V). The pool is far larger
  * than the caches and is not read again until a decode step, so the stores bypass the
@@ -56,6 +60,63 @@ static int32_t pages_ok(const int64_t *pages, int64_t n, int64_t num_pages) {
     return 1;
 }
 
+/* The arguments of one chunk's scatter (pd_page_scatter_runs' parameters), so that its
+ * layers can go to par.c's threads (pd_page_scatter_layers): layers write disjoint pages. */
+typedef struct {
+    char *dst;
+    int64_t dst_ls, num_pages;
+    const int64_t *tpages;
+    int64_t n_tpages, ps, rb, t0;
+    const int64_t *runs;
+    int64_t n_runs;
+    const char *const *srcs;
+    int64_t layers;
+} ScatterArgs;
+
+/* 1 if every position of the chunk has a page in tpages and every such page is inside
+ * [0, num_pages): checked once, before any layer is written. */
+int pd_page_scatter_check(const ScatterArgs *a) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < a->n_runs; r++) {
+        if (a->runs[r] < 0) return 0;
+        total += a->runs[r];
+    }
+    if (a->t0 < 0 || a->ps < 1 || (total && (a->t0 + total - 1) / a->ps >= a->n_tpages)) return 0;
+    int64_t first = a->t0 / a->ps;
+    return !total || pages_ok(a->tpages + first, (a->t0 + total - 1) / a->ps - first + 1,
+                              a->num_pages);
+}
+
+static void scatter_layer(const ScatterArgs *a, int64_t l, int nt) {
+    int64_t p = a->t0, pb = a->ps * a->rb;
+    (void)nt; /* unused where the CPU has no non-temporal stores */
+    for (int64_t r = 0; r < a->n_runs; r++) {
+        const char *s = a->srcs[l * a->n_runs + r];
+        for (int64_t end = p + a->runs[r]; p < end;) {
+            int64_t row = p % a->ps, seg = a->ps - row < end - p ? a->ps - row : end - p;
+            char *d = a->dst + l * a->dst_ls + a->tpages[p / a->ps] * pb + row * a->rb;
+#ifdef NT_BYTES
+            if (nt) copy_nt(d, s, seg * a->rb);
+            else
+#endif
+                memcpy(d, s, (size_t)(seg * a->rb));
+            s += seg * a->rb;
+            p += seg;
+        }
+    }
+}
+
+/* par.c range function: layers [lo, hi) of a chunk pd_page_scatter_check accepted. */
+void pd_page_scatter_layers(const void *args, int64_t lo, int64_t hi) {
+    const ScatterArgs *a = args;
+    int nt = nt_ok(a->dst, a->dst_ls, a->rb); /* rows aligned: so is every page, whole or in part */
+    for (int64_t l = lo; l < hi; l++) scatter_layer(a, l, nt);
+#ifdef NT_BYTES
+    /* NOTE: streamed lines are weakly ordered; fenced before this thread reports done */
+    if (nt) _mm_sfence();
+#endif
+}
+
 /* The rows of prompt positions t .. t + runs[0] + runs[1] + ... (t = t0) of each layer,
  * run r of layer l from srcs[l * n_runs + r] (row j at j * rb), into the request's pages:
  * position p is row p % ps of page tpages[p / ps]. A page entered or left mid-way is
@@ -65,36 +126,27 @@ int pd_page_scatter_runs(char *dst, int64_t dst_ls, int64_t num_pages, const int
                          int64_t n_tpages, int64_t ps, int64_t rb, int64_t t0,
                          const int64_t *runs, int64_t n_runs, const char *const *srcs,
                          int64_t layers) {
-    int64_t total = 0;
-    for (int64_t r = 0; r < n_runs; r++) {
-        if (runs[r] < 0) return 1;
-        total += runs[r];
-    }
-    if (t0 < 0 || ps < 1 || (total && (t0 + total - 1) / ps >= n_tpages)) return 1;
-    if (total && !pages_ok(tpages + t0 / ps, (t0 + total - 1) / ps - t0 / ps + 1, num_pages))
-        return 1;
-    int64_t pb = ps * rb;
-    int nt = nt_ok(dst, dst_ls, rb); /* rows aligned: so is every page, whole or in part */
-    (void)nt; /* unused where the CPU has no non-temporal stores */
-    for (int64_t l = 0; l < layers; l++) {
-        int64_t p = t0;
-        for (int64_t r = 0; r < n_runs; r++) {
-            const char *s = srcs[l * n_runs + r];
-            for (int64_t end = p + runs[r]; p < end;) {
-                int64_t row = p % ps, seg = ps - row < end - p ? ps - row : end - p;
-                char *d = dst + l * dst_ls + tpages[p / ps] * pb + row * rb;
-#ifdef NT_BYTES
-                if (nt) copy_nt(d, s, seg * rb);
-                else
-#endif
-                    memcpy(d, s, (size_t)(seg * rb));
-                s += seg * rb;
-                p += seg;
-            }
-        }
-    }
-#ifdef NT_BYTES
-    if (nt) _mm_sfence(); /* NOTE: the streamed lines are visible to other threads after this */
-#endif
+    ScatterArgs a = {dst, dst_ls, num_pages, tpages, n_tpages, ps, rb, t0, runs, n_runs, srcs,
+                     layers};
+    if (!pd_page_scatter_check(&a)) return 1;
+    pd_page_scatter_layers(&a, 0, layers);
     return 0;
+}
+
+/* Frame hashes for the receiver's checksum (transfer/checksum.py), on par.c's threads:
+ * out[i] = hash(srcs[i], sizes[i]) for i in [lo, hi). `hash` is XXH3-64 as the xxhash
+ * package's own library exports it (kernels/page_copy.py finds it), so the values are
+ * the ones its Python API gives. */
+typedef uint64_t (*hash64_fn)(const void *, size_t);
+
+typedef struct {
+    const char *const *srcs;
+    const int64_t *sizes;
+    uint64_t *out;
+    hash64_fn hash;
+} HashArgs;
+
+void pd_hash_frames(const void *args, int64_t lo, int64_t hi) {
+    const HashArgs *a = args;
+    for (int64_t i = lo; i < hi; i++) a->out[i] = a->hash(a->srcs[i], (size_t)a->sizes[i]);
 }
