@@ -25,6 +25,8 @@ def par(tmp_path_factory) -> ctypes.CDLL:
     lib.pd_par_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.pd_par_run_chunks.restype = ctypes.c_int
     lib.pd_par_run_chunks.argtypes = [*lib.pd_par_run.argtypes, ctypes.c_int64]
+    lib.pd_par_run_chunks_spin.restype = ctypes.c_int
+    lib.pd_par_run_chunks_spin.argtypes = [*lib.pd_par_run_chunks.argtypes, ctypes.c_int64]
     return lib
 
 
@@ -34,7 +36,9 @@ def _visits(par: ctypes.CDLL, n: int, parts: int, grain: int = 0) -> tuple[list[
     out = (ctypes.c_int64 * max(n, 1))()
     arg = ctypes.c_void_p(ctypes.addressof(out))
     fn = ctypes.cast(par.pd_par_selftest, ctypes.c_void_p)
-    if grain:
+    if grain < 0:  # chunks of -grain, the workers sleeping as soon as they are done
+        on_workers = par.pd_par_run_chunks_spin(fn, ctypes.byref(arg), n, parts, -grain, 0)
+    elif grain:
         on_workers = par.pd_par_run_chunks(fn, ctypes.byref(arg), n, parts, grain)
     else:
         on_workers = par.pd_par_run(fn, ctypes.byref(arg), n, parts)
@@ -51,8 +55,10 @@ def test_every_index_runs_exactly_once(par, n, parts) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 1001])
 @pytest.mark.parametrize("parts", [1, 2, 8])
-@pytest.mark.parametrize("grain", [1, 3, 64, 5000])
+@pytest.mark.parametrize("grain", [1, 3, 64, 5000, -1, -3])
 def test_every_index_runs_exactly_once_in_chunks(par, n, parts, grain) -> None:
+    """grain < 0: chunks of -grain with no spin after them (Split.alone: every call finds
+    the workers asleep, each woken for its part or taken back)."""
     for _ in range(20):
         got, _ = _visits(par, n, parts, grain)
         assert got == [1] * n

@@ -118,24 +118,24 @@ class Split:
         lib = load("par", cache_dir)
         self._run: _CFn = None
         self._chunks: _CFn = None
+        self._brief: _CFn = None
         if lib is not None:
             self._run, self._chunks = lib.pd_par_run, lib.pd_par_run_chunks
-            self._run.restype = self._chunks.restype = ctypes.c_int
+            self._brief = lib.pd_par_run_chunks_spin
+            self._run.restype = self._chunks.restype = self._brief.restype = ctypes.c_int
             self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
             self._chunks.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64]
+            self._brief.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64, _i64]
 
     # threads for each call; None: the calling thread's torch threads. An engine sharing
     # its host's cores (kernels/core_share.py) sets CoreShare.kernel_threads here.
     budget: Callable[[], int] | None = None
 
-    def __call__(
-        self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0, threads: int = 0
-    ) -> None:
+    def __call__(self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0) -> None:
         """fn over [0, n): one near-equal range per thread, or (grain > 0) chunks of
         `grain` that the threads take in turn (par.c pd_par_run_chunks: a thread another
-        process preempts holds up only its chunk in progress). `threads` > 0: that many
-        threads, whatever the torch thread count or the budget say (the KV receiver)."""
-        want = threads or (torch.get_num_threads() if Split.budget is None else Split.budget())
+        process preempts holds up only its chunk in progress)."""
+        want = torch.get_num_threads() if Split.budget is None else Split.budget()
         parts = max(1, min(want, n))
         if self._run is None or parts == 1:
             fn(ctypes.byref(args), 0, n)
@@ -143,6 +143,16 @@ class Split:
             self._chunks(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts, grain)
         else:
             self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
+
+    def alone(self, fn: _CFn, args: ctypes.Structure, n: int, threads: int) -> None:
+        """fn over [0, n) one index at a time, taken in turn by `threads` threads, for a
+        call that comes alone (the KV receiver's chunks): the workers sleep as soon as it
+        is done, where a step's kernels keep them spinning for the next one; a spinning
+        worker between two chunks takes a core from the socket I/O threads."""
+        if self._brief is None or threads < 2 or n < 2:
+            fn(ctypes.byref(args), 0, n)
+        else:
+            self._brief(ctypes.cast(fn, _ptr), ctypes.byref(args), n, threads, 1, 0)
 
 
 def range_fn(lib: ctypes.CDLL, name: str) -> _CFn:

@@ -153,10 +153,10 @@ class PageCopy:
         return list(out)
 
     def _run(self, fn: Any, args: ctypes.Structure, n: int) -> None:
-        if self._split is None or self._threads < 2 or n < 2:
+        if self._split is None:
             fn(ctypes.byref(args), 0, n)
         else:
-            self._split(fn, args, n, grain=1, threads=self._threads)
+            self._split.alone(fn, args, n, self._threads)
 
 
 def page_copy(cache_dir: Path, threads: int = 1) -> PageCopy | None:

@@ -6,7 +6,9 @@
  * ~100 us a call, more than a small projection's whole work on one core. Here a worker
  * spins (pause) for SPIN_NS after each part, so the next call of the same step finds it
  * awake (~1 us a hand-off); past that it sleeps on its condition variable, so an idle
- * engine burns nothing.
+ * engine burns nothing. A caller whose calls come alone (the KV receiver: one chunk, then
+ * socket I/O for a millisecond) asks for no spin (pd_par_run_chunks_spin with 0): there
+ * a spinning worker would take a core from the threads moving the bytes.
  *
  * Protocol, per worker w: one ticket, odd = a part offered, even = taken.
  *     caller: mailbox[w] = (fn, args, lo, hi); ticket = 2j+1 (release); wake w if asleep
@@ -46,6 +48,7 @@ typedef void (*range_fn)(const void *args, int64_t lo, int64_t hi);
 typedef struct {
     _Atomic uint64_t ticket, done;
     _Atomic int asleep;
+    _Atomic int64_t spin_ns; /* how long to spin after the part being run (offer's caller) */
     range_fn fn;
     const void *args;
     int64_t lo, hi;
@@ -75,7 +78,7 @@ static int take(Worker *w, uint64_t *t) {
 }
 
 static void wait_for_offer(Worker *w) {
-    int64_t until = now_ns() + SPIN_NS;
+    int64_t until = now_ns() + atomic_load_explicit(&w->spin_ns, memory_order_relaxed);
     for (int i = 0; !(atomic_load(&w->ticket) & 1); i++) {
         PAUSE();
         if ((i & 63) == 63 && now_ns() > until) {
@@ -116,6 +119,7 @@ static int start_workers(int want) { /* caller holds owner; returns min(want, ru
         atomic_store(&w->ticket, 0);
         atomic_store(&w->done, 0);
         atomic_store(&w->asleep, 0);
+        atomic_store(&w->spin_ns, SPIN_NS);
         pthread_mutex_init(&w->mu, 0);
         pthread_cond_init(&w->cv, 0);
         pthread_t t;
@@ -130,7 +134,9 @@ static int start_workers(int want) { /* caller holds owner; returns min(want, ru
     return started < want ? started : want;
 }
 
-static void offer(Worker *w, range_fn fn, const void *args, int64_t lo, int64_t hi) {
+static void offer(Worker *w, range_fn fn, const void *args, int64_t lo, int64_t hi,
+                  int64_t spin_ns) {
+    atomic_store_explicit(&w->spin_ns, spin_ns, memory_order_relaxed);
     w->fn = fn;
     w->args = args;
     w->lo = lo;
@@ -178,7 +184,7 @@ int pd_par_run(range_fn fn, const void *args, int64_t n, int parts) {
     int helpers = start_workers(parts - 1);
     parts = helpers + 1;
     for (int i = 0; i < helpers; i++)
-        offer(&workers[i], fn, args, n * (i + 1) / parts, n * (i + 2) / parts);
+        offer(&workers[i], fn, args, n * (i + 1) / parts, n * (i + 2) / parts, SPIN_NS);
     fn(args, 0, n / parts);
     int on_workers = join(helpers, 1);
     pthread_mutex_unlock(&owner);
@@ -219,8 +225,12 @@ static void drain_chunks(const void *arg, int64_t lo, int64_t hi) {
 }
 
 /* fn(args, lo, hi) over [0, n) in chunks of `grain`, on up to `parts` threads; returns
- * when all ran. Returns the number of workers that took part (0: all on this thread). */
-int pd_par_run_chunks(range_fn fn, const void *args, int64_t n, int parts, int64_t grain) {
+ * when all ran. Returns the number of workers that took part (0: all on this thread).
+ * A worker that took part spins `spin_ns` afterwards (pd_par_run_chunks: SPIN_NS, for
+ * the next kernel of a step), then sleeps: 0 for a call that comes alone (the KV
+ * receiver's, between which a spinning worker would take a core from the socket I/O). */
+int pd_par_run_chunks_spin(range_fn fn, const void *args, int64_t n, int parts, int64_t grain,
+                           int64_t spin_ns) {
     if (grain < 1) grain = 1;
     int64_t chunks = (n + grain - 1) / grain;
     if (parts > chunks) parts = (int)chunks;
@@ -235,11 +245,15 @@ int pd_par_run_chunks(range_fn fn, const void *args, int64_t n, int parts, int64
     drain.n = n;
     drain.grain = grain;
     atomic_store(&drain.next, 0);
-    for (int i = 0; i < helpers; i++) offer(&workers[i], drain_chunks, &drain, 0, 0);
+    for (int i = 0; i < helpers; i++) offer(&workers[i], drain_chunks, &drain, 0, 0, spin_ns);
     drain_chunks(&drain, 0, 0);
     int on_workers = join(helpers, 0); /* a part not started has nothing left to take */
     pthread_mutex_unlock(&owner);
     return on_workers;
+}
+
+int pd_par_run_chunks(range_fn fn, const void *args, int64_t n, int parts, int64_t grain) {
+    return pd_par_run_chunks_spin(fn, args, n, parts, grain, SPIN_NS);
 }
 
 /* Tests: out[i] += 1 for i in [lo, hi) (each index must be visited exactly once). */
