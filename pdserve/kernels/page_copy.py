@@ -18,8 +18,8 @@ the decode's KVReceiver uses two where it has two cores. A chunk is hashed, comp
 and only then written (transfer/validate.py), so the last chunk's hash and write are
 the tail of a transfer, after its last byte arrived, while the other core idles.
 1k-token transfers (a throwaway harness taking turns per transfer in one process pair,
-three runs): 2.58 / 2.49 / 2.60 GB/s on two threads against 2.45 / 2.36 / 2.63 with
-Python's xxhash and one thread.
+three runs; docs/benchmarks.md, twenty-eighth round): 2.21 / 2.53 / 2.68 GB/s on two
+threads against 2.14 / 2.41 / 2.46 with Python's xxhash and one thread.
 
 Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
 fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB

@@ -54,9 +54,11 @@ class KVReceiver:
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
     ) -> None:
-        """`native_scatter`: write whole pages with the native scatter, built (once per
-        machine, about a second) and loaded here at start-up, never inside a transfer;
-        None where no C compiler is. False: numpy's assignment (--disable-compile)."""
+        """`native_scatter`: write whole pages with the native scatter, and hash chunks
+        from C, on two threads where this process has two cores (kernels/page_copy.py),
+        built (once per machine, about a second) and loaded here at start-up, never
+        inside a transfer; None where no C compiler is. False: numpy's assignment and
+        Python's xxhash (--disable-compile)."""
         self.layout = layout
         threads = min(2, len(os.sched_getaffinity(0)))
         self._page_copy = page_copy(cache_root(), threads) if native_scatter else None
