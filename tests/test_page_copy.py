@@ -256,3 +256,24 @@ def test_native_checksum_refuses_a_flipped_byte(two_threads) -> None:
         bad[len(bad) // 3] ^= 1
         frames = [*bufs[:i], memoryview(bytes(bad)), *bufs[i + 1 :]]
         assert check_chunk(lay, x, hdr, frames, two_threads) == "checksum mismatch"
+
+
+def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) -> None:
+    """An xxhash build that exports no XXH3-64: frame_hashes says so and check_chunk
+    hashes in Python, refusing a flipped byte all the same."""
+    from pdserve.transfer.loopback import make_req, random_pool, reserve
+    from pdserve.transfer.validate import Transfer, check_chunk
+
+    kernel = page_copy(tmp_path, threads=2)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(kernel, "_xxh3", None)
+    lay, hdr, bufs = _chunk_case("k", (1, 3), (5, 18), [])
+    assert kernel.frame_hashes(bufs) is None
+    pool = random_pool(lay, 64, seed=0)
+    _, slots = reserve(pool, 37, seed=1)
+    x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+    assert check_chunk(lay, x, hdr, bufs, kernel) == ""
+    bad = bytearray(bufs[0])
+    bad[-1] ^= 0x80
+    assert check_chunk(lay, x, hdr, [memoryview(bytes(bad))], kernel) == "checksum mismatch"
