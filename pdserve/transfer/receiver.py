@@ -37,6 +37,13 @@ from pdserve.transfer.validate import PoolPages, Transfer, check_chunk, check_do
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
 
+def _cores() -> int:
+    """The cores this process may run on (all of the machine's where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class KVReceiver:
     """`KVSource` over ZeroMQ. expect/cancel/poll are called from one engine thread."""
 
@@ -60,8 +67,7 @@ class KVReceiver:
         inside a transfer; None where no C compiler is. False: numpy's assignment and
         Python's xxhash (--disable-compile)."""
         self.layout = layout
-        threads = min(2, len(os.sched_getaffinity(0)))
-        self._page_copy = page_copy(cache_root(), threads) if native_scatter else None
+        self._page_copy = page_copy(cache_root(), min(2, _cores())) if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
