@@ -90,7 +90,7 @@ class PageCopy:
     """`threads` > 1 (and `split`): a chunk's layers, and its frames' hashes, go to that
     many of par.c's threads (work taken in turns: a thread that is not running is never
     waited for). The receiver's last chunk is hashed and written while the other core
-    idles; with one thread that tail was a third of a 1k-token transfer."""
+    idles; with one thread that tail was about a fifth of a 1k-token transfer."""
 
     def __init__(self, lib: ctypes.CDLL, split: Split | None = None, threads: int = 1) -> None:
         self._split, self._threads = split, threads if split is not None else 1
@@ -137,7 +137,8 @@ class PageCopy:
 
     def frame_hashes(self, frames: Sequence[Any]) -> list[int] | None:
         """checksum.frame_hash of each frame, on this kernel's threads; None where the
-        xxhash library exports no XXH3_64bits (the caller hashes in Python)."""
+        xxhash library exports no XXH3-64 or a frame is not contiguous (the caller then
+        hashes in Python)."""
         if self._xxh3 is None:
             return None
         views = [memoryview(f) for f in frames]
