@@ -191,7 +191,7 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
 @pytest.fixture(scope="module")
 def two_threads(tmp_path_factory) -> PageCopy:
     """The native build, its work split over two of par.c's threads (the receiver's)."""
-    kernel = page_copy(tmp_path_factory.mktemp("pc2"), threads=2)
+    kernel = page_copy(tmp_path_factory.mktemp("pc2"), split=True, threads=2)
     if kernel is None:
         pytest.skip("no C compiler")
     return kernel
@@ -227,7 +227,7 @@ def test_frame_hashes_are_the_python_checksums(tmp_path, threads) -> None:
     kind of buffer a frame arrives as, empty ones included."""
     from pdserve.transfer.checksum import frame_hash
 
-    kernel = page_copy(tmp_path, threads=threads)
+    kernel = page_copy(tmp_path, split=threads > 1, threads=threads)
     if kernel is None:
         pytest.skip("no C compiler")
     g = np.random.default_rng(5)
@@ -264,7 +264,7 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
     from pdserve.transfer.loopback import make_req, random_pool, reserve
     from pdserve.transfer.validate import Transfer, check_chunk
 
-    kernel = page_copy(tmp_path, threads=2)
+    kernel = page_copy(tmp_path, split=True, threads=2)
     if kernel is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(kernel, "_xxh3", None)

@@ -135,8 +135,7 @@ class Split:
         """fn over [0, n): one near-equal range per thread, or (grain > 0) chunks of
         `grain` that the threads take in turn (par.c pd_par_run_chunks: a thread another
         process preempts holds up only its chunk in progress)."""
-        want = torch.get_num_threads() if Split.budget is None else Split.budget()
-        parts = max(1, min(want, n))
+        parts = max(1, min(self.threads(), n))
         if self._run is None or parts == 1:
             fn(ctypes.byref(args), 0, n)
         elif grain > 0:
@@ -144,15 +143,23 @@ class Split:
         else:
             self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
 
-    def alone(self, fn: _CFn, args: ctypes.Structure, n: int, threads: int) -> None:
-        """fn over [0, n) one index at a time, taken in turn by `threads` threads, for a
-        call that comes alone (the KV receiver's chunks): the workers sleep as soon as it
-        is done, where a step's kernels keep them spinning for the next one; a spinning
-        worker between two chunks takes a core from the socket I/O threads."""
-        if self._brief is None or threads < 2 or n < 2:
+    @staticmethod
+    def threads() -> int:
+        """Threads a call may use now: the budget's, else this process's torch threads
+        (--num-threads)."""
+        return torch.get_num_threads() if Split.budget is None else Split.budget()
+
+    def alone(self, fn: _CFn, args: ctypes.Structure, n: int, threads: int = 0) -> None:
+        """fn over [0, n) one index at a time, taken in turn by `threads` threads (0: as
+        many as a kernel call, `threads()`), for a call that comes alone (the KV
+        receiver's chunks): the workers sleep as soon as it is done, where a step's
+        kernels keep them spinning for the next one; a spinning worker between two
+        chunks takes a core from the socket I/O threads."""
+        parts = min(threads or self.threads(), n)
+        if self._brief is None or parts < 2:
             fn(ctypes.byref(args), 0, n)
         else:
-            self._brief(ctypes.cast(fn, _ptr), ctypes.byref(args), n, threads, 1, 0)
+            self._brief(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts, 1, 0)
 
 
 def range_fn(lib: ctypes.CDLL, name: str) -> _CFn:

@@ -13,8 +13,9 @@
     frame_hashes(frames)  ->  [XXH3-64 of each frame]   (the receiver's checksum,
         transfer/checksum.py), through the xxhash package's own library
 
-Both split their work (layers, frames) over par.c's threads when made with threads > 1:
-the decode's KVReceiver uses two where it has two cores. A chunk is hashed, compared
+Both split their work (layers, frames) over par.c's threads when made with a Split: as
+many as the engine's kernels may use (Split.threads: --num-threads, or the share of a
+host's cores that kernels/core_share.py gives), as the decode's KVReceiver does. A chunk is hashed, compared
 and only then written (transfer/validate.py), so the last chunk's hash and write are
 the tail of a transfer, after its last byte arrived, while the other core idles.
 1k-token transfers (a throwaway harness taking turns per transfer in one process pair,
@@ -87,13 +88,14 @@ def xxh3_address() -> int | None:
 
 
 class PageCopy:
-    """`threads` > 1 (and `split`): a chunk's layers, and its frames' hashes, go to that
-    many of par.c's threads (work taken in turns: a thread that is not running is never
-    waited for). The receiver's last chunk is hashed and written while the other core
-    idles; with one thread that tail was about a fifth of a 1k-token transfer."""
+    """With `split`: a chunk's layers, and its frames' hashes, go to par.c's threads (as
+    many as Split.threads says, or `threads` where > 0; work taken in turns: a thread that
+    is not running is never waited for). The receiver's last chunk is hashed and written
+    while the other core idles; with one thread that tail was about a fifth of a
+    1k-token transfer."""
 
-    def __init__(self, lib: ctypes.CDLL, split: Split | None = None, threads: int = 1) -> None:
-        self._split, self._threads = split, threads if split is not None else 1
+    def __init__(self, lib: ctypes.CDLL, split: Split | None = None, threads: int = 0) -> None:
+        self._split, self._threads = split, threads
         self._check = lib.pd_page_scatter_check
         self._check.restype, self._check.argtypes = ctypes.c_int, [_ptr]
         self._layers = range_fn(lib, "pd_page_scatter_layers")
@@ -160,10 +162,10 @@ class PageCopy:
             self._split.alone(fn, args, n, self._threads)
 
 
-def page_copy(cache_dir: Path, threads: int = 1) -> PageCopy | None:
+def page_copy(cache_dir: Path, split: bool = False, threads: int = 0) -> PageCopy | None:
     """The native scatter, built and loaded once per process (None without a C
-    compiler); `threads` > 1: split over par.c's workers (PageCopy)."""
+    compiler); `split`: over par.c's workers (PageCopy)."""
     lib = load("page_copy", cache_dir)
     if lib is None:
         return None
-    return PageCopy(lib, Split(cache_dir) if threads > 1 else None, threads)
+    return PageCopy(lib, Split(cache_dir) if split else None, threads)

@@ -5,8 +5,8 @@
 XXH3 (the `xxhash` package) runs at 10-25 GB/s per core here, several times loopback
 TCP (zlib.crc32, the previous checksum, ran at about 1-2 GB/s and was the bottleneck).
 The sender hashes on its I/O thread, mostly before the decode's Ready comes
-(transfer/push.py). The receiver hashes a chunk's frames on two threads where it has
-two cores (kernels/page_copy.py frame_hashes: the same XXH3-64, called from C), since a
+(transfer/push.py). The receiver hashes a chunk's frames on the engine's kernel threads
+(kernels/page_copy.py frame_hashes: the same XXH3-64, called from C), since a
 chunk is hashed before it is written and the last chunk's hash is on the transfer's tail.
 Non-cryptographic: it catches corruption, not forgery (CURVE authenticates the peer).
 """

@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -35,13 +34,6 @@ from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
 from pdserve.transfer.validate import PoolPages, Transfer, check_chunk, check_done, write_chunk
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
-
-
-def _cores() -> int:
-    """The cores this process may run on (all of the machine's where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class KVReceiver:
@@ -62,12 +54,12 @@ class KVReceiver:
         native_scatter: bool = True,
     ) -> None:
         """`native_scatter`: write whole pages with the native scatter, and hash chunks
-        from C, on two threads where this process has two cores (kernels/page_copy.py),
+        from C, on as many threads as the engine's kernels use (kernels/page_copy.py),
         built (once per machine, about a second) and loaded here at start-up, never
         inside a transfer; None where no C compiler is. False: numpy's assignment and
         Python's xxhash (--disable-compile)."""
         self.layout = layout
-        self._page_copy = page_copy(cache_root(), min(2, _cores())) if native_scatter else None
+        self._page_copy = page_copy(cache_root(), split=True) if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s

@@ -7,8 +7,8 @@ a chunk overlapping cells already received is refused before writing).
 
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
-native call (kernels/page_copy.py scatter_runs: its layers on two threads where the
-decode has two cores, as the chunk's frames are hashed), with its pages looked up once per
+native call (kernels/page_copy.py scatter_runs: its layers on the engine's kernel
+threads, as the chunk's frames are hashed), with its pages looked up once per
 transfer (`Transfer.arm`: on the I/O thread right after the Ready is sent, while the
 prefill's answer is on its way); elsewhere (other slots, no C compiler, --disable-compile)
 by numpy's assignment (staging.py), or by index_copy_ on a GPU pool.

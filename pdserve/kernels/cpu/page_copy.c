@@ -1,10 +1,9 @@
 /* Page copies between a received KV frame and the pool (the decode side's scatter).
  *
- *   pd_page_scatter_runs     a received chunk's rows, by prompt position, into the
- *                     request's pages (any alignment): one call per kind of a chunk
- *                     (transfer/validate.py)
- *   pd_page_scatter_check + pd_page_scatter_layers     the same, its layers split
- *                     over par.c's threads
+ *   pd_page_scatter_check, then pd_page_scatter_layers     a received chunk's rows,
+ *                     by prompt position, into the request's pages (any alignment): one
+ *                     call per kind of a chunk (transfer/validate.py), its layers a par.c
+ *                     range function (kernels/page_copy.py scatter_runs)
  *   pd_hash_frames    the frames' XXH3-64 hashes (the receiver's checksum), split the
  *                     same way
  *
@@ -60,8 +59,11 @@ static int32_t pages_ok(const int64_t *pages, int64_t n, int64_t num_pages) {
     return 1;
 }
 
-/* The arguments of one chunk's scatter (pd_page_scatter_runs' parameters), so that its
- * layers can go to par.c's threads (pd_page_scatter_layers): layers write disjoint pages. */
+/* One chunk's scatter: the rows of prompt positions t0 .. t0 + runs[0] + runs[1] + ...
+ * of each layer, run r of layer l from srcs[l * n_runs + r] (row j at j * rb), into the
+ * request's pages: position p is row p % ps of page tpages[p / ps] of dst's layer l (a
+ * page entered or left mid-way is written in part). Layers write disjoint pages, so they
+ * go to par.c's threads (pd_page_scatter_layers). */
 typedef struct {
     char *dst;
     int64_t dst_ls, num_pages;
@@ -74,7 +76,8 @@ typedef struct {
 } ScatterArgs;
 
 /* 1 if every position of the chunk has a page in tpages and every such page is inside
- * [0, num_pages): checked once, before any layer is written. */
+ * [0, num_pages); 0 (the caller writes nothing) otherwise. Checked once, before any
+ * layer is written. */
 int pd_page_scatter_check(const ScatterArgs *a) {
     int64_t total = 0;
     for (int64_t r = 0; r < a->n_runs; r++) {
@@ -115,22 +118,6 @@ void pd_page_scatter_layers(const void *args, int64_t lo, int64_t hi) {
     /* NOTE: streamed lines are weakly ordered; fenced before this thread reports done */
     if (nt) _mm_sfence();
 #endif
-}
-
-/* The rows of prompt positions t .. t + runs[0] + runs[1] + ... (t = t0) of each layer,
- * run r of layer l from srcs[l * n_runs + r] (row j at j * rb), into the request's pages:
- * position p is row p % ps of page tpages[p / ps]. A page entered or left mid-way is
- * written in part. 1 (nothing written) when a position has no page in tpages or a page
- * is outside [0, num_pages). */
-int pd_page_scatter_runs(char *dst, int64_t dst_ls, int64_t num_pages, const int64_t *tpages,
-                         int64_t n_tpages, int64_t ps, int64_t rb, int64_t t0,
-                         const int64_t *runs, int64_t n_runs, const char *const *srcs,
-                         int64_t layers) {
-    ScatterArgs a = {dst, dst_ls, num_pages, tpages, n_tpages, ps, rb, t0, runs, n_runs, srcs,
-                     layers};
-    if (!pd_page_scatter_check(&a)) return 1;
-    pd_page_scatter_layers(&a, 0, layers);
-    return 0;
 }
 
 /* Frame hashes for the receiver's checksum (transfer/checksum.py), on par.c's threads:
