@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from pdserve.config import ROUTER_POLICIES
-from pdserve.envs import ENV, engine_env
+from pdserve.envs import ENV
 from pdserve.server.launch_children import (
     Child,
     free_port,
@@ -112,10 +112,10 @@ def _decode_nice(engine_args: list[str], prefills: int) -> list[str]:
 
 
 def child_env(base: Mapping[str, str], api_key: str | None) -> dict[str, str]:
-    """The children's environment. Engines on one host share its cores, so OpenMP
-    threads sleep when their parallel region ends instead of spinning for milliseconds
-    on a core the other engine needs (envs.engine_env; a value the user set wins)."""
-    env = engine_env(base)
+    """The children's environment: `base`, and the API key. (The engines these servers
+    start get their OpenMP policy where every engine gets it: envs.engine_env, in
+    server/engine_client.py.)"""
+    env = dict(base)
     if api_key:
         env[ENV.API_KEY.name] = api_key
     return env
