@@ -22,7 +22,8 @@ The same transfer runs again with CURVE on (encryption + authentication).
 
 Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
 divided by the wall time of all its transfers. Sender: gather, checksum, send (incl.
-waiting for a free staging buffer); receiver: receive, verify, scatter. The sides
+waiting for a free staging buffer; a piece gathered by the native kernel is hashed
+inside its gather); receiver: receive, verify, scatter. The sides
 run concurrently, so shares of different stages overlap; the rest is idle time.
 CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
 ZeroMQ's; on a machine shared with other work it varies less than the wall time.

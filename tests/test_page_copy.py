@@ -277,3 +277,82 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
     bad = bytearray(bufs[0])
     bad[-1] ^= 0x80
     assert check_chunk(lay, x, hdr, [memoryview(bytes(bad))], kernel) == "checksum mismatch"
+
+
+def _gather_want(pool, tpages, ps, rb, t0, runs):
+    """gather_runs by plain indexing: each (layer, run) frame's rows, a position at a
+    time."""
+    frames = []
+    for layer in range(pool.shape[0]):
+        p = t0
+        for count in runs:
+            rows = []
+            for _ in range(count):
+                page, off = tpages[p // ps], (p % ps) * rb
+                rows.append(pool[layer, page, off : off + rb])
+                p += 1
+            frames.append(np.concatenate(rows).tobytes())
+    return frames
+
+
+@pytest.mark.parametrize("t0, runs", RUNS)
+def test_gather_reads_what_indexing_reads(kernel, t0, runs) -> None:
+    """The prefill's page gather (every build: its copies are plain memcpy either way)
+    fills each frame with the rows plain indexing reads, and leaves the pool as it was."""
+    ps, rb = 4, 64
+    _, pool, tpages = _runs_case(ps, rb, seed=t0 * 7 + len(runs))
+    before = pool.copy()
+    frames = [bytearray(count * rb) for _ in range(3) for count in runs]
+    kernel.gather_runs(pool, tpages, ps, t0, runs, frames)
+    assert [bytes(f) for f in frames] == _gather_want(pool, tpages, ps, rb, t0, runs)
+    assert np.array_equal(pool, before)
+
+
+@pytest.mark.parametrize("t0, runs", RUNS)
+def test_two_threads_gather_and_hash_each_frame(two_threads, t0, runs) -> None:
+    """Layers split over two threads: the same bytes, and each frame's hash is the
+    xxhash package's over what it holds (the sender's checksum of it)."""
+    from pdserve.transfer.checksum import frame_hash
+
+    ps, rb = 4, 64
+    _, pool, tpages = _runs_case(ps, rb, seed=t0 + 3 * len(runs))
+    want = _gather_want(pool, tpages, ps, rb, t0, runs)
+    for _ in range(20):  # workers asleep, spinning, or not started
+        frames = [np.zeros(count * rb, np.uint8) for _ in range(3) for count in runs]
+        hashes = two_threads.gather_runs(pool, tpages, ps, t0, runs, frames)
+        assert [f.tobytes() for f in frames] == want
+        if hashes is not None:
+            assert hashes == [frame_hash(w) for w in want]
+
+
+def test_gather_refuses_before_copying(two_threads) -> None:
+    """Positions past the request's pages, a page outside the pool, a frame of the
+    wrong size or a read-only one: refused, and no frame is touched."""
+    ps, rb = 4, 64
+    _, pool, tpages = _runs_case(ps, rb, seed=4)
+    frames = [np.full(3 * rb, 9, np.uint8) for _ in range(3)]
+    with pytest.raises(ValueError, match="outside"):
+        two_threads.gather_runs(pool, tpages, ps, 5 * ps - 2, [3], frames)
+    bad = tpages.copy()
+    bad[1] = 12
+    with pytest.raises(ValueError, match="outside"):
+        two_threads.gather_runs(pool, bad, ps, 2, [3], frames)
+    with pytest.raises(ValueError):
+        two_threads.gather_runs(pool, tpages, ps, 0, [3], [*frames[:2], np.zeros(2 * rb, np.uint8)])
+    with pytest.raises(ValueError, match="read-only"):
+        two_threads.gather_runs(pool, tpages, ps, 0, [3], [*frames[:2], bytes(3 * rb)])
+    assert all((f == 9).all() for f in frames)
+
+
+def test_gather_without_the_c_hash_still_gathers(tmp_path, monkeypatch) -> None:
+    """An xxhash build that exports no XXH3-64: the frames are filled and no hashes
+    come back (the sender then hashes them in Python)."""
+    kernel = page_copy(tmp_path, split=True, threads=2)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(kernel, "_xxh3", None)
+    ps, rb = 4, 64
+    _, pool, tpages = _runs_case(ps, rb, seed=6)
+    frames = [np.zeros(9 * rb, np.uint8) for _ in range(3)]
+    assert kernel.gather_runs(pool, tpages, ps, 2, [9], frames) is None
+    assert [f.tobytes() for f in frames] == _gather_want(pool, tpages, ps, rb, 2, [9])

@@ -69,7 +69,7 @@ def test_pool_pages_made_once_per_pool_and_again_for_new_tensors() -> None:
     """The receiver's page views of a pool are reused while its K and V are the same
     tensors, and write into them; a pool given new tensors gets new views."""
     from pdserve.kvcache.pools import KVLayout, KVPool
-    from pdserve.transfer.validate import PoolPages
+    from pdserve.transfer.staging import PoolPages
 
     lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
     pool, cache = KVPool(lay, 6), PoolPages()

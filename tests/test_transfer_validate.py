@@ -259,3 +259,59 @@ def test_bad_runs_refused_before_write(rig, runs, frames_fix, reason) -> None:
     assert fake.push is not None
     fake.push.send(hdr, frames)
     assert_refused(fake, rx, pool, reason)
+
+
+def test_runs_packed_in_one_frame_written_where_they_belong(rig) -> None:
+    """A gathered piece's kind comes as one frame holding its (layer, run) segments one
+    after another (messages.py): written exactly as the same segments sent one frame
+    each, under the same checksum."""
+    fake, rx, pool, ready = rig
+    hdr, frames = runs_chunk(ready, [3, 7])
+    assert fake.push is not None
+    fake.push.send(hdr, [b"".join(frames)])
+    _, slots = reserve(random_pool(LAYOUT, 64, 3), N, 3)  # the rig's reservation again
+    want = [
+        torch.tensor(np.frombuffer(frames[2 * i] + frames[2 * i + 1], dtype=np.float32))
+        for i in range(LAYOUT.num_layers)
+    ]
+    written = lambda: all(  # noqa: E731
+        torch.equal(pool.k[i, slots].reshape(-1), w) for i, w in enumerate(want)
+    )
+    assert wait_until(written, 3)
+    assert rx.active_rooms() == {11}  # V still to come
+
+
+@pytest.mark.parametrize("fix, reason", [("short", "payload frames"), ("flip", "checksum")])
+def test_bad_packed_runs_refused_before_write(rig, fix, reason) -> None:
+    """A packed frame a byte short is not cut into segments (refused by its frame
+    count); a flipped byte in it fails the segments' checksum."""
+    fake, rx, pool, ready = rig
+    hdr, frames = runs_chunk(ready, [3, 7])
+    packed = bytearray(b"".join(frames))
+    if fix == "short":
+        packed = packed[:-1]
+    else:
+        packed[len(packed) // 2] ^= 1
+    assert fake.push is not None
+    fake.push.send(hdr, [bytes(packed)])
+    assert_refused(fake, rx, pool, reason)
+
+
+def test_segments_cut_only_a_whole_packed_frame() -> None:
+    """validate.segments: views of the packed frame's segments (no copy), and anything
+    else as it came."""
+    from pdserve.transfer.validate import segments
+
+    ready = Ready(
+        room=1, session=2, data_endpoint="tcp://x", layout="", num_tokens=N, decode_id="d"
+    )
+    hdr, frames = runs_chunk(ready, [3, 7])
+    packed = memoryview(b"".join(frames))
+    cut = segments(LAYOUT, hdr, [packed])
+    assert [bytes(c) for c in cut] == frames
+    assert all(c.obj is packed.obj for c in cut)
+    as_sent = [memoryview(f) for f in frames]
+    assert segments(LAYOUT, hdr, as_sent) is as_sent
+    assert segments(LAYOUT, hdr, [packed[:-1]])[0].nbytes == packed.nbytes - 1
+    whole = KVChunk(**{**_fields(hdr), "runs": []})
+    assert segments(LAYOUT, whole, [packed]) == [packed]

@@ -1,4 +1,4 @@
-"""kernels/cpu/page_copy.c: KV pages from a received frame into the pool (decode side).
+"""kernels/cpu/page_copy.c: KV pages between a pool and a chunk's frames, both sides.
 
     scatter_runs(dst, tpages, P, t0, runs, srcs)
         dst    uint8 [L, num_pages, page bytes]: the pool's K or V, a page per row
@@ -10,13 +10,20 @@
         One call writes a whole received chunk of one kind, pages entered or left
         mid-way included (transfer/validate.py).
 
+    gather_runs(src, tpages, P, t0, runs, frames)  ->  [XXH3-64 of each frame]
+        The inverse, on the prefill: a piece's rows out of the request's pages into
+        its frames (writable, one per layer and run), each frame hashed while it is
+        still in the cache of the core that filled it (transfer/push.py, a piece whose
+        pages are scattered over the pool).
+
     frame_hashes(frames)  ->  [XXH3-64 of each frame]   (the receiver's checksum,
         transfer/checksum.py), through the xxhash package's own library
 
-Both split their work (layers, frames) over par.c's threads when made with a Split: as
-many as the engine's kernels may use (Split.threads: --num-threads, or the share of a
-host's cores that kernels/core_share.py gives), as the decode's KVReceiver does. A chunk is hashed, compared
-and only then written (transfer/validate.py), so the last chunk's hash and write are
+All three split their work (layers, frames) over par.c's threads when made with a
+Split: as many as the engine's kernels may use (Split.threads: --num-threads, or the
+share of a host's cores that kernels/core_share.py gives), as the KVReceiver and the
+KVSender do (a call that finds the threads busy with a forward runs on its own thread).
+A chunk is hashed, compared and only then written (transfer/validate.py), so the last chunk's hash and write are
 the tail of a transfer, after its last byte arrived, while the other core idles.
 1k-token transfers (a throwaway harness taking turns per transfer in one process pair,
 three runs; docs/benchmarks.md, twenty-eighth round): 2.21 / 2.53 / 2.68 GB/s on two
@@ -59,10 +66,11 @@ def _address(buf: Any) -> int:
         return int(np.frombuffer(buf, np.uint8).ctypes.data)
 
 
-class ScatterArgs(ctypes.Structure):  # page_copy.c ScatterArgs
-    _fields_ = [("dst", _ptr), ("dst_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
+class PageRuns(ctypes.Structure):  # page_copy.c PageRuns
+    _fields_ = [("pool", _ptr), ("pool_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
                 ("n_tpages", _i64), ("ps", _i64), ("rb", _i64), ("t0", _i64), ("runs", _ptr),
-                ("n_runs", _i64), ("srcs", _ptr), ("layers", _i64)]  # fmt: skip
+                ("n_runs", _i64), ("frames", _ptr), ("layers", _i64), ("hashes", _ptr),
+                ("hash", _ptr)]  # fmt: skip
 
 
 class HashArgs(ctypes.Structure):  # page_copy.c HashArgs
@@ -88,17 +96,18 @@ def xxh3_address() -> int | None:
 
 
 class PageCopy:
-    """With `split`: a chunk's layers, and its frames' hashes, go to par.c's threads (as
-    many as Split.threads says, or `threads` where > 0; work taken in turns: a thread that
-    is not running is never waited for). The receiver's last chunk is hashed and written
+    """With `split`: a chunk's layers (scatter, gather), and its frames' hashes, go to
+    par.c's threads (as many as Split.threads says, or `threads` where > 0; work taken in
+    turns: a thread that is not running is never waited for). The receiver's last chunk is hashed and written
     while the other core idles; with one thread that tail was about a fifth of a
     1k-token transfer."""
 
     def __init__(self, lib: ctypes.CDLL, split: Split | None = None, threads: int = 0) -> None:
         self._split, self._threads = split, threads
-        self._check = lib.pd_page_scatter_check
+        self._check = lib.pd_page_runs_check
         self._check.restype, self._check.argtypes = ctypes.c_int, [_ptr]
-        self._layers = range_fn(lib, "pd_page_scatter_layers")
+        self._scatter = range_fn(lib, "pd_page_scatter_layers")
+        self._gather = range_fn(lib, "pd_page_gather_layers")
         self._hash_frames = range_fn(lib, "pd_hash_frames")
         self._xxh3 = xxh3_address()
 
@@ -114,28 +123,66 @@ class PageCopy:
         """See the module docstring. Checks what the C code trusts: the destination's
         layout, each source's size and contiguity; the C code checks the positions and
         pages before it writes anything."""
-        layers, num_pages, pb = dst.shape if dst.ndim == 3 else (0, 0, -1)
+        if not dst.flags.writeable:
+            raise ValueError("page_copy: the pool is read-only")
+        args, _alive = self._page_runs(dst, tpages, page_size, t0, runs, srcs)
+        self._run(self._scatter, args, len(dst))
+
+    def gather_runs(
+        self,
+        src: np.ndarray,
+        tpages: np.ndarray,
+        page_size: int,
+        t0: int,
+        runs: list[int],
+        frames: list[Any],
+    ) -> list[int] | None:
+        """The inverse of scatter_runs: `frames` (writable) filled from `src`'s pages,
+        and each frame's checksum.frame_hash, taken as soon as it is filled (None where
+        the xxhash library exports no XXH3-64: the caller hashes the frames)."""
+        if any(memoryview(f).readonly for f in frames):
+            raise ValueError("page_copy: a frame to gather into is read-only")
+        args, _alive = self._page_runs(src, tpages, page_size, t0, runs, frames)
+        out = (ctypes.c_uint64 * len(frames))()
+        if self._xxh3 is not None:
+            args.hashes, args.hash = ctypes.addressof(out), self._xxh3
+        self._run(self._gather, args, len(src))
+        return None if self._xxh3 is None else list(out)
+
+    def _page_runs(
+        self,
+        pool: np.ndarray,
+        tpages: np.ndarray,
+        page_size: int,
+        t0: int,
+        runs: list[int],
+        frames: list[Any],
+    ) -> tuple[PageRuns, tuple]:
+        """The C arguments, and the arrays they point into (to be held until the call
+        returns), after checking what the C code trusts: the pool's layout, each frame's size and contiguity, and (in C) the
+        positions and pages."""
+        layers, num_pages, pb = pool.shape if pool.ndim == 3 else (0, 0, -1)
         rb = pb // page_size if page_size > 0 and pb % page_size == 0 else -1
-        views = [memoryview(s) for s in srcs]
-        ok = rb > 0 and _paged(dst) and dst.flags.writeable and len(views) == layers * len(runs)
+        views = [memoryview(f) for f in frames]
+        ok = rb > 0 and _paged(pool) and len(views) == layers * len(runs)
         ok = ok and tpages.dtype == np.int64 and tpages.ndim == 1 and tpages.flags.c_contiguous
         ok = ok and all(v.c_contiguous and v.nbytes == c * rb for v, c in zip(views, runs * layers))
         if not ok:
             raise ValueError(
-                f"page_copy: {dst.dtype} {dst.shape} {dst.strides} <- {len(views)} frames"
+                f"page_copy: {pool.dtype} {pool.shape} {pool.strides} <-> {len(views)} frames"
                 f" {[v.nbytes for v in views[:4]]} for runs {runs[:4]} of {layers} layers"
             )
         addrs = (ctypes.c_void_p * len(views))(*map(_address, views))
         counts = (ctypes.c_int64 * len(runs))(*runs)
-        args = ScatterArgs(dst.ctypes.data, dst.strides[0], num_pages, tpages.ctypes.data,
-                           len(tpages), page_size, rb, t0, ctypes.addressof(counts), len(runs),
-                           ctypes.addressof(addrs), layers)  # fmt: skip
+        args = PageRuns(pool.ctypes.data, pool.strides[0], num_pages, tpages.ctypes.data,
+                        len(tpages), page_size, rb, t0, ctypes.addressof(counts), len(runs),
+                        ctypes.addressof(addrs), layers, None, None)  # fmt: skip
         if not self._check(ctypes.byref(args)):
             raise ValueError(
                 f"page_copy: positions {t0} + {sum(runs)} outside the request's"
                 f" {len(tpages)} pages, or a page outside [0, {num_pages})"
             )
-        self._run(self._layers, args, layers)
+        return args, (addrs, counts, views)
 
     def frame_hashes(self, frames: Sequence[Any]) -> list[int] | None:
         """checksum.frame_hash of each frame, on this kernel's threads; None where the

@@ -10,10 +10,14 @@ KVChunk payload: kind "kv" -> two frames (K then V), "k"/"v" -> one frame. Each 
 is the C-contiguous bytes of a [layer_end-layer_start, tok_end-tok_start, kv_heads,
 head_dim] tensor of `dtype`; `nbytes` is the length of each frame and `checksum` is
 frames_checksum() over the frames in order (XXH3-64, see checksum.py).
-With `runs` (token counts summing to tok_end - tok_start) a kind's KV comes instead as one
-frame per (layer, run), layer-major: [run tokens, kv_heads, head_dim] each, `nbytes` the
-kind's bytes in all. That is the prefill pool's own memory, sent without a gather where a
-request's slots lie in a few runs (transfer/push.py).
+With `runs` (token counts summing to tok_end - tok_start) a kind's KV comes instead as
+(layer, run) segments, layer-major: [run tokens, kv_heads, head_dim] each, `nbytes` the
+kind's bytes in all, and `checksum` frames_checksum() over the segments in order. Each
+segment is its own frame (the prefill pool's own memory, sent without a gather where a
+request's slots lie in a few runs), or a kind's segments come one after another in one
+frame (a piece gathered page by page, each segment hashed as it was filled: fewer
+frames, the same checksum). transfer/push.py sends both; validate.segments cuts the
+second into the first.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pdserve.transfer.checksum import done_digest, frames_checksum
 
 __all__ = ["done_digest", "frames_checksum"]  # re-exported: the checksums of these messages
 
-PROTOCOL_VERSION = 3  # 3: KVChunk.runs (2: XXH3-64 checksums, 1: crc32)
+PROTOCOL_VERSION = 4  # 4: runs packed in one frame (3: KVChunk.runs, 2: XXH3-64, 1: crc32)
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 
 
@@ -57,7 +61,7 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     dtype: str
     nbytes: int  # bytes of each kind: its one frame, or with runs its frames together
     checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
-    runs: list[int] = msgspec.field(default_factory=list)  # [] : one frame per kind
+    runs: list[int] = msgspec.field(default_factory=list)  # [] : one tensor per kind
 
 
 class KVDone(_Msg, tag="done", kw_only=True, frozen=True):

@@ -32,7 +32,14 @@ from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
-from pdserve.transfer.validate import PoolPages, Transfer, check_chunk, check_done, write_chunk
+from pdserve.transfer.staging import PoolPages
+from pdserve.transfer.validate import (
+    Transfer,
+    check_chunk,
+    check_done,
+    segments,
+    write_chunk,
+)
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
 
@@ -209,7 +216,7 @@ class KVReceiver:
         if x is None:
             return
         self._last_seen[x.endpoint] = time.monotonic()
-        bufs = [f.buffer for f in frames]
+        bufs = segments(self.layout, hdr, [f.buffer for f in frames])
         reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
         if reason:
             self._count("refused_chunk")

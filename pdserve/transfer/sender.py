@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import zmq
 
+from pdserve.envs import cache_root
+from pdserve.kernels.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
@@ -60,14 +62,20 @@ class KVSender:
         curve: CurveKeys | None = None,
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        native_gather: bool = True,
     ) -> None:
+        """`native_gather`: gather and hash pieces whose pages are scattered over the pool
+        with the native kernel (kernels/page_copy.py), built (once per machine) and loaded
+        here at start-up; False: torch's index_select and Python's xxhash
+        (--disable-compile)."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        self._pusher = Pusher(layout, max_frame_bytes)
+        native = page_copy(cache_root(), split=True) if native_gather else None
+        self._pusher = Pusher(layout, max_frame_bytes, native)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}

@@ -18,12 +18,20 @@ Any other slot list (a partial last page, a page entered mid-way) moves row by r
 from __future__ import annotations
 
 import time
+import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import zmq
 
+from pdserve.kvcache.pools import KVPool
 from pdserve.transfer import stages
+
+if TYPE_CHECKING:
+    from pdserve.kernels.page_copy import PageCopy
+
+PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
 
 
 class StagingPool:
@@ -61,6 +69,24 @@ class StagingPool:
             gather_rows(src, idx, out, self.page_size)
         stages.add("gather", time.perf_counter() - t0)
         return buf, _rows(out)  # NOTE: as bytes: numpy has no bfloat16
+
+    def gather_pages(
+        self, src: np.ndarray, tpages: np.ndarray, t0: int, n: int, native: PageCopy
+    ) -> tuple[torch.Tensor, np.ndarray, list[int] | None]:
+        """Copy positions t0 .. t0 + n - 1 of `src` (a CPU pool's K or V as pages,
+        paged_view; position p in page tpages[p // page_size]) into a staging buffer,
+        layer after layer, each layer hashed as soon as it is filled (native.gather_runs,
+        on the kernel threads). Returns (buffer, the bytes as [layers, n * row bytes],
+        each layer's hash or None); the hash counts as part of the gather. Same
+        precondition as `gather`."""
+        with stages.timed("send"):  # NOTE: waits here when every buffer is still in flight
+            buf = self._take()
+        t0_s = time.perf_counter()
+        layers, row = src.shape[0], src.shape[2] // self.page_size
+        out = buf.view(torch.uint8)[: layers * n * row].numpy().reshape(layers, n * row)
+        hashes = native.gather_runs(src, tpages, self.page_size, t0, [n], list(out))
+        stages.add("gather", time.perf_counter() - t0_s)
+        return buf, out, hashes
 
     def hold(self, buf: torch.Tensor, trackers: list[zmq.MessageTracker]) -> None:
         """`buf` is in flight until every tracker is done."""
@@ -203,3 +229,25 @@ def scatter_runs(
                 for layer, f in enumerate(per_layer):
                     rows[layer, part[piece]] = f[piece]
         off += count
+
+
+def pool_views(pool: KVPool) -> PageViews:
+    """`pool`'s K and V as pages (paged_view), made now."""
+    size = pool.layout.page_size
+    return paged_view(pool.k, size), paged_view(pool.v, size)
+
+
+class PoolPages:
+    """Each pool's K and V as pages (paged_view), made once per pool (about 20 us, the
+    largest part of a transfer's set-up) and reused while its tensors are the same.
+    One per receiver or sender, used by its I/O thread."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
+
+    def of(self, pool: KVPool) -> PageViews:
+        hit = self._seen.get(pool)
+        if hit is None or hit[0] is not pool.k or hit[1] is not pool.v:
+            hit = (pool.k, pool.v, pool_views(pool))
+            self._seen[pool] = hit
+        return hit[2]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,10 +30,15 @@ from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
 from pdserve.transfer.checksum import combine, done_digest, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone
-from pdserve.transfer.staging import paged_view, request_pages, scatter_rows, scatter_runs
+from pdserve.transfer.staging import (
+    PageViews,
+    pool_views,
+    request_pages,
+    scatter_rows,
+    scatter_runs,
+)
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
-PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
 
 
 @dataclass(eq=False)
@@ -85,28 +89,6 @@ class Transfer:
         return self._paged
 
 
-def pool_views(pool: KVPool) -> PageViews:
-    """`pool`'s K and V as pages (staging.paged_view), made now."""
-    size = pool.layout.page_size
-    return paged_view(pool.k, size), paged_view(pool.v, size)
-
-
-class PoolPages:
-    """Each pool's K and V as pages (staging.paged_view), made once per pool (about
-    20 us, the largest part of a transfer's set-up) and reused while its tensors are
-    the same. One per receiver, used by its I/O thread."""
-
-    def __init__(self) -> None:
-        self._seen: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
-
-    def of(self, pool: KVPool) -> PageViews:
-        hit = self._seen.get(pool)
-        if hit is None or hit[0] is not pool.k or hit[1] is not pool.v:
-            hit = (pool.k, pool.v, pool_views(pool))
-            self._seen[pool] = hit
-        return hit[2]
-
-
 @dataclass(frozen=True)
 class Paged:
     """Where a transfer's rows go: position p to row p % P of page pages[p // P]."""
@@ -142,6 +124,25 @@ def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
     if not h.runs:
         return [layers * (h.tok_end - h.tok_start) * row]
     return [c * row for _ in range(layers) for c in h.runs]
+
+
+def segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryview]:
+    """A chunk's payload as one buffer per (kind, layer, run) segment: where a chunk with
+    runs packs each kind's segments into one frame (messages.py), that frame cut into
+    views of them (no copy); otherwise the frames as they came, for check_chunk to judge."""
+    kinds = len(_KINDS.get(h.kind, ()))
+    if not h.runs or min(h.runs) < 1 or h.layer_end <= h.layer_start or len(bufs) != kinds:
+        return bufs
+    sizes = frame_bytes(layout, h)
+    if len(sizes) == 1 or any(b.nbytes != sum(sizes) for b in bufs):
+        return bufs
+    out = []
+    for b in bufs:
+        whole, at = b.cast("B"), 0
+        for size in sizes:
+            out.append(whole[at : at + size])
+            at += size
+    return out
 
 
 def _check_chunk(
