@@ -27,8 +27,8 @@ while it is still in the cache of the core that copied it (kernels/page_copy.py
 gather_runs); the kind's frame then carries runs [n], its layers' segments one after
 another (messages.py), and the checksum is the one in-place pieces have. Against torch's
 gather and xxhash after it, taking turns per transfer in one process pair (shuffled
-pages, docs/benchmarks.md, twenty-ninth round): 1k tokens 2.03 / 2.11 / 2.12 GB/s
-against 1.89 / 2.02 / 1.98, 8k 2.73 / 2.54 / 2.66 against 2.53 / 2.46 / 2.44.
+pages, docs/benchmarks.md, twenty-ninth round): 1k tokens 1.99 / 1.91 / 1.87 GB/s
+against 1.84 / 1.78 / 1.74, 8k 2.25 / 2.79 / 2.33 against 2.04 / 2.58 / 2.20.
 
 In place: where a piece's slots lie in at most MAX_RUNS runs of consecutive slots (a
 prefill pool hands a request's pages out in ascending runs, kvcache/pools.py), each
