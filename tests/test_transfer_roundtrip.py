@@ -65,21 +65,24 @@ def test_half_precision_bytes_arrive_exactly(dtype: str) -> None:
     roundtrip(layout(4, dtype), 45)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_gathered_pieces_arrive_exactly(native: bool) -> None:
+@pytest.mark.parametrize("gather, scatter", [(True, True), (True, False), (False, True)])
+def test_gathered_pieces_arrive_exactly(gather: bool, scatter: bool) -> None:
     """The prefill's pages scattered over its pool, prefill chunks starting mid-page:
     every piece is gathered, page by page and hashed per layer by the native kernel
-    (one packed frame per kind), or by torch and xxhash (--disable-compile)."""
-    stats = roundtrip(layout(4), 91, native_gather=native)
+    (one packed frame per kind), or by torch and xxhash (--disable-compile); the decode
+    cuts a packed frame into its segments for the native scatter and numpy's alike."""
+    stats = roundtrip(layout(4), 91, native_gather=gather, native_scatter=scatter)
     assert stats["pieces_gathered"] > 0  # (a piece inside a few pages still goes in place)
 
 
-def roundtrip(lay: KVLayout, n: int, native_gather: bool = True) -> dict[str, int]:
+def roundtrip(
+    lay: KVLayout, n: int, native_gather: bool = True, native_scatter: bool = True
+) -> dict[str, int]:
     """One transfer of n tokens between shuffled pages; the sender's stats."""
     tx = KVSender(
         "127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native_gather=native_gather
     )
-    rx = KVReceiver(lay, kv_timeout_s=5)
+    rx = KVReceiver(lay, kv_timeout_s=5, native_scatter=native_scatter)
     try:
         pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)
         assert not torch.equal(pre.slots, dec.slots) or n == 1
