@@ -315,3 +315,7 @@ def test_segments_cut_only_a_whole_packed_frame() -> None:
     assert segments(LAYOUT, hdr, [packed[:-1]])[0].nbytes == packed.nbytes - 1
     whole = KVChunk(**{**_fields(hdr), "runs": []})
     assert segments(LAYOUT, whole, [packed]) == [packed]
+    forged = KVChunk(**{**_fields(hdr), "layer_end": 10**15})  # left for check_chunk
+    assert segments(LAYOUT, forged, [packed]) == [packed]
+    many = KVChunk(**{**_fields(hdr), "runs": [1] * 10**5})
+    assert segments(LAYOUT, many, [packed]) == [packed]

@@ -23,8 +23,9 @@ All three split their work (layers, frames) over par.c's threads when made with 
 Split: as many as the engine's kernels may use (Split.threads: --num-threads, or the
 share of a host's cores that kernels/core_share.py gives), as the KVReceiver and the
 KVSender do (a call that finds the threads busy with a forward runs on its own thread).
-A chunk is hashed, compared and only then written (transfer/validate.py), so the last chunk's hash and write are
-the tail of a transfer, after its last byte arrived, while the other core idles.
+A chunk is hashed, compared and only then written (transfer/validate.py), so the last
+chunk's hash and write are the tail of a transfer, after its last byte arrived, while
+the other core idles.
 1k-token transfers (a throwaway harness taking turns per transfer in one process pair,
 three runs; docs/benchmarks.md, twenty-eighth round): 2.21 / 2.53 / 2.68 GB/s on two
 threads against 2.14 / 2.41 / 2.46 with Python's xxhash and one thread.
@@ -98,9 +99,9 @@ def xxh3_address() -> int | None:
 class PageCopy:
     """With `split`: a chunk's layers (scatter, gather), and its frames' hashes, go to
     par.c's threads (as many as Split.threads says, or `threads` where > 0; work taken in
-    turns: a thread that is not running is never waited for). The receiver's last chunk is hashed and written
-    while the other core idles; with one thread that tail was about a fifth of a
-    1k-token transfer."""
+    turns: a thread that is not running is never waited for). The receiver's last chunk
+    is hashed and written while the other core idles; with one thread that tail was
+    about a fifth of a 1k-token transfer."""
 
     def __init__(self, lib: ctypes.CDLL, split: Split | None = None, threads: int = 0) -> None:
         self._split, self._threads = split, threads
@@ -159,8 +160,8 @@ class PageCopy:
         frames: list[Any],
     ) -> tuple[PageRuns, tuple]:
         """The C arguments, and the arrays they point into (to be held until the call
-        returns), after checking what the C code trusts: the pool's layout, each frame's size and contiguity, and (in C) the
-        positions and pages."""
+        returns), after checking what the C code trusts: the pool's layout, each frame's
+        size and contiguity, and (in C) the positions and pages."""
         layers, num_pages, pb = pool.shape if pool.ndim == 3 else (0, 0, -1)
         rb = pb // page_size if page_size > 0 and pb % page_size == 0 else -1
         views = [memoryview(f) for f in frames]

@@ -59,7 +59,7 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     tok_end: int
     kind: str  # "kv" | "k" | "v"
     dtype: str
-    nbytes: int  # bytes of each kind: its one frame, or with runs its frames together
+    nbytes: int  # bytes of each kind: its one frame, or with runs its segments together
     checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
     runs: list[int] = msgspec.field(default_factory=list)  # [] : one tensor per kind
 

@@ -129,9 +129,13 @@ def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
 def segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryview]:
     """A chunk's payload as one buffer per (kind, layer, run) segment: where a chunk with
     runs packs each kind's segments into one frame (messages.py), that frame cut into
-    views of them (no copy); otherwise the frames as they came, for check_chunk to judge."""
+    views of them (no copy); otherwise the frames as they came, for check_chunk to judge.
+    NOTE: before check_chunk, so it reads only what the header bounds (the layout's
+    layers, MAX_RUNS runs): a forged range costs nothing here."""
     kinds = len(_KINDS.get(h.kind, ()))
-    if not h.runs or min(h.runs) < 1 or h.layer_end <= h.layer_start or len(bufs) != kinds:
+    if not h.runs or len(h.runs) > MAX_RUNS or min(h.runs) < 1 or len(bufs) != kinds:
+        return bufs
+    if not 0 <= h.layer_start < h.layer_end <= layout.num_layers:
         return bufs
     sizes = frame_bytes(layout, h)
     if len(sizes) == 1 or any(b.nbytes != sum(sizes) for b in bufs):
