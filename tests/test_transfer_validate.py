@@ -221,11 +221,15 @@ def runs_chunk(ready: Ready, runs: list[int], kind: str = "k") -> tuple[KVChunk,
     return hdr, frames
 
 
-def test_runs_written_where_they_belong(rig) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_runs_written_where_they_belong(rig, packed: bool) -> None:
+    """A chunk with runs: one frame per (layer, run) segment (sent in place), or (packed)
+    the kind's segments one after another in one frame (a gathered piece, messages.py),
+    written exactly alike under the same checksum."""
     fake, rx, pool, ready = rig
     hdr, frames = runs_chunk(ready, [3, 7])
     assert fake.push is not None
-    fake.push.send(hdr, frames)
+    fake.push.send(hdr, [b"".join(frames)] if packed else frames)
     _, slots = reserve(random_pool(LAYOUT, 64, 3), N, 3)  # the rig's reservation again
     want = [  # layer by layer: its two runs' tokens in order
         torch.tensor(np.frombuffer(frames[2 * i] + frames[2 * i + 1], dtype=np.float32))
@@ -259,26 +263,6 @@ def test_bad_runs_refused_before_write(rig, runs, frames_fix, reason) -> None:
     assert fake.push is not None
     fake.push.send(hdr, frames)
     assert_refused(fake, rx, pool, reason)
-
-
-def test_runs_packed_in_one_frame_written_where_they_belong(rig) -> None:
-    """A gathered piece's kind comes as one frame holding its (layer, run) segments one
-    after another (messages.py): written exactly as the same segments sent one frame
-    each, under the same checksum."""
-    fake, rx, pool, ready = rig
-    hdr, frames = runs_chunk(ready, [3, 7])
-    assert fake.push is not None
-    fake.push.send(hdr, [b"".join(frames)])
-    _, slots = reserve(random_pool(LAYOUT, 64, 3), N, 3)  # the rig's reservation again
-    want = [
-        torch.tensor(np.frombuffer(frames[2 * i] + frames[2 * i + 1], dtype=np.float32))
-        for i in range(LAYOUT.num_layers)
-    ]
-    written = lambda: all(  # noqa: E731
-        torch.equal(pool.k[i, slots].reshape(-1), w) for i, w in enumerate(want)
-    )
-    assert wait_until(written, 3)
-    assert rx.active_rooms() == {11}  # V still to come
 
 
 @pytest.mark.parametrize("fix, reason", [("short", "payload frames"), ("flip", "checksum")])
