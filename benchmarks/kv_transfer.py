@@ -28,6 +28,9 @@ run concurrently, so shares of different stages overlap; the rest is idle time.
 CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
 ZeroMQ's; on a machine shared with other work it varies less than the wall time.
 tx / rx ns/B: ZeroMQ's CPU per byte in the sender and in the receiver process.
+CPU by thread: each process's CPU milliseconds per transfer by kind of thread (main, the
+transfer's I/O thread, libzmq's I/O threads, pyzmq's zero-copy collector, other: par.c's
+kernel workers and the rest), from /proc (Linux), so the thread that costs is visible.
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -47,6 +50,7 @@ import time
 import numpy as np
 import torch
 import zmq
+from proc_cpu import cpu_by_kind, thread_times
 
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
@@ -62,6 +66,20 @@ STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 POLL_S = 0.0002  # --ready first: how often the prefill looks for the decode's Ready
 
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
+
+
+def thread_kinds() -> dict[int, str]:
+    """This process's Python threads that a transfer uses, by thread id -> kind."""
+    import threading
+
+    import zmq.utils.garbage
+
+    kinds = {"MainThread": "main", "kv-sender": "transfer I/O", "kv-receiver": "transfer I/O"}
+    out = {t.native_id: kinds[t.name] for t in threading.enumerate() if t.name in kinds}
+    collector = zmq.utils.garbage.gc.thread
+    if collector is not None and collector.native_id is not None:
+        out[collector.native_id] = "pyzmq collector"
+    return {k: v for k, v in out.items() if k is not None}
 
 
 def kv_bytes(layout: KVLayout, tokens: int) -> int:
@@ -114,7 +132,7 @@ def prefill_side(
                 time.sleep(POLL_S)
             push_prompt(tx, req, side, chunk=n)
     events = wait_for(tx.poll, len(rooms), 600)
-    port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0))
+    port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0, thread_kinds()))
     tx.close()
 
 
@@ -126,9 +144,10 @@ def zmq_run(
     device: str = "cpu",
     pages: str = "runs",
     ready: str = "late",
-) -> tuple[float, tuple[float, float], dict[str, float]]:
+) -> tuple[float, tuple[float, float], dict[str, float], dict[str, dict[str, float]]]:
     """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
-    receiver) process, stage -> share of the wall time)."""
+    receiver) process, stage -> share of the wall time, {"prefill", "decode"} -> CPU ms
+    per transfer by kind of thread)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
@@ -142,15 +161,25 @@ def zmq_run(
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2, device)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
         gc.freeze()  # as the engine process does once it is built
-        times, c0 = [], cpu_s()
+        times, c0, snaps = [], cpu_s(), []
         for room in rooms:
             t0 = time.perf_counter()
             rx.expect(make_req(f"b{room}", room, n, port), dec.pool, dec.slots)
             [ev] = rx.wait(300)  # blocking, as raw TCP's recv_into (no poll interval)
             times.append(time.perf_counter() - t0)
             assert ev.ok, ev.reason
+            if room in (rooms[0], rooms[-1]):  # the timed transfers: after the warm-up
+                snaps.append((thread_times(), thread_times(child.pid)))
         cpu = cpu_s() - c0
-        ok, sender_stages, sender_cpu = port_q.get(timeout=60)
+        ok, sender_stages, sender_cpu, sender_kinds = port_q.get(timeout=60)
+        per = 1e3 / repeats  # CPU ms per timed transfer
+        threads = {
+            side: {k: round(v * per, 3) for k, v in cpu_by_kind(a, b, kinds).items()}
+            for side, a, b, kinds in (
+                ("decode", snaps[0][0], snaps[1][0], thread_kinds()),
+                ("prefill", snaps[0][1], snaps[1][1], sender_kinds),
+            )
+        }
         assert ok == len(rooms)
         moved = kv_bytes(BENCH_LAYOUT, n) * len(rooms)
         cpu_ns = (sender_cpu / moved * 1e9, cpu / moved * 1e9)
@@ -161,7 +190,8 @@ def zmq_run(
         dec_slots = dec.slots.to(device)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec_slots].cpu())
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec_slots].cpu())
-        return kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9, cpu_ns, shares
+        gbps = kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9
+        return gbps, cpu_ns, shares, threads
     finally:
         rx.close()
         child.join(timeout=30)
@@ -268,12 +298,12 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     frame = int(args.frame_mib * 2**20)
     rounds = []
     for _ in range(args.rounds):
-        z, z_sides, shares = zmq_run(
+        z, z_sides, shares, threads = zmq_run(
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready
         )
         r, r_ns = raw_run(nbytes, args.repeats)
         f, f_ns = floor_run(n, args.repeats, frame)
-        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns))
+        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns, threads))
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
     z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
@@ -297,10 +327,11 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "raw_cpu_ns_per_byte": round(r_cpu, 3),
         "cpu_ratio": round(r_cpu / z_cpu, 3),
         "shares": rounds[-1][4],
+        "thread_cpu_ms": rounds[-1][7],
     }
     if not args.no_curve:
         keys = CurveKeys.generate()
-        c, _, c_shares = zmq_run(
+        c, _, c_shares, _ = zmq_run(
             n, args.repeats, frame, keys, args.device, args.prefill_pages, args.ready
         )
         r2, _ = raw_run(nbytes, args.repeats)
@@ -337,6 +368,14 @@ def print_table(results: list[dict], repeats: int, pages: str, ready: str) -> No
     print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process;")
     print("  raw / floor ns/B: both processes' CPU nanoseconds per byte in raw TCP / the floor")
     print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
+    print("CPU ms per transfer by thread (the last round's ZeroMQ run, checksums on, CURVE off):")
+    for x in results:
+        sides = [
+            f"{side}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["thread_cpu_ms"][side].items()))
+            for side in ("decode", "prefill")
+        ]
+        print(f"{x['tokens']:>7}  " + "  |  ".join(sides))
 
 
 def main() -> None:

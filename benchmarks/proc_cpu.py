@@ -106,3 +106,34 @@ class Usage:
             "machine_busy": round((busy - self.ticks[0]) / span, 3),
             "processes": procs,
         }
+
+
+def thread_times(pid: int | str = "self") -> dict[int, tuple[str, float]]:
+    """Each thread of process `pid`: thread id -> (its system name, CPU seconds so far),
+    from /proc/<pid>/task/*/schedstat (time on a CPU); {} elsewhere than Linux."""
+    out: dict[int, tuple[str, float]] = {}
+    tasks = Path(f"/proc/{pid}/task")
+    for task in tasks.glob("*") if tasks.is_dir() else []:
+        try:
+            comm = (task / "comm").read_text().strip()
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        out[int(task.name)] = (comm, ns / 1e9)
+    return out
+
+
+def cpu_by_kind(
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+    names: dict[int, str],
+) -> dict[str, float]:
+    """CPU seconds between two thread_times() snapshots, summed by kind of thread:
+    `names` (thread id -> kind) for threads known by id (Python's, whose system name is
+    the process's), libzmq's by their system names, the rest (native workers such as
+    par.c's, torch's) as "other"."""
+    out: dict[str, float] = {}
+    for tid, (comm, s) in after.items():
+        kind = names.get(tid) or ("libzmq I/O" if comm.startswith("ZMQbg/IO") else "other")
+        out[kind] = out.get(kind, 0.0) + s - before.get(tid, (comm, 0.0))[1]
+    return out
