@@ -28,9 +28,10 @@ run concurrently, so shares of different stages overlap; the rest is idle time.
 CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
 ZeroMQ's; on a machine shared with other work it varies less than the wall time.
 tx / rx ns/B: ZeroMQ's CPU per byte in the sender and in the receiver process.
-CPU by thread: each process's CPU milliseconds per transfer by kind of thread (main, the
-transfer's I/O thread, libzmq's I/O threads, pyzmq's zero-copy collector, other: par.c's
-kernel workers and the rest), from /proc (Linux), so the thread that costs is visible.
+CPU by thread: each process's CPU milliseconds per timed transfer by kind of thread (main,
+the transfer's I/O thread, libzmq's I/O threads, pyzmq's zero-copy collector, other:
+par.c's kernel workers and the rest), from /proc (Linux), so the thread that costs is
+visible; the decode's main also pays for reading /proc once per run (about 0.5 ms).
 
     python benchmarks/kv_transfer.py            # table
     python benchmarks/kv_transfer.py --json     # {"results": [...]}
@@ -132,7 +133,8 @@ def prefill_side(
                 time.sleep(POLL_S)
             push_prompt(tx, req, side, chunk=n)
     events = wait_for(tx.poll, len(rooms), 600)
-    port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0, thread_kinds()))
+    threads = (thread_times(), thread_kinds())  # NOTE: here, before its threads end
+    port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0, threads))
     tx.close()
 
 
@@ -161,23 +163,24 @@ def zmq_run(
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2, device)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
         gc.freeze()  # as the engine process does once it is built
-        times, c0, snaps = [], cpu_s(), []
+        times, c0, snaps = [], cpu_s(), [{}, {}]
         for room in rooms:
             t0 = time.perf_counter()
             rx.expect(make_req(f"b{room}", room, n, port), dec.pool, dec.slots)
             [ev] = rx.wait(300)  # blocking, as raw TCP's recv_into (no poll interval)
             times.append(time.perf_counter() - t0)
             assert ev.ok, ev.reason
-            if room in (rooms[0], rooms[-1]):  # the timed transfers: after the warm-up
-                snaps.append((thread_times(), thread_times(child.pid)))
-        cpu = cpu_s() - c0
-        ok, sender_stages, sender_cpu, sender_kinds = port_q.get(timeout=60)
+            if room == rooms[0]:  # the timed transfers start after the warm-up
+                prefill_start = thread_times(child.pid)  # NOTE: first: reading it costs
+                snaps = [thread_times(), prefill_start]
+        cpu, decode_end = cpu_s() - c0, thread_times()
+        ok, sender_stages, sender_cpu, (prefill_end, sender_kinds) = port_q.get(timeout=60)
         per = 1e3 / repeats  # CPU ms per timed transfer
         threads = {
             side: {k: round(v * per, 3) for k, v in cpu_by_kind(a, b, kinds).items()}
             for side, a, b, kinds in (
-                ("decode", snaps[0][0], snaps[1][0], thread_kinds()),
-                ("prefill", snaps[0][1], snaps[1][1], sender_kinds),
+                ("decode", snaps[0], decode_end, thread_kinds()),
+                ("prefill", snaps[1], prefill_end, sender_kinds),
             )
         }
         assert ok == len(rooms)
