@@ -46,11 +46,13 @@ import multiprocessing as mp
 import resource
 import socket
 import statistics
+import threading
 import time
 
 import numpy as np
 import torch
 import zmq
+import zmq.utils.garbage
 from proc_cpu import cpu_by_kind, thread_times
 
 from pdserve.kvcache.pools import KVLayout
@@ -71,10 +73,6 @@ BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float3
 
 def thread_kinds() -> dict[int, str]:
     """This process's Python threads that a transfer uses, by thread id -> kind."""
-    import threading
-
-    import zmq.utils.garbage
-
     kinds = {"MainThread": "main", "kv-sender": "transfer I/O", "kv-receiver": "transfer I/O"}
     out = {t.native_id: kinds[t.name] for t in threading.enumerate() if t.name in kinds}
     collector = zmq.utils.garbage.gc.thread

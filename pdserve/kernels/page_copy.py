@@ -124,9 +124,7 @@ class PageCopy:
         """See the module docstring. Checks what the C code trusts: the destination's
         layout, each source's size and contiguity; the C code checks the positions and
         pages before it writes anything."""
-        if not dst.flags.writeable:
-            raise ValueError("page_copy: the pool is read-only")
-        args, _alive = self._page_runs(dst, tpages, page_size, t0, runs, srcs)
+        args, _alive = self._page_runs(dst, tpages, page_size, t0, runs, srcs, into_pool=True)
         self._run(self._scatter, args, len(dst))
 
     def gather_runs(
@@ -141,9 +139,7 @@ class PageCopy:
         """The inverse of scatter_runs: `frames` (writable) filled from `src`'s pages,
         and each frame's checksum.frame_hash, taken as soon as it is filled (None where
         the xxhash library exports no XXH3-64: the caller hashes the frames)."""
-        if any(memoryview(f).readonly for f in frames):
-            raise ValueError("page_copy: a frame to gather into is read-only")
-        args, _alive = self._page_runs(src, tpages, page_size, t0, runs, frames)
+        args, _alive = self._page_runs(src, tpages, page_size, t0, runs, frames, into_pool=False)
         out = (ctypes.c_uint64 * len(frames))()
         if self._xxh3 is not None:
             args.hashes, args.hash = ctypes.addressof(out), self._xxh3
@@ -158,13 +154,17 @@ class PageCopy:
         t0: int,
         runs: list[int],
         frames: list[Any],
+        into_pool: bool,
     ) -> tuple[PageRuns, tuple]:
         """The C arguments, and the arrays they point into (to be held until the call
         returns), after checking what the C code trusts: the pool's layout, each frame's
-        size and contiguity, and (in C) the positions and pages."""
+        size and contiguity, that what is written (the pool `into_pool`, else the frames)
+        is writable, and (in C) the positions and pages."""
         layers, num_pages, pb = pool.shape if pool.ndim == 3 else (0, 0, -1)
         rb = pb // page_size if page_size > 0 and pb % page_size == 0 else -1
         views = [memoryview(f) for f in frames]
+        if not (pool.flags.writeable if into_pool else all(not v.readonly for v in views)):
+            raise ValueError(f"page_copy: {'the pool is' if into_pool else 'a frame is'} read-only")
         ok = rb > 0 and _paged(pool) and len(views) == layers * len(runs)
         ok = ok and tpages.dtype == np.int64 and tpages.ndim == 1 and tpages.flags.c_contiguous
         ok = ok and all(v.c_contiguous and v.nbytes == c * rb for v, c in zip(views, runs * layers))
