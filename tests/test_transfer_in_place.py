@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from pdserve.envs import cache_root
 from pdserve.kvcache.pools import KVLayout, slots_of
 from pdserve.transfer import stages
 from pdserve.transfer.loopback import (
@@ -29,6 +30,7 @@ from pdserve.transfer.push import MAX_RUNS, slot_runs
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVSender
 from pdserve.transfer.zmq_io import MsgSocket, make_socket
+from pdserve.transfer.zmq_native import Frames, native_send
 from tests.test_transfer_roundtrip import arrives_exactly
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,7 +114,9 @@ def hashed_before_ready(
         if change_after:
             pool.k[1, int(pre.slots[n - 1]), 0, 0] += 1.0  # in the last piece
         held = list(tx._rooms[42].pending)  # the I/O thread is done with them until Ready
-        made = [p.prepared is not None and p.prepared.zframes is not None for p in held]
+        made = [
+            type(p.prepared.zframes[0]) if p.prepared and p.prepared.zframes else None for p in held
+        ]
         rx.expect(make_req("r", 42, n, tx.bootstrap_port), dec.pool, dec.slots)
         [ev] = wait_for(rx.poll)
         after = stages.snapshot()
@@ -138,14 +142,31 @@ def test_pieces_computed_before_ready_are_hashed_before_it_comes() -> None:
     assert spent["prepare"] > 0 and spent["checksum"] == 0
 
 
-def test_frames_of_a_hashed_piece_are_made_before_the_ready_and_dropped_once_sent() -> None:
-    """prepare() also makes a piece's zero-copy frames (about 12 us each, 16 for a 1k-token
-    prompt here), so the Ready's first send only queues them. They are sent once and
-    then dropped, or their trackers would never be done and the room never reported."""
+def test_frames_of_a_hashed_piece_are_made_before_the_ready_and_dropped_once_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through pyzmq's send, prepare() also makes a piece's zero-copy frames (about 12 us
+    each, 16 for a 1k-token prompt here), so the Ready's first send only queues them. They
+    are sent once and then dropped, or their trackers would never be done and the room
+    never reported."""
+    monkeypatch.setenv("PDSERVE_PYZMQ_SEND", "1")
     pieces: list = []
     reason, _ = hashed_before_ready(70, 16, change_after=False, pieces=pieces)
     assert reason == "" and len(pieces) == 5
-    assert all(was_made for was_made, _ in pieces)
+    assert all(made is list for made, _ in pieces)  # pyzmq frames, one per (layer, run)
+    assert all(p.prepared.zframes is None for _, p in pieces)
+
+
+def test_a_native_send_makes_its_frames_before_the_ready_too() -> None:
+    """Through libzmq's C API (zmq_native.py) prepare() makes each message's frame
+    addresses (zmq_native.Frames) instead; sent once, then dropped, and the room is
+    reported once libzmq let go of every frame."""
+    if native_send(cache_root()) is None:
+        pytest.skip("libzmq's C API not reachable here")
+    pieces: list = []
+    reason, _ = hashed_before_ready(70, 16, change_after=False, pieces=pieces)
+    assert reason == "" and len(pieces) == 5
+    assert all(made is Frames for made, _ in pieces)
     assert all(p.prepared.zframes is None for _, p in pieces)
 
 

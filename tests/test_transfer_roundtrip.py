@@ -90,9 +90,7 @@ def roundtrip(
     lay: KVLayout, n: int, native_gather: bool = True, native_scatter: bool = True
 ) -> dict[str, int]:
     """One transfer of n tokens between shuffled pages; the sender's stats."""
-    tx = KVSender(
-        "127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native_gather=native_gather
-    )
+    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native=native_gather)
     rx = KVReceiver(lay, kv_timeout_s=5, native_scatter=native_scatter)
     try:
         pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)

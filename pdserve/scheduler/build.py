@@ -31,7 +31,7 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             peer_timeout_s=transfer.heartbeat_timeout_s,
             model=model,
             curve=curve,
-            native_gather=runner.native_dir() is not None,  # off under --disable-compile
+            native=runner.native_dir() is not None,  # off under --disable-compile
         )
         return PrefillEngine(cfg, runner, sink)
     if role == "decode":

@@ -21,6 +21,7 @@ from pdserve.transfer.identity import describe_mismatch
 from pdserve.transfer.messages import Decoder
 from pdserve.transfer.push import Room
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, make_socket
+from pdserve.transfer.zmq_native import NativeSend
 
 
 class Refusals:
@@ -65,8 +66,14 @@ class PeerClock:
 class DataSockets:
     """One PUSH per decode data endpoint (I/O thread only)."""
 
-    def __init__(self, decoder: Decoder, curve: CurveKeys | None, hook: SendHook | None) -> None:
-        self._decoder, self._curve, self._hook = decoder, curve, hook
+    def __init__(
+        self,
+        decoder: Decoder,
+        curve: CurveKeys | None,
+        hook: SendHook | None,
+        native: NativeSend | None = None,
+    ) -> None:
+        self._decoder, self._curve, self._hook, self._native = decoder, curve, hook, native
         self._socks: dict[str, MsgSocket] = {}
 
     def get(self, endpoint: str) -> MsgSocket:
@@ -77,7 +84,7 @@ class DataSockets:
             curve = None if self._curve is None else self._curve.for_server(self._curve.public)
             raw = make_socket(zmq.PUSH, curve)
             raw.connect(endpoint)
-            sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook)
+            sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook, self._native)
         return sock
 
     def drop(self, endpoint: str) -> None:

@@ -55,6 +55,7 @@ until the room is reported, and if they were not, the decode would refuse the ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +69,10 @@ from pdserve.transfer.base import Ticket
 from pdserve.transfer.checksum import combine, frames_checksum
 from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import PageViews, PoolPages, StagingPool, request_pages
-from pdserve.transfer.zmq_io import MsgSocket
+from pdserve.transfer.zmq_io import MsgSocket, Tracker
+from pdserve.transfer.zmq_native import Frames
+
+Made = list[zmq.Frame] | Frames  # a message's frames, made before it is due
 
 
 @dataclass
@@ -78,9 +82,10 @@ class InPlace:
     runs: list[tuple[int, int]]
     frames: tuple[list[np.ndarray], list[np.ndarray]]  # K's, V's: one per (layer, run)
     checksums: tuple[int, int] | None = None  # K's, V's, once Pusher.prepare hashed them
-    # K's, V's frames as zero-copy zmq.Frames, made by Pusher.prepare; sent once, then
-    # dropped (NOTE: a frame's tracker is done only once this object is gone too)
-    zframes: tuple[list[zmq.Frame], list[zmq.Frame]] | None = None
+    # K's, V's frames made for the socket by Pusher.prepare (zero-copy zmq.Frames, or
+    # zmq_native.Frames); sent once, then dropped (NOTE: a pyzmq frame's tracker is done
+    # only once this object is gone too)
+    zframes: tuple[Made, Made] | None = None
 
 
 @dataclass
@@ -107,7 +112,7 @@ class Room:
     done_sent: bool = False
     deadline: float = 0.0
     # frames sent in place from the pool: its pages are read by libzmq until these are done
-    inflight: list[zmq.MessageTracker] = field(default_factory=list)
+    inflight: list[Tracker] = field(default_factory=list)
 
 
 def phase(st: Room) -> str:
@@ -160,11 +165,18 @@ class Pusher:
     """Builds and sends a room's KVChunk / KVDone messages (I/O thread only)."""
 
     def __init__(
-        self, layout: KVLayout, max_frame_bytes: int, native: PageCopy | None = None
+        self,
+        layout: KVLayout,
+        max_frame_bytes: int,
+        native: PageCopy | None = None,
+        native_send: bool = False,
     ) -> None:
         """`native`: pieces whose pages are scattered over a CPU pool are gathered and
-        hashed by kernels/page_copy.py (gather_runs), else by torch and xxhash."""
+        hashed by kernels/page_copy.py (gather_runs), else by torch and xxhash.
+        `native_send`: the sockets send numpy frames through libzmq's C API
+        (zmq_native.py), so prepare() makes a piece's frames for that, else pyzmq's."""
         self.layout = layout
+        self._make: Callable[[list[np.ndarray]], Made] = Frames if native_send else zero_copy
         per_token = layout.token_bytes_per_layer * layout.num_layers
         self.max_tokens = max(1, max_frame_bytes // per_token)
         self._staging: StagingPool | None = None  # made on first use (pool dtype, device)
@@ -186,7 +198,7 @@ class Pusher:
         if p is not None and p.checksums is None:
             with stages.timed("prepare"):
                 p.checksums = (frames_checksum(p.frames[0]), frames_checksum(p.frames[1]))
-                p.zframes = (zero_copy(p.frames[0]), zero_copy(p.frames[1]))
+                p.zframes = (self._make(p.frames[0]), self._make(p.frames[1]))
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:
         """Send `piece`: a K chunk, then a V chunk, so K is on the wire (and verified,

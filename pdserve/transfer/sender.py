@@ -37,7 +37,8 @@ from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
 from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
 from pdserve.transfer.push import Piece, Pusher, Room, phase
-from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, Tracker, bind, make_socket
+from pdserve.transfer.zmq_native import native_send
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,12 @@ class KVSender:
         curve: CurveKeys | None = None,
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
-        native_gather: bool = True,
+        native: bool = True,
     ) -> None:
-        """`native_gather`: gather and hash pieces whose pages are scattered over the pool
-        with the native kernel (kernels/page_copy.py), built (once per machine) and loaded
-        here at start-up; False: torch's index_select and Python's xxhash
+        """`native`: gather and hash pieces whose pages are scattered over the pool with
+        the native kernel (kernels/page_copy.py), and send KV frames through libzmq's C API
+        (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
+        torch's index_select, Python's xxhash and pyzmq's zero-copy send
         (--disable-compile)."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
@@ -74,15 +76,16 @@ class KVSender:
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        native = page_copy(cache_root(), split=True) if native_gather else None
-        self._pusher = Pusher(layout, max_frame_bytes, native)
+        gather = page_copy(cache_root(), split=True) if native else None
+        send = native_send(cache_root()) if native else None
+        self._pusher = Pusher(layout, max_frame_bytes, gather, native_send=send is not None)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
-        self._held: list[tuple[list[zmq.MessageTracker], SinkEvent]] = []  # see _report
+        self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
-        self._data = DataSockets(self._decoder, curve, fault_hook)  # decode endpoint -> PUSH
+        self._data = DataSockets(self._decoder, curve, fault_hook, send)  # endpoint -> PUSH
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -341,9 +344,10 @@ class KVSender:
 SETTLE_S = 0.002  # how long a report waits for trackers libzmq is about to finish
 
 
-def settled(trackers: list[zmq.MessageTracker], wait_s: float = SETTLE_S) -> bool:
+def settled(trackers: list[Tracker], wait_s: float = SETTLE_S) -> bool:
     """Whether libzmq is done with every tracked frame, waiting up to `wait_s` in all:
-    a frame's tracker is set by pyzmq's collector thread a moment after libzmq lets go."""
+    a pyzmq frame's tracker is set by pyzmq's collector thread a moment after libzmq lets
+    go (a native send's at once, by libzmq's I/O thread)."""
     end = time.monotonic() + wait_s
     for t in trackers:
         if t.done:

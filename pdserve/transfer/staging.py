@@ -30,6 +30,7 @@ from pdserve.transfer import stages
 
 if TYPE_CHECKING:
     from pdserve.kernels.page_copy import PageCopy
+    from pdserve.transfer.zmq_io import Tracker
 
 PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
 
@@ -49,7 +50,7 @@ class StagingPool:
         self.dtype = dtype
         self.pin = pin
         self._free: list[torch.Tensor] = []
-        self._busy: list[tuple[torch.Tensor, list[zmq.MessageTracker]]] = []
+        self._busy: list[tuple[torch.Tensor, list[Tracker]]] = []
 
     def gather(self, src: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         """Copy src[:, idx] ([L, n, ...] with idx over dim 1) into a staging buffer.
@@ -88,7 +89,7 @@ class StagingPool:
         stages.add("gather", time.perf_counter() - t0_s)
         return buf, out, hashes
 
-    def hold(self, buf: torch.Tensor, trackers: list[zmq.MessageTracker]) -> None:
+    def hold(self, buf: torch.Tensor, trackers: list[Tracker]) -> None:
         """`buf` is in flight until every tracker is done."""
         self._busy.append((buf, trackers))
 

@@ -15,8 +15,11 @@ import zmq
 
 from pdserve.transfer import stages
 from pdserve.transfer.messages import Decoder, Message, encode
+from pdserve.transfer.zmq_native import Frames, NativeSend, Pending
 
 Frame = Any  # bytes, memoryview or contiguous numpy array: anything with a buffer
+# libzmq's tracker of a frame (pyzmq) or of a whole message (zmq_native.Pending)
+Tracker = zmq.MessageTracker | Pending
 # hook(kind tag, frames) -> the multipart messages to really send (0, 1 or more).
 # The frames are valid only during the call: a hook that keeps one must copy it.
 SendHook = Callable[[str, list[Frame]], list[list[Frame]]]
@@ -87,24 +90,40 @@ def _tracked(f: Frame) -> bool:
 class MsgSocket:
     """A socket that speaks `Message` headers followed by raw frames."""
 
-    def __init__(self, sock: zmq.Socket, decoder: Decoder, hook: SendHook | None = None) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        decoder: Decoder,
+        hook: SendHook | None = None,
+        native: NativeSend | None = None,
+    ) -> None:
+        """`native`: frames that are numpy arrays go through libzmq's C API (zmq_native.py),
+        unless a hook is set (fault injection sees and sends pyzmq frames)."""
         self.sock = sock
         self.decoder = decoder
         self.hook = hook
         self.routed = sock.type == zmq.ROUTER
+        self.native = native if hook is None and not self.routed else None
 
     def send(
-        self, msg: Message, frames: Sequence[Frame] = (), to: bytes | None = None
-    ) -> list[zmq.MessageTracker]:
+        self, msg: Message, frames: Sequence[Frame] | Frames = (), to: bytes | None = None
+    ) -> list[Tracker]:
         """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy,
         every one however small (pyzmq would copy those under its copy threshold, and
-        report them done at once); the returned trackers, one per frame, say when libzmq
-        no longer reads them. A frame may come already made (a tracked zmq.Frame, made
-        before its message was due: push.zero_copy); its tracker is done only once the
-        caller has dropped it too."""
+        report them done at once); the returned trackers say when libzmq no longer reads
+        them: one per message sent natively, else one per frame. A frame may come already
+        made (a tracked zmq.Frame, made before its message was due: push.zero_copy); its
+        tracker is done only once the caller has dropped it too. `frames` may also come
+        made for a native send (zmq_native.Frames, made before the message was due)."""
+        if isinstance(frames, Frames):  # made for a native send (zmq_native.Frames)
+            if self.native is not None:
+                return [self.native.send(self.sock, encode(msg), frames)]
+            frames = frames.arrays
+        elif frames and self.native is not None and self.native.takes(frames):
+            return [self.native.send(self.sock, encode(msg), Frames(frames))]
         parts: list[Frame] = [encode(msg), *frames]
         batches = self.hook(type(msg).__name__, parts) if self.hook else [parts]
-        trackers = []
+        trackers: list[Tracker] = []
         for batch in batches:
             prefix: list[Frame] = [to] if (self.routed and to is not None) else []
             payload = [

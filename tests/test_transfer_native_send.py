@@ -1,0 +1,134 @@
+"""transfer/zmq_native.py: KV frames sent through libzmq's C API.
+
+The Pending of a message is its only guard: a prefill frees a room's pages, or reuses a
+staging buffer, once it is done. These tests hold libzmq on a frame (a PUSH with no peer
+queues it) and check that the Pending is not done until libzmq lets the frame go, that
+every path (sent, discarded at close, refused) ends done, and that frames dropped by
+the caller early stay alive until then.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import numpy as np
+import pytest
+import zmq
+
+from pdserve.envs import cache_root
+from pdserve.transfer.messages import Decoder, Heartbeat
+from pdserve.transfer.zmq_io import MsgSocket, make_socket
+from pdserve.transfer.zmq_native import Frames, NativeSend, Pending, native_send
+
+
+@pytest.fixture
+def native() -> NativeSend:
+    ns = native_send(cache_root())
+    if ns is None:
+        pytest.skip("libzmq's C API not reachable here (or no C compiler)")
+    return ns
+
+
+def frames_of(seed: int, n: int = 4, size: int = 1 << 16) -> tuple[np.ndarray, list[np.ndarray]]:
+    rows = np.random.default_rng(seed).integers(0, 255, (n, size), dtype=np.uint8)
+    return rows, [rows[i] for i in range(n)]
+
+
+def pair() -> tuple[zmq.Socket, zmq.Socket]:
+    pull = make_socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = make_socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    return pull, push
+
+
+def peerless_push() -> zmq.Socket:
+    """A PUSH connected to a port nobody listens on: libzmq queues what it is sent."""
+    probe = make_socket(zmq.PULL)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close()
+    push = make_socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    return push
+
+
+def test_a_message_arrives_whole_and_its_pending_is_done_after(native: NativeSend) -> None:
+    pull, push = pair()
+    try:
+        rows, frames = frames_of(1)
+        p = native.send(push, b"header bytes", Frames(frames))
+        parts = pull.recv_multipart()
+        assert parts[0] == b"header bytes"
+        assert [bytes(x) for x in parts[1:]] == [r.tobytes() for r in rows]
+        p.wait(5)
+        assert p.done
+    finally:
+        push.close()
+        pull.close()
+
+
+def test_pending_stays_open_while_libzmq_holds_a_frame(native: NativeSend) -> None:
+    """The fence: until libzmq lets go (here: the socket closed, its queue discarded),
+    the frames may still be read, so the Pending must not be done."""
+    push = peerless_push()
+    _, frames = frames_of(2)
+    p = native.send(push, b"h", Frames(frames))
+    time.sleep(0.05)
+    assert not p.done
+    with pytest.raises(zmq.NotDone):
+        p.wait(0.01)
+    push.close(linger=0)
+    p.wait(5)  # libzmq's reaper let every frame go
+    assert p.done
+
+
+def test_frames_dropped_by_the_caller_stay_alive_until_libzmq_lets_go(
+    native: NativeSend,
+) -> None:
+    push = peerless_push()
+    rows, frames = frames_of(3)
+    alive = weakref.ref(rows)
+    native.send(push, b"h", Frames(frames))  # the Pending is dropped at once
+    del rows, frames
+    gc.collect()
+    assert alive() is not None  # kept: libzmq still holds the frames
+    push.close(linger=0)
+    end = time.monotonic() + 5
+    while alive() is not None and time.monotonic() < end:
+        Pending(None)  # a later send sweeps the orphans whose frames were let go
+        gc.collect()
+        time.sleep(0.01)
+    assert alive() is None
+
+
+def test_a_refused_send_raises_and_ends_done(native: NativeSend) -> None:
+    pull = make_socket(zmq.PULL)  # a PULL cannot send: libzmq refuses the header
+    try:
+        _, frames = frames_of(4)
+        with pytest.raises(zmq.ZMQError):
+            native.send(pull, b"h", Frames(frames))
+    finally:
+        pull.close()
+
+
+def test_msg_socket_sends_natively_only_without_a_hook(native: NativeSend) -> None:
+    pull, push = pair()
+    hooked = make_socket(zmq.PUSH)
+    try:
+        _, frames = frames_of(5, n=2)
+        sock = MsgSocket(push, Decoder(), native=native)
+        [tracker] = sock.send(Heartbeat(sender="x", seq=1), frames)
+        assert isinstance(tracker, Pending)
+        assert (
+            MsgSocket(hooked, Decoder(), hook=lambda tag, parts: [parts], native=native).native
+            is None
+        )
+        _, msg, got = MsgSocket(pull, Decoder()).recv()
+        assert msg == Heartbeat(sender="x", seq=1)
+        assert [bytes(f.buffer) for f in got] == [f.tobytes() for f in frames]
+        assert not native.takes([frames[0][::2]]) and not native.takes([b"bytes"])
+    finally:
+        for s in (push, pull, hooked):
+            s.close()
