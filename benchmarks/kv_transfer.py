@@ -17,7 +17,11 @@ the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
 The ZeroMQ floor, also in the same run, is ZeroMQ alone moving the same messages
 (a K and a V message per piece, a zero-copy frame per layer) between two processes,
 timed from a 'go' message: how far raw TCP is out of reach of any ZeroMQ path here,
-and how much of that floor pdserve's whole path keeps ('of floor').
+and how much of that floor pdserve's whole path keeps ('of floor'). The floor
+'+checks' adds what the decode must do with each message whichever way it is written
+(hash its frames, then write them into the pool's shuffled pages: the native kernels on
+the kernel threads, as the receiver; no header checks, coverage map, Ready or KVDone):
+a path that hashes a chunk before writing a byte of it cannot beat this one here.
 The same transfer runs again with CURVE on (encryption + authentication).
 
 Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
@@ -55,6 +59,8 @@ import zmq
 import zmq.utils.garbage
 from proc_cpu import cpu_by_kind, thread_times
 
+from pdserve.envs import cache_root
+from pdserve.kernels.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
@@ -62,6 +68,7 @@ from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, 
 from pdserve.transfer.push import Pusher
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
+from pdserve.transfer.staging import pool_views, request_pages
 from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
@@ -264,22 +271,53 @@ def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
     sock.close(linger=1000)
 
 
-def floor_run(n: int, repeats: int, frame_bytes: int) -> tuple[float, float]:
+class Checks:
+    """What the decode must do with each received message before and while writing it,
+    with as little Python as it takes: hash its frames and write them into a pool's
+    (shuffled) pages, both with the native kernels (kernels/page_copy.py) on the kernel
+    threads, as the receiver does. No header checks, coverage map, Ready or KVDone."""
+
+    def __init__(self, n: int) -> None:
+        self.copy = page_copy(cache_root(), split=True)
+        pool = random_pool(BENCH_LAYOUT, n + 128, 2)
+        _, slots = reserve(pool, n, 2)
+        self.pages = request_pages(slots.numpy(), BENCH_LAYOUT.page_size)
+        self.kinds = pool_views(pool)
+
+    def __call__(self, kind: int, t0: int, frames: list[zmq.Frame]) -> None:
+        assert self.copy is not None and self.pages is not None
+        bufs = [f.buffer for f in frames]
+        self.copy.frame_hashes(bufs)
+        dst, size = self.kinds[kind], BENCH_LAYOUT.page_size
+        rows = bufs[0].nbytes // BENCH_LAYOUT.token_bytes_per_layer
+        self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs)
+
+
+def floor_run(
+    n: int, repeats: int, frame_bytes: int, checked: bool = False
+) -> tuple[float, float] | None:
     """(GB/s, CPU ns per byte of both processes) of ZeroMQ alone (floor_sender), timed
     as zmq_run: from the 'go' to the last message received, median over the repeats
-    after a warm-up."""
+    after a warm-up. `checked`: with the decode's hash and page write of each message
+    (Checks; None without the native kernels)."""
+    checks = Checks(n) if checked else None
+    if checks is not None and checks.copy is None:
+        return None
     sock = make_socket(zmq.PAIR)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=floor_sender, args=(port, n, repeats + 1, frame_bytes))
     child.start()
-    messages, times, c0 = 2 * len(floor_pieces(n, frame_bytes)), [], cpu_s()
+    pieces, times, c0 = floor_pieces(n, frame_bytes), [], cpu_s()
     try:
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             sock.send(b"g")
-            for _ in range(messages):
-                sock.recv_multipart(copy=False)
+            for tok, _ in pieces:
+                for kind in range(2):
+                    parts = sock.recv_multipart(copy=False)
+                    if checks is not None:
+                        checks(kind, tok, parts[1:])
             times.append(time.perf_counter() - t0)
         cpu = cpu_s() - c0
         sock.send(b"end")
@@ -303,8 +341,9 @@ def measure(n: int, args: argparse.Namespace) -> dict:
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready
         )
         r, r_ns = raw_run(nbytes, args.repeats)
-        f, f_ns = floor_run(n, args.repeats, frame)
-        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns, threads))
+        f, f_ns = floor_run(n, args.repeats, frame) or (0.0, 0.0)
+        checked = floor_run(n, args.repeats, frame, checked=True)
+        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns, threads, checked))
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
     z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
@@ -330,6 +369,10 @@ def measure(n: int, args: argparse.Namespace) -> dict:
         "shares": rounds[-1][4],
         "thread_cpu_ms": rounds[-1][7],
     }
+    if all(x[8] is not None for x in rounds):
+        out["checked_floor_gbps"] = round(med(x[8][0] for x in rounds), 3)
+        out["checked_floor_ratio"] = round(med(x[8][0] / x[1] for x in rounds), 3)
+        out["of_checked_floor"] = round(med(x[0] / x[8][0] for x in rounds), 3)
     if not args.no_curve:
         keys = CurveKeys.generate()
         c, _, c_shares, _ = zmq_run(
@@ -348,23 +391,34 @@ def print_table(results: list[dict], repeats: int, pages: str, ready: str) -> No
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
-        f" {'floor GB/s':>10} {'ratio':>6} {'of floor':>8} {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9} {'tx ns/B':>7} {'rx ns/B':>7} {'raw ns/B':>8} {'floor ns/B':>10}  "
+        f" {'floor GB/s':>10} {'ratio':>6} {'of floor':>8} {'+checks GB/s':>12} {'ratio':>6}"
+        f" {'of it':>6} {'CURVE GB/s':>10} {'ratio':>6} {'CPU ratio':>9} {'tx ns/B':>7} {'rx ns/B':>7} {'raw ns/B':>8} {'floor ns/B':>10}  "
         + " ".join(f"{s:>8}" for s in STAGES)
     )
     for x in results:
         curve = (
             f"{x['curve_gbps']:>10.2f} {x['curve_ratio']:>6.2f}" if "curve_gbps" in x else " " * 17
         )
+        checked = (
+            f"{x['checked_floor_gbps']:>12.2f} {x['checked_floor_ratio']:>6.2f}"
+            f" {x['of_checked_floor']:>6.2f}"
+            if "checked_floor_gbps" in x
+            else " " * 26
+        )
         print(
             f"{x['tokens']:>7} {x['bytes'] / 2**20:>7.1f} {x['zmq_gbps']:>9.2f}"
             f" {x['raw_tcp_gbps']:>9.2f} {x['ratio']:>6.2f} {x['zmq_floor_gbps']:>10.2f}"
-            f" {x['floor_ratio']:>6.2f} {x['of_floor']:>8.2f} {curve} {x['cpu_ratio']:>9.2f}"
+            f" {x['floor_ratio']:>6.2f} {x['of_floor']:>8.2f} {checked} {curve}"
+            f" {x['cpu_ratio']:>9.2f}"
             f" {x['zmq_sender_cpu_ns_per_byte']:>7.2f} {x['zmq_receiver_cpu_ns_per_byte']:>7.2f}"
             f" {x['raw_cpu_ns_per_byte']:>8.2f} {x['floor_cpu_ns_per_byte']:>10.2f}  "
             + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
         )
     print("floor: ZeroMQ alone moving the same messages (no Ready, checksum, scatter or KVDone);")
     print("  its ratio to raw TCP, and pdserve's share of it (of floor)")
+    print("+checks: the floor with the decode's native hash and page write of each message,")
+    print("  what any path that hashes a chunk before writing it pays here; its ratio to raw")
+    print("  TCP, and pdserve's share of it (of it)")
     print("CPU ratio: raw TCP's CPU seconds per byte / ZeroMQ's (both processes, all threads)")
     print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process;")
     print("  raw / floor ns/B: both processes' CPU nanoseconds per byte in raw TCP / the floor")

@@ -46,6 +46,11 @@ class _Registry:
         "1: a CPU decode step calls its native kernels one by one from Python instead of "
         "as one native forward (same results; for comparing the two)",
     )
+    PYZMQ_SEND = EnvVar(
+        "PDSERVE_PYZMQ_SEND",
+        "1: a prefill sends KV frames through pyzmq's zero-copy frames instead of libzmq's "
+        "C API (transfer/zmq_native.py; for comparing the two)",
+    )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",
         "a Python file a frontend runs as its engine process instead of "

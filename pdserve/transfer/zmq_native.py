@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from pdserve.envs import ENV
 from pdserve.kernels.cpu_native import load
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ _native: dict[str, NativeSend | None] = {}
 
 def native_send(cache_dir: Path) -> NativeSend | None:
     """NativeSend.load, once per process (PDSERVE_PYZMQ_SEND=1: always pyzmq's send)."""
-    if os.environ.get("PDSERVE_PYZMQ_SEND") == "1":
+    if ENV.PYZMQ_SEND.get() == "1":
         return None
     key = str(cache_dir)
     if key not in _native:
