@@ -21,7 +21,8 @@ and how much of that floor pdserve's whole path keeps ('of floor'). The floor
 '+checks' adds what the decode must do with each message whichever way it is written
 (hash its frames, then write them into the pool's shuffled pages: the native kernels on
 the kernel threads, as the receiver; no header checks, coverage map, Ready or KVDone):
-a path that hashes a chunk before writing a byte of it cannot beat this one here.
+the part of the gap to raw TCP that is the design's (every byte hashed before it is
+written into the pool), not pdserve's handshakes or Python.
 The same transfer runs again with CURVE on (encryption + authentication).
 
 Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
