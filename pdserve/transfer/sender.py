@@ -14,8 +14,8 @@ Invariants:
 - Pool memory reaches ZeroMQ only as frames sent in place (push.py): read by libzmq
   until their trackers say done, so a room's SinkEvent waits for those (`_report`;
   a dead decode's queued frames are released when its socket is dropped). Any other
-  chunk is gathered into a staging tensor which pyzmq keeps alive until libzmq has
-  sent it (copy=False frames).
+  chunk is gathered into a staging tensor, reused only once its trackers say done and
+  kept alive until then by what sent it (a native send's Pending, or pyzmq's frames).
 """
 
 from __future__ import annotations
