@@ -61,7 +61,7 @@ import zmq.utils.garbage
 from proc_cpu import cpu_by_kind, thread_times
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import page_copy
+from pdserve.kernels.page_copy import PageCopy, page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.heap import keep_freed_memory
@@ -278,15 +278,21 @@ class Checks:
     (shuffled) pages, both with the native kernels (kernels/page_copy.py) on the kernel
     threads, as the receiver does. No header checks, coverage map, Ready or KVDone."""
 
-    def __init__(self, n: int) -> None:
-        self.copy = page_copy(cache_root(), split=True)
+    def __init__(self, copy: PageCopy, n: int) -> None:
+        self.copy = copy
         pool = random_pool(BENCH_LAYOUT, n + 128, 2)
         _, slots = reserve(pool, n, 2)
         self.pages = request_pages(slots.numpy(), BENCH_LAYOUT.page_size)
         self.kinds = pool_views(pool)
 
+    @classmethod
+    def make(cls, n: int) -> Checks | None:
+        """None without the native kernels (no C compiler): no +checks floor then."""
+        copy = page_copy(cache_root(), split=True)
+        return None if copy is None else cls(copy, n)
+
     def __call__(self, kind: int, t0: int, frames: list[zmq.Frame]) -> None:
-        assert self.copy is not None and self.pages is not None
+        assert self.pages is not None
         bufs = [f.buffer for f in frames]
         self.copy.frame_hashes(bufs)
         dst, size = self.kinds[kind], BENCH_LAYOUT.page_size
@@ -295,15 +301,11 @@ class Checks:
 
 
 def floor_run(
-    n: int, repeats: int, frame_bytes: int, checked: bool = False
-) -> tuple[float, float] | None:
+    n: int, repeats: int, frame_bytes: int, checks: Checks | None = None
+) -> tuple[float, float]:
     """(GB/s, CPU ns per byte of both processes) of ZeroMQ alone (floor_sender), timed
     as zmq_run: from the 'go' to the last message received, median over the repeats
-    after a warm-up. `checked`: with the decode's hash and page write of each message
-    (Checks; None without the native kernels)."""
-    checks = Checks(n) if checked else None
-    if checks is not None and checks.copy is None:
-        return None
+    after a warm-up. `checks`: with the decode's hash and page write of each message."""
     sock = make_socket(zmq.PAIR)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     ctx = mp.get_context("spawn")
@@ -337,13 +339,14 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
     rounds = []
+    checks = Checks.make(n)  # its pool made once for the rounds
     for _ in range(args.rounds):
         z, z_sides, shares, threads = zmq_run(
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready
         )
         r, r_ns = raw_run(nbytes, args.repeats)
-        f, f_ns = floor_run(n, args.repeats, frame) or (0.0, 0.0)
-        checked = floor_run(n, args.repeats, frame, checked=True)
+        f, f_ns = floor_run(n, args.repeats, frame)
+        checked = floor_run(n, args.repeats, frame, checks) if checks else None
         rounds.append((z, r, z_sides, r_ns, shares, f, f_ns, threads, checked))
     med = statistics.median
     z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)

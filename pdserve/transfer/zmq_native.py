@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -79,13 +80,11 @@ class _Slots:
             self._orphans.append(p)
 
     def _sweep(self) -> None:
-        """Caller holds the lock: orphans whose frames libzmq let go give their slots back."""
+        """Caller holds the lock: orphans whose frames libzmq let go give their slots back
+        (and are dropped: their __del__ ran once already, so it does not run again)."""
         done = [p for p in self._orphans if p.done]
         self._orphans = [p for p in self._orphans if not p.done]
-        for p in done:
-            assert p._slab is not None
-            self._free.append((p._slab, p._i))
-            p._slab = None  # given back here: its __del__ does nothing
+        self._free += [(p._slab, p._i) for p in done]
 
 
 _slots = _Slots()
@@ -97,18 +96,16 @@ class Pending:
     __slots__ = ("_slab", "_i", "_keep", "__weakref__")
 
     def __init__(self, keep: object) -> None:
-        self._slab: np.ndarray | None
         self._slab, self._i = _slots.take()
         self._keep: object = keep  # the frames' owners: alive while libzmq reads them
 
     @property
     def address(self) -> int:
-        assert self._slab is not None
         return int(self._slab.ctypes.data) + 8 * self._i
 
     @property
     def done(self) -> bool:
-        return self._slab is None or int(self._slab[self._i]) == 0
+        return int(self._slab[self._i]) == 0
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; zmq.NotDone after `timeout` seconds (as MessageTracker)."""
@@ -122,20 +119,12 @@ class Pending:
 
     def __del__(self) -> None:
         try:
-            if self._slab is None:
-                return
             if self.done:
                 _slots.give(self._slab, self._i)
-            else:  # NOTE: libzmq still reads the frames: keep them and the slot
-                _slots.orphan(Pending._revive(self))
+            else:  # NOTE: libzmq still reads the frames: this object (and them) lives on
+                _slots.orphan(self)  # (PEP 442: __del__ runs once; the sweep drops it)
         except Exception:  # interpreter shutdown: modules may be gone
             pass
-
-    @staticmethod
-    def _revive(p: Pending) -> Pending:
-        keeper = Pending.__new__(Pending)
-        keeper._slab, keeper._i, keeper._keep = p._slab, p._i, p._keep
-        return keeper
 
 
 class _ZmqApi(ctypes.Structure):  # zmq_send.c ZmqApi
@@ -228,14 +217,9 @@ class Frames:
         self.sizes = (ctypes.c_int64 * n)(*(a.nbytes for a in arrays))
 
 
-_native: dict[str, NativeSend | None] = {}
+_load = functools.cache(NativeSend.load)  # once per process and cache folder
 
 
 def native_send(cache_dir: Path) -> NativeSend | None:
     """NativeSend.load, once per process (PDSERVE_PYZMQ_SEND=1: always pyzmq's send)."""
-    if ENV.PYZMQ_SEND.get() == "1":
-        return None
-    key = str(cache_dir)
-    if key not in _native:
-        _native[key] = NativeSend.load(cache_dir)
-    return _native[key]
+    return None if ENV.PYZMQ_SEND.get() == "1" else _load(cache_dir)
