@@ -19,10 +19,10 @@ The ZeroMQ floor, also in the same run, is ZeroMQ alone moving the same messages
 timed from a 'go' message: how far raw TCP is out of reach of any ZeroMQ path here,
 and how much of that floor pdserve's whole path keeps ('of floor'). The floor
 '+checks' adds what the decode must do with each message whichever way it is written
-(hash its frames, then write them into the pool's shuffled pages: the native kernels on
-the kernel threads, as the receiver; no header checks, coverage map, Ready or KVDone):
-the part of the gap to raw TCP that is the design's (every byte hashed before it is
-written into the pool), not pdserve's handshakes or Python.
+(hash each block of its frames, compare it and write it into the pool's shuffled pages:
+the native scatter on the kernel threads, as the receiver; no header checks, coverage
+map, Ready or KVDone): the part of the gap to raw TCP that is the design's (every byte
+hashed before it is written into the pool), not pdserve's handshakes or Python.
 The same transfer runs again with CURVE on (encryption + authentication).
 
 Stage shares (pdserve/transfer/stages.py): seconds each side spent in a stage,
@@ -64,6 +64,7 @@ from pdserve.envs import cache_root
 from pdserve.kernels.page_copy import PageCopy, page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
+from pdserve.transfer.checksum import block_hashes
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.push import Pusher
@@ -247,15 +248,19 @@ def floor_pieces(n: int, frame_bytes: int) -> list[tuple[int, int]]:
     return [(t, min(n, t + per)) for t in range(0, n, per)]
 
 
+def floor_rows(n: int) -> np.ndarray:
+    """The bytes floor_sender sends: [kind, layer, token, row bytes]."""
+    lay = BENCH_LAYOUT
+    shape = (2, lay.num_layers, n, lay.token_bytes_per_layer)
+    return np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
+
+
 def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
     """Child process: ZeroMQ alone. Once per 'go' message, the bytes of an n-token
     transfer as pdserve sends them in place (a K then a V message per piece, a small
     header and one zero-copy, tracked frame per layer), and nothing else: no Ready
     handling, no checksum, no KVDone."""
-    lay = BENCH_LAYOUT
-    rows = np.random.default_rng(0).integers(
-        0, 255, (2, lay.num_layers, n, lay.token_bytes_per_layer), dtype=np.uint8
-    )
+    rows = floor_rows(n)
     sock = make_socket(zmq.PAIR)
     sock.connect(f"tcp://127.0.0.1:{port}")
     header = bytes(160)  # about a msgspec KVChunk's size
@@ -265,7 +270,7 @@ def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
         for t0, t1 in floor_pieces(n, frame_bytes):
             for kind in range(2):
                 frames = [zmq.Frame(rows[kind, layer, t0:t1], copy=False, track=True)
-                          for layer in range(lay.num_layers)]  # fmt: skip
+                          for layer in range(BENCH_LAYOUT.num_layers)]  # fmt: skip
                 sock.send_multipart([header, *frames], copy=False)
     sock.recv()  # the receiver is done
     sock.send(str(cpu_s() - c0).encode())  # CPU seconds of the sends (all threads)
@@ -273,31 +278,39 @@ def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
 
 
 class Checks:
-    """What the decode must do with each received message before and while writing it,
-    with as little Python as it takes: hash its frames and write them into a pool's
-    (shuffled) pages, both with the native kernels (kernels/page_copy.py) on the kernel
-    threads, as the receiver does. No header checks, coverage map, Ready or KVDone."""
+    """What the decode must do with each received message as it writes it, with as
+    little Python as it takes: each block of its frames hashed, compared and written into
+    a pool's (shuffled) pages by the native scatter on the kernel threads, as the
+    receiver does. No header checks, coverage map, Ready or KVDone. The hashes it
+    compares with are the sender's bytes' (floor_rows), taken once per size: every
+    block must match, or the run stops."""
 
-    def __init__(self, copy: PageCopy, n: int) -> None:
+    def __init__(self, copy: PageCopy, n: int, frame_bytes: int) -> None:
         self.copy = copy
         pool = random_pool(BENCH_LAYOUT, n + 128, 2)
         _, slots = reserve(pool, n, 2)
         self.pages = request_pages(slots.numpy(), BENCH_LAYOUT.page_size)
         self.kinds = pool_views(pool)
+        rows = floor_rows(n)
+        self.want = {
+            (kind, t0): block_hashes(list(rows[kind, :, t0:t1]))
+            for t0, t1 in floor_pieces(n, frame_bytes)
+            for kind in range(2)
+        }
 
     @classmethod
-    def make(cls, n: int) -> Checks | None:
+    def make(cls, n: int, frame_bytes: int) -> Checks | None:
         """None without the native kernels (no C compiler): no +checks floor then."""
         copy = page_copy(cache_root(), split=True)
-        return None if copy is None else cls(copy, n)
+        return None if copy is None or not copy.verifies else cls(copy, n, frame_bytes)
 
     def __call__(self, kind: int, t0: int, frames: list[zmq.Frame]) -> None:
         assert self.pages is not None
         bufs = [f.buffer for f in frames]
-        self.copy.frame_hashes(bufs)
         dst, size = self.kinds[kind], BENCH_LAYOUT.page_size
         rows = bufs[0].nbytes // BENCH_LAYOUT.token_bytes_per_layer
-        self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs)
+        if not self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs, self.want[kind, t0]):
+            raise RuntimeError(f"+checks: a block of kind {kind} at token {t0} failed its hash")
 
 
 def floor_run(
@@ -339,7 +352,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
     nbytes = kv_bytes(BENCH_LAYOUT, n)
     frame = int(args.frame_mib * 2**20)
     rounds = []
-    checks = Checks.make(n)  # its pool made once for the rounds
+    checks = Checks.make(n, frame)  # its pool made once for the rounds
     for _ in range(args.rounds):
         z, z_sides, shares, threads = zmq_run(
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready

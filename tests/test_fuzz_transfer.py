@@ -28,8 +28,9 @@ from pdserve.transfer.messages import (
     KVChunk,
     KVDone,
     Ready,
+    block_hashes,
+    chunk_checksum,
     encode,
-    frames_checksum,
 )
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 
@@ -45,7 +46,7 @@ VALID = [
     Ready(room=1, rid="r", session=2, data_endpoint="tcp://127.0.0.1:1", layout="x",
           num_tokens=3, decode_id="d"),
     KVChunk(room=1, session=2, index=0, layer_start=0, layer_end=1, tok_start=0, tok_end=1,
-            kind="kv", dtype="float32", nbytes=4, checksum=5),
+            kind="kv", dtype="float32", nbytes=4, checksum=5, hashes=b"\x01" * 16),
     KVDone(room=1, session=2, first_token=3, first_logprob=-0.5, prompt_len=3, num_chunks=1,
            digest=9),
     Ack(room=1, session=2), Abort(room=1, reason="x"), Heartbeat(sender="p", seq=1),
@@ -107,28 +108,49 @@ def chunks(draw):
     size = draw(st.sampled_from([want, want, want + 4, max(0, want - 4), 0]))
     nframes = draw(st.sampled_from([len(kind) if kind in ("kv", "k", "v") else 1, 1, 2, 3]))
     frames = [draw(st.binary(min_size=size, max_size=size)) for _ in range(nframes)]
-    good_sum = frames_checksum(frames)
+    good = block_hashes(_layers(frames, le - ls))
+    bad = good[:-1] + bytes([good[-1] ^ 1]) if good else b"\x00" * 8
+    hashes = draw(st.sampled_from([good, good, good, bad, good[8:]]))
+    good_sum = chunk_checksum(hashes)
     hdr = KVChunk(room=1, session=7, index=draw(st.integers(0, 5)), layer_start=ls,
                   layer_end=le, tok_start=ts, tok_end=te, kind=kind,
                   dtype=draw(st.sampled_from(["float32", "float32", "bfloat16"])),
                   nbytes=draw(st.sampled_from([size, size, size + 1])),
-                  checksum=draw(st.sampled_from([good_sum, good_sum, good_sum ^ 1])))  # fmt: skip
-    return hdr, [memoryview(f) for f in frames]
+                  checksum=draw(st.sampled_from([good_sum, good_sum, good_sum ^ 1])),
+                  hashes=hashes)  # fmt: skip
+    return hdr, [memoryview(f) for f in frames], hashes == good
+
+
+def _layers(frames: list[bytes], layers: int) -> list[bytes]:
+    """The segments a no-runs chunk's block hashes cover: each frame cut into its layers
+    (the frames whole where that cannot be: such a chunk is refused before its hashes)."""
+    if layers < 1 or any(len(f) % layers for f in frames):
+        return frames
+    step = [len(f) // layers for f in frames]
+    return [f[j * n : (j + 1) * n] for f, n in zip(frames, step) for j in range(layers)]
 
 
 @FAST
 @given(st.lists(chunks(), min_size=1, max_size=6))
 def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
+    """Either way a chunk is checked: every block before the write (no native kernel), or
+    each block as the native scatter is about to write it. A chunk whose block hashes
+    are not its bytes' is never written whole, and nothing lands outside the request."""
     x = _transfer()
     k0, v0 = x.pool.k.clone(), x.pool.v.clone()
     outside = torch.ones(x.pool.k.shape[1], dtype=torch.bool)
     outside[x.slots] = False
-    for hdr, bufs in batch:
-        if check_chunk(LAYOUT, x, hdr, bufs) == "":
+    for i, (hdr, bufs, intact) in enumerate(batch):
+        native = NATIVE if i % 2 else None  # the first chunk checked in Python
+        if check_chunk(LAYOUT, x, hdr, bufs, native) == "":
             assert 0 <= hdr.layer_start < hdr.layer_end <= LAYOUT.num_layers
             assert 0 <= hdr.tok_start < hdr.tok_end <= N
-            write_chunk(x, hdr, bufs, NATIVE)  # the receiver's scatter
-            _assert_written(x, hdr, bufs)
+            if write_chunk(x, hdr, bufs, NATIVE) == "":  # the receiver's scatter
+                assert intact
+                _assert_written(x, hdr, bufs)
+            else:
+                assert not intact and native is not None
+                break  # the receiver fails the transfer here
     assert torch.equal(x.pool.k[:, outside], k0[:, outside])
     assert torch.equal(x.pool.v[:, outside], v0[:, outside])
 
@@ -145,9 +167,9 @@ def _assert_written(x: Transfer, hdr: KVChunk, bufs: list[memoryview]) -> None:
 @given(st.lists(chunks(), max_size=4), st.integers(0, N + 1), st.integers(0, 6))
 def test_done_accepted_only_when_every_cell_arrived(batch, plen, nchunks) -> None:
     x = _transfer()
-    for hdr, bufs in batch:
+    for hdr, bufs, _ in batch:
         if check_chunk(LAYOUT, x, hdr, bufs) == "":
-            write_chunk(x, hdr, bufs)
+            assert write_chunk(x, hdr, bufs) == ""
     done = KVDone(room=1, session=7, first_token=1, first_logprob=0.0, prompt_len=plen,
                   num_chunks=nchunks, digest=0)  # fmt: skip
     if check_done(x, done) == "":

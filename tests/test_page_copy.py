@@ -133,7 +133,7 @@ def test_scatter_runs_refuses_before_writing(kernel) -> None:
 def _chunk_case(kind: str, layers: tuple[int, int], toks: tuple[int, int], runs: list[int]):
     """A KVChunk of random bytes for a 37-token request (pages of 4, shuffled)."""
     from pdserve.kvcache.pools import KVLayout
-    from pdserve.transfer.checksum import frames_checksum
+    from pdserve.transfer.checksum import block_hashes, chunk_checksum
     from pdserve.transfer.messages import KVChunk
 
     lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
@@ -145,9 +145,13 @@ def _chunk_case(kind: str, layers: tuple[int, int], toks: tuple[int, int], runs:
         else [n_layers * (toks[1] - toks[0]) * row]
     )
     frames = [g.integers(0, 256, s, dtype=np.uint8).tobytes() for _ in kind for s in sizes]
+    segs = frames if runs else [f[j * (len(f) // n_layers) : (j + 1) * (len(f) // n_layers)]
+                                for f in frames for j in range(n_layers)]  # fmt: skip
+    hashes = block_hashes(segs)
     hdr = KVChunk(room=1, session=7, index=0, layer_start=layers[0], layer_end=layers[1],
                   tok_start=toks[0], tok_end=toks[1], kind=kind, dtype="float32",
-                  nbytes=sum(sizes), checksum=frames_checksum(frames), runs=runs)  # fmt: skip
+                  nbytes=sum(sizes), checksum=chunk_checksum(hashes), hashes=hashes,
+                  runs=runs)  # fmt: skip
     return lay, hdr, [memoryview(f) for f in frames]
 
 
@@ -176,7 +180,7 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
         _, slots = reserve(pool, 37, seed=1)
         x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
         assert check_chunk(lay, x, hdr, bufs, native) == ""
-        write_chunk(x, hdr, bufs, native)
+        assert write_chunk(x, hdr, bufs, native) == ""
         assert (x.paged() is not None) and x.cov.sum() == len(kind) * (
             (layers[1] - layers[0]) * (toks[1] - toks[0])
         )
@@ -222,57 +226,106 @@ def test_two_threads_refuse_before_writing(two_threads) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_frame_hashes_are_the_python_checksums(tmp_path, threads) -> None:
-    """The receiver's native hashes equal the xxhash package's (the sender's), for every
-    kind of buffer a frame arrives as, empty ones included."""
-    from pdserve.transfer.checksum import frame_hash
+def test_block_hashes_are_the_python_ones(tmp_path, threads) -> None:
+    """The native block hashes equal the xxhash package's, for every kind of buffer a
+    frame arrives as, empty ones and ones that end on, before or after a block's end."""
+    from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 
     kernel = page_copy(tmp_path, split=threads > 1, threads=threads)
     if kernel is None:
         pytest.skip("no C compiler")
     g = np.random.default_rng(5)
-    frames = [g.bytes(n) for n in (0, 1, 31, 240, 4096, 3 << 18)]
+    sizes = (0, 1, 31, 240, HASH_BLOCK - 1, HASH_BLOCK, HASH_BLOCK + 1, 3 << 18)
+    frames: list = [g.bytes(n) for n in sizes]
     frames += [bytearray(g.bytes(1000)), memoryview(g.integers(0, 9, 77, dtype=np.uint8))]
-    got = kernel.frame_hashes(frames)
+    got = kernel.block_hashes(frames)
     if got is None:
         pytest.skip("this xxhash library exports no XXH3-64")
-    assert got == [frame_hash(f) for f in frames]
-    assert kernel.frame_hashes([]) == []
+    assert got == block_hashes(frames)
+    assert kernel.block_hashes([]) == b""
 
 
-def test_native_checksum_refuses_a_flipped_byte(two_threads) -> None:
-    """check_chunk hashing on two threads: one byte changed in any frame is refused
-    before anything is written; the intact chunk passes."""
+def _fresh(lay):
     from pdserve.transfer.loopback import make_req, random_pool, reserve
-    from pdserve.transfer.validate import Transfer, check_chunk
+    from pdserve.transfer.validate import Transfer
 
-    lay, hdr, bufs = _chunk_case("v", (0, 3), (3, 37), [2, 9, 23])
     pool = random_pool(lay, 64, seed=0)
     _, slots = reserve(pool, 37, seed=1)
-    x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+    return Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+
+
+def test_native_write_refuses_a_flipped_byte_before_writing_its_block(two_threads) -> None:
+    """The fused check on two threads: check_chunk passes the header and leaves the
+    payload to the scatter, which refuses one byte changed in any frame; the row that
+    byte belongs to keeps its old bytes, and nothing outside the request is touched.
+    The intact chunk writes whole."""
+    from pdserve.transfer.validate import check_chunk, write_chunk
+
+    lay, hdr, bufs = _chunk_case("v", (0, 3), (3, 37), [2, 9, 23])
+    x = _fresh(lay)
     assert check_chunk(lay, x, hdr, bufs, two_threads) == ""
+    assert write_chunk(x, hdr, bufs, two_threads) == ""
+    row = lay.token_bytes_per_layer
     for i in (0, len(bufs) // 2, len(bufs) - 1):
+        x = _fresh(lay)
+        before = x.pool.v.clone()
         bad = bytearray(bufs[i])
-        bad[len(bad) // 3] ^= 1
+        at = len(bad) // 3
+        bad[at] ^= 1
         frames = [*bufs[:i], memoryview(bytes(bad)), *bufs[i + 1 :]]
-        assert check_chunk(lay, x, hdr, frames, two_threads) == "checksum mismatch"
+        assert check_chunk(lay, x, hdr, frames, two_threads) == ""
+        assert write_chunk(x, hdr, frames, two_threads) == "checksum mismatch"
+        layer, run = divmod(i, 3)
+        pos = 3 + sum(hdr.runs[:run]) + at // row  # the flipped byte's prompt position
+        slot = x.slots[pos]
+        assert torch.equal(x.pool.v[layer, slot], before[layer, slot])
+        outside = torch.ones(x.pool.v.shape[1], dtype=torch.bool)
+        outside[x.slots] = False
+        assert torch.equal(x.pool.v[:, outside], before[:, outside])
+        assert x.chunks == [] and not x.cov.any()  # never counted as received
+
+
+def test_scatter_writes_the_blocks_before_a_bad_one_and_stops_there(two_threads) -> None:
+    """scatter_runs with hashes, a byte flipped in block 1 of layer 1 (of 3): layer 1's
+    block 0 is written, its blocks 1 and 2 are not; layers 0 and 2 are written whole."""
+    from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
+
+    ps, rb, n = 4, 1024, 40  # 40 KiB a layer: blocks of 16, 16 and 8 KiB
+    g = np.random.default_rng(9)
+    dst = g.integers(0, 256, (3, 16, ps * rb), dtype=np.uint8)
+    tpages = g.permutation(16)[: n // ps].astype(np.int64)
+    srcs = [g.bytes(n * rb) for _ in range(3)]
+    want = _runs_want(dst, tpages, ps, rb, 0, 0, [n], srcs)
+    hashes = block_hashes(srcs)
+    bad = bytearray(srcs[1])
+    bad[HASH_BLOCK + 7] ^= 4
+    before = dst.copy()
+    assert not two_threads.scatter_runs(dst, tpages, ps, 0, [n], [srcs[0], bytes(bad), srcs[2]],
+                                        hashes)  # fmt: skip
+    assert np.array_equal(dst[0], want[0]) and np.array_equal(dst[2], want[2])
+    rows = HASH_BLOCK // rb  # positions per block
+    for p in range(n):
+        page, off = tpages[p // ps], (p % ps) * rb
+        got = dst[1, page, off : off + rb]
+        expect = (want if p < rows else before)[1, page, off : off + rb]
+        assert np.array_equal(got, expect), p
+    with pytest.raises(ValueError, match="hashes"):
+        two_threads.scatter_runs(dst, tpages, ps, 0, [n], srcs, hashes[:-8])
 
 
 def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) -> None:
-    """An xxhash build that exports no XXH3-64: frame_hashes says so and check_chunk
-    hashes in Python, refusing a flipped byte all the same."""
-    from pdserve.transfer.loopback import make_req, random_pool, reserve
-    from pdserve.transfer.validate import Transfer, check_chunk
+    """An xxhash build that exports no XXH3-64: block_hashes says so, the scatter does
+    not check, and check_chunk hashes every block in Python before anything is written,
+    refusing a flipped byte all the same."""
+    from pdserve.transfer.validate import check_chunk
 
     kernel = page_copy(tmp_path, split=True, threads=2)
     if kernel is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(kernel, "_xxh3", None)
     lay, hdr, bufs = _chunk_case("k", (1, 3), (5, 18), [])
-    assert kernel.frame_hashes(bufs) is None
-    pool = random_pool(lay, 64, seed=0)
-    _, slots = reserve(pool, 37, seed=1)
-    x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
+    assert kernel.block_hashes(bufs) is None and not kernel.verifies
+    x = _fresh(lay)
     assert check_chunk(lay, x, hdr, bufs, kernel) == ""
     bad = bytearray(bufs[0])
     bad[-1] ^= 0x80
@@ -312,7 +365,7 @@ def test_gather_reads_what_indexing_reads(kernel, t0, runs) -> None:
 def test_two_threads_gather_and_hash_each_frame(two_threads, t0, runs) -> None:
     """Layers split over two threads: the same bytes, and each frame's hash is the
     xxhash package's over what it holds (the sender's checksum of it)."""
-    from pdserve.transfer.checksum import frame_hash
+    from pdserve.transfer.checksum import block_hashes
 
     ps, rb = 4, 64
     _, pool, tpages = _runs_case(ps, rb, seed=t0 + 3 * len(runs))
@@ -322,7 +375,7 @@ def test_two_threads_gather_and_hash_each_frame(two_threads, t0, runs) -> None:
         hashes = two_threads.gather_runs(pool, tpages, ps, t0, runs, frames)
         assert [f.tobytes() for f in frames] == want
         if hashes is not None:
-            assert hashes == [frame_hash(w) for w in want]
+            assert hashes == block_hashes(want)
 
 
 def test_gather_refuses_before_copying(two_threads) -> None:

@@ -18,7 +18,7 @@ import torch
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import validate
 from pdserve.transfer.loopback import make_req, random_pool, reserve
-from pdserve.transfer.messages import KVChunk, frames_checksum
+from pdserve.transfer.messages import KVChunk, block_hashes, chunk_checksum
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the race is between CUDA streams"
@@ -40,13 +40,14 @@ def _write_then_read(land_wait: bool, monkeypatch) -> tuple[torch.Tensor, torch.
     shape = (LAYOUT.num_layers, N, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     sent = [torch.randn(shape) for _ in range(2)]
     frames = [t.numpy().tobytes() for t in sent]
+    hashes = block_hashes([t[j].numpy().tobytes() for t in sent for j in range(len(t))])
     h = KVChunk(room=5, session=1, index=0, layer_start=0, layer_end=LAYOUT.num_layers,
                 tok_start=0, tok_end=N, kind="kv", dtype="float32", nbytes=len(frames[0]),
-                checksum=frames_checksum(frames))  # fmt: skip
+                checksum=chunk_checksum(hashes), hashes=hashes)  # fmt: skip
     assert validate.check_chunk(LAYOUT, x, h, [memoryview(f) for f in frames]) == ""
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)  # on this thread's stream, ahead of the write
-    validate.write_chunk(x, h, [memoryview(f) for f in frames])
+    assert validate.write_chunk(x, h, [memoryview(f) for f in frames]) == ""
     reader = torch.cuda.Stream()  # as the decode's forward stream: it waits on no I/O stream
     with torch.cuda.stream(reader):
         seen = pool.k[:, x.slots].clone()

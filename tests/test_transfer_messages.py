@@ -1,4 +1,4 @@
-"""Wire messages: round trips, the XXH3 frame checksum, the order-independent digest."""
+"""Wire messages: round trips, the XXH3 block checksums, the order-independent digest."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from pdserve.transfer.checksum import HASH_BLOCK
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -15,9 +16,10 @@ from pdserve.transfer.messages import (
     KVChunk,
     KVDone,
     Ready,
+    block_hashes,
+    chunk_checksum,
     done_digest,
     encode,
-    frames_checksum,
 )
 
 MESSAGES = [
@@ -42,6 +44,7 @@ MESSAGES = [
         dtype="float32",
         nbytes=8,
         checksum=9,
+        hashes=bytes(range(16)),
     ),
     KVDone(
         room=1, session=2, first_token=3, first_logprob=-0.25, prompt_len=4, num_chunks=1, digest=7
@@ -82,20 +85,24 @@ def test_missing_field_is_malformed() -> None:
     assert dec.decode(data) is None and dec.dropped["malformed"] == 1
 
 
-def test_checksum_is_xxh3_of_frame_xxh3s_and_sees_one_bit() -> None:
-    a = np.random.default_rng(0).integers(0, 255, (3 << 20) + 17, dtype=np.uint8)
+def test_block_hashes_are_xxh3_of_each_block_of_each_segment_and_see_one_bit() -> None:
+    a = np.random.default_rng(0).integers(0, 255, 3 * HASH_BLOCK + 17, dtype=np.uint8)
     b = a[:1000].copy()
-    per_frame = [xxhash.xxh3_64(x.tobytes()).intdigest() for x in (a, b)]
-    want = xxhash.xxh3_64(np.array(per_frame, dtype="<u8").tobytes()).intdigest()
-    assert frames_checksum([a, b]) == want == frames_checksum([memoryview(a), b])
-    assert frames_checksum([b, a]) != want  # frame order matters
-    a[(2 << 20) + 5] ^= 1
-    assert frames_checksum([a, b]) != want
+    blocks = [a[i : i + HASH_BLOCK] for i in range(0, a.size, HASH_BLOCK)] + [b]
+    want = b"".join(xxhash.xxh3_64(x.tobytes()).digest()[::-1] for x in blocks)  # LE u64
+    assert block_hashes([a, b]) == want == block_hashes([memoryview(a), b])
+    assert len(want) == 8 * 5  # 3 whole blocks, a short one, then b's one
+    assert block_hashes([b, a]) != want  # segment order matters
+    assert block_hashes([a[:100], a[100:], b]) != want  # so do the segment boundaries
+    assert chunk_checksum(want) == xxhash.xxh3_64(want).intdigest()
+    a[2 * HASH_BLOCK + 5] ^= 1
+    assert block_hashes([a, b])[:16] == want[:16] and block_hashes([a, b])[16:24] != want[16:24]
 
 
 def test_64_bit_checksum_round_trips_and_old_version_is_dropped() -> None:
     chunk = KVChunk(room=1, session=2, index=0, layer_start=0, layer_end=1, tok_start=0,
-                    tok_end=1, kind="kv", dtype="float32", nbytes=4, checksum=2**64 - 1)  # fmt: skip
+                    tok_end=1, kind="kv", dtype="float32", nbytes=4, checksum=2**64 - 1,
+                    hashes=b"")  # fmt: skip
     dec = Decoder()
     assert dec.decode(encode(chunk)) == chunk
     old = KVChunk(**{f: getattr(chunk, f) for f in chunk.__struct_fields__ if f != "v"},

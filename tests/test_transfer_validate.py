@@ -20,8 +20,9 @@ from pdserve.transfer.messages import (
     KVChunk,
     KVDone,
     Ready,
+    block_hashes,
+    chunk_checksum,
     encode,
-    frames_checksum,
 )
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.zmq_io import MsgSocket, bind, make_socket
@@ -82,25 +83,51 @@ def chunk(ready: Ready, **kw) -> tuple[KVChunk, list[bytes]]:
     frames = [
         np.random.rand(max(0, n) * TOKEN_BYTES // 4).astype(np.float32).tobytes() for _ in range(2)
     ]
+    layers = max(1, fields["layer_end"] - fields["layer_start"])
+    hashes = block_hashes([f[j * len(f) // layers : (j + 1) * len(f) // layers]
+                           for f in frames for j in range(layers)])  # fmt: skip
     hdr = KVChunk(
         room=ready.room,
         session=ready.session,
         index=0,
         nbytes=len(frames[0]),
-        checksum=frames_checksum(frames),
+        checksum=chunk_checksum(hashes),
+        hashes=hashes,
         **fields,
     )
     return hdr, frames
 
 
-def assert_refused(fake: FakePrefill, rx: KVReceiver, pool, reason: str) -> None:
-    before = pool.k.clone(), pool.v.clone()
+def assert_refused(fake: FakePrefill, rx: KVReceiver, pool, reason: str, before=None) -> None:
+    """The transfer failed for `reason`, the prefill was told, and nothing was written
+    (where `before`, the pool's K and V before the chunk was sent, is given: nothing
+    outside the request's slots; see assert_bad_block_unwritten)."""
+    outside = torch.ones(pool.k.shape[1], dtype=torch.bool)
+    if before is not None:
+        outside[rig_slots()] = False
+    before = before or (pool.k.clone(), pool.v.clone())
     [ev] = wait_for(rx.poll, 1, 3)
     assert not ev.ok and reason in ev.reason, ev.reason
     _, abort, _ = fake.recv()
     assert isinstance(abort, Abort) and reason in abort.reason
-    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
+    assert torch.equal(pool.k[:, outside], before[0][:, outside])
+    assert torch.equal(pool.v[:, outside], before[1][:, outside])
     assert rx.active_rooms() == set()
+
+
+def rig_slots() -> torch.Tensor:
+    """The rig's reservation, made again."""
+    return reserve(random_pool(LAYOUT, 64, 3), N, 3)[1]
+
+
+def assert_bad_block_unwritten(pool, before, kind: int, pos: int) -> None:
+    """The row that byte `pos` of a refused chunk's `kind` frame (a whole [layers, N]
+    chunk) would have gone to still holds what it held: a block is checked before it
+    is written (the blocks before it may have been: the request's own pages, freed)."""
+    layer, token = divmod(pos % (2 * N * TOKEN_BYTES), N * TOKEN_BYTES)
+    slot = rig_slots()[token // TOKEN_BYTES]
+    dst, old = (pool.k, before[0]) if kind == 0 else (pool.v, before[1])
+    assert torch.equal(dst[layer, slot], old[layer, slot])
 
 
 def test_ready_carries_the_reservation(rig) -> None:
@@ -143,30 +170,59 @@ def test_checksum_mismatch_refused(rig) -> None:
     hdr, frames = chunk(ready)
     bad = bytearray(frames[1])
     bad[3] ^= 1
+    before = pool.k.clone(), pool.v.clone()
     assert fake.push is not None
     fake.push.send(hdr, [frames[0], bytes(bad)])
-    assert_refused(fake, rx, pool, "checksum mismatch")
+    assert_refused(fake, rx, pool, "checksum mismatch", before)
+    assert_bad_block_unwritten(pool, before, 1, 3)
+
+
+def test_forged_block_hashes_refused_before_write(rig) -> None:
+    """Block hashes that do not hash to the header's checksum (or are one short) are
+    refused before anything is written."""
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    forged = KVChunk(**{**_fields(hdr), "hashes": bytes(len(hdr.hashes))})
+    assert fake.push is not None
+    fake.push.send(forged, frames)
+    assert_refused(fake, rx, pool, "checksum mismatch (block hashes)")
+
+
+def test_block_hash_count_refused_before_write(rig) -> None:
+    fake, rx, pool, ready = rig
+    hdr, frames = chunk(ready)
+    short = hdr.hashes[:-8]
+    forged = KVChunk(**{**_fields(hdr), "hashes": short, "checksum": chunk_checksum(short)})
+    assert fake.push is not None
+    fake.push.send(forged, frames)
+    assert_refused(fake, rx, pool, "bytes of block hashes")
 
 
 @pytest.mark.parametrize("frame, pos", [(0, 0), (0, 333), (1, 1), (1, -1)])
-def test_corrupted_byte_caught_by_xxh3_checksum(rig, frame, pos) -> None:
+def test_corrupted_byte_caught_by_xxh3_block_hash(rig, frame, pos) -> None:
     fake, rx, pool, ready = rig
     hdr, frames = chunk(ready)
-    per_frame = [xxhash.xxh3_64(f).intdigest() for f in frames]
-    assert hdr.checksum == xxhash.xxh3_64(struct.pack("<2Q", *per_frame)).intdigest()
+    layers = [f[j * len(f) // 2 : (j + 1) * len(f) // 2] for f in frames for j in range(2)]
+    blocks = [xxhash.xxh3_64(x).intdigest() for x in layers]  # one block per layer here
+    assert hdr.hashes == struct.pack("<4Q", *blocks)
+    assert hdr.checksum == xxhash.xxh3_64(hdr.hashes).intdigest()
     bad = [bytearray(f) for f in frames]
     bad[frame][pos] ^= 0x5A  # one byte, any bits
+    before = pool.k.clone(), pool.v.clone()
     assert fake.push is not None
     fake.push.send(hdr, [bytes(b) for b in bad])
-    assert_refused(fake, rx, pool, "checksum mismatch")
+    assert_refused(fake, rx, pool, "checksum mismatch", before)
+    assert_bad_block_unwritten(pool, before, frame, pos % len(frames[0]))
 
 
 def test_swapped_k_and_v_frames_refused(rig) -> None:
     fake, rx, pool, ready = rig
     hdr, frames = chunk(ready)
+    before = pool.k.clone(), pool.v.clone()
     assert fake.push is not None
     fake.push.send(hdr, frames[::-1])
-    assert_refused(fake, rx, pool, "checksum mismatch")
+    assert_refused(fake, rx, pool, "checksum mismatch", before)
+    assert_bad_block_unwritten(pool, before, 0, 0)  # K's first block: V's bytes
 
 
 def test_garbage_is_dropped_and_counted(rig) -> None:
@@ -217,7 +273,8 @@ def runs_chunk(ready: Ready, runs: list[int], kind: str = "k") -> tuple[KVChunk,
     hdr = KVChunk(room=ready.room, session=ready.session, index=0, layer_start=0,
                   layer_end=LAYOUT.num_layers, tok_start=0, tok_end=sum(runs), kind=kind,
                   dtype="float32", nbytes=sum(len(f) for f in frames),
-                  checksum=frames_checksum(frames), runs=runs)  # fmt: skip
+                  checksum=chunk_checksum(block_hashes(frames)), hashes=block_hashes(frames),
+                  runs=runs)  # fmt: skip
     return hdr, frames
 
 
@@ -266,9 +323,9 @@ def test_bad_runs_refused_before_write(rig, runs, frames_fix, reason) -> None:
 
 
 @pytest.mark.parametrize("fix, reason", [("short", "payload frames"), ("flip", "checksum")])
-def test_bad_packed_runs_refused_before_write(rig, fix, reason) -> None:
+def test_bad_packed_runs_refused(rig, fix, reason) -> None:
     """A packed frame a byte short is not cut into segments (refused by its frame
-    count); a flipped byte in it fails the segments' checksum."""
+    count, before any write); a flipped byte in it fails its block's hash."""
     fake, rx, pool, ready = rig
     hdr, frames = runs_chunk(ready, [3, 7])
     packed = bytearray(b"".join(frames))
@@ -276,9 +333,12 @@ def test_bad_packed_runs_refused_before_write(rig, fix, reason) -> None:
         packed = packed[:-1]
     else:
         packed[len(packed) // 2] ^= 1
+    before = pool.k.clone(), pool.v.clone()
     assert fake.push is not None
     fake.push.send(hdr, [bytes(packed)])
-    assert_refused(fake, rx, pool, reason)
+    assert_refused(fake, rx, pool, reason, None if fix == "short" else before)
+    if fix == "flip":
+        assert_bad_block_unwritten(pool, before, 0, len(packed) // 2)
 
 
 def test_segments_cut_only_a_whole_packed_frame() -> None:

@@ -1,34 +1,34 @@
 """kernels/cpu/page_copy.c: KV pages between a pool and a chunk's frames, both sides.
 
-    scatter_runs(dst, tpages, P, t0, runs, srcs)
+    scatter_runs(dst, tpages, P, t0, runs, srcs, hashes=None)  ->  all blocks matched
         dst    uint8 [L, num_pages, page bytes]: the pool's K or V, a page per row
         position p = t0, t0 + 1, ... (runs[0] + runs[1] + ... of them) of layer l:
             row p % P of page tpages[p // P] of dst[l]  =  the next row of
             srcs[l * len(runs) + r] (r: the run p falls in; each a buffer of rows)
         tpages int64: a request's pages in prompt order (page i holds positions
                       i * P .. i * P + P - 1)
+        hashes the chunk's block hashes (transfer/checksum.py): each block of a source
+               is hashed and compared right before it is written, while it is in L1,
+               and a layer stops at its first block that does not match
         One call writes a whole received chunk of one kind, pages entered or left
         mid-way included (transfer/validate.py).
 
-    gather_runs(src, tpages, P, t0, runs, frames)  ->  [XXH3-64 of each frame]
+    gather_runs(src, tpages, P, t0, runs, frames)  ->  the frames' block hashes
         The inverse, on the prefill: a piece's rows out of the request's pages into
         its frames (writable, one per layer and run), each frame hashed while it is
         still in the cache of the core that filled it (transfer/push.py, a piece whose
         pages are scattered over the pool).
 
-    frame_hashes(frames)  ->  [XXH3-64 of each frame]   (the receiver's checksum,
-        transfer/checksum.py), through the xxhash package's own library
+    block_hashes(frames)  ->  the frames' block hashes (transfer/checksum.py), through
+        the xxhash package's own library
 
 All three split their work (layers, frames) over par.c's threads when made with a
 Split: as many as the engine's kernels may use (Split.threads: --num-threads, or the
 share of a host's cores that kernels/core_share.py gives), as the KVReceiver and the
 KVSender do (a call that finds the threads busy with a forward runs on its own thread).
-A chunk is hashed, compared and only then written (transfer/validate.py), so the last
-chunk's hash and write are the tail of a transfer, after its last byte arrived, while
-the other core idles.
-1k-token transfers (a throwaway harness taking turns per transfer in one process pair,
-three runs; docs/benchmarks.md, twenty-eighth round): 2.21 / 2.53 / 2.68 GB/s on two
-threads against 2.14 / 2.41 / 2.46 with Python's xxhash and one thread.
+The last chunk's hash and write are the tail of a transfer, after its last byte
+arrived. Hashing a block just before writing it, against hashing the whole chunk and
+then writing it: see docs/benchmarks.md (thirty-first round).
 
 Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
 fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
@@ -36,8 +36,8 @@ pool, measured on the per-page call this one replaced). A request's slots that a
 whole pages in prompt order (never the decode's allocator) go through numpy instead
 (transfer/staging.py). The decode's KVReceiver loads it at start-up (cpu_native.load: once per
 process), unless --disable-compile. The wrapper checks what
-the C code trusts (dtypes, shapes, strides, writability); the C code checks the page
-numbers before it writes anything.
+the C code trusts (dtypes, shapes, strides, writability, the hash count); the C code
+checks the page numbers before it writes anything.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.kernels.cpu_native import Split, load, range_fn
+from pdserve.transfer.checksum import HASH_BLOCK, blocks_of
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -71,11 +72,12 @@ class PageRuns(ctypes.Structure):  # page_copy.c PageRuns
     _fields_ = [("pool", _ptr), ("pool_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
                 ("n_tpages", _i64), ("ps", _i64), ("rb", _i64), ("t0", _i64), ("runs", _ptr),
                 ("n_runs", _i64), ("frames", _ptr), ("layers", _i64), ("hashes", _ptr),
-                ("hash", _ptr)]  # fmt: skip
+                ("hash", _ptr), ("block", _i64), ("bad", _ptr)]  # fmt: skip
 
 
 class HashArgs(ctypes.Structure):  # page_copy.c HashArgs
-    _fields_ = [("srcs", _ptr), ("sizes", _ptr), ("out", _ptr), ("hash", _ptr)]
+    _fields_ = [("srcs", _ptr), ("sizes", _ptr), ("first", _ptr), ("out", _ptr),
+                ("hash", _ptr), ("block", _i64)]  # fmt: skip
 
 
 def xxh3_address() -> int | None:
@@ -96,6 +98,11 @@ def xxh3_address() -> int | None:
     return None
 
 
+def blocks_of_frames(frames: Sequence[Any]) -> int:
+    """The block hashes `frames` have (checksum.blocks_of each)."""
+    return sum(blocks_of(memoryview(f).nbytes) for f in frames)
+
+
 class PageCopy:
     """With `split`: a chunk's layers (scatter, gather), and its frames' hashes, go to
     par.c's threads (as many as Split.threads says, or `threads` where > 0; work taken in
@@ -109,8 +116,13 @@ class PageCopy:
         self._check.restype, self._check.argtypes = ctypes.c_int, [_ptr]
         self._scatter = range_fn(lib, "pd_page_scatter_layers")
         self._gather = range_fn(lib, "pd_page_gather_layers")
-        self._hash_frames = range_fn(lib, "pd_hash_frames")
+        self._hash_blocks = range_fn(lib, "pd_hash_blocks")
         self._xxh3 = xxh3_address()
+
+    @property
+    def verifies(self) -> bool:
+        """Whether scatter_runs can check block hashes (XXH3 found in xxhash's library)."""
+        return self._xxh3 is not None
 
     def scatter_runs(
         self,
@@ -120,12 +132,24 @@ class PageCopy:
         t0: int,
         runs: list[int],
         srcs: list[Any],
-    ) -> None:
-        """See the module docstring. Checks what the C code trusts: the destination's
-        layout, each source's size and contiguity; the C code checks the positions and
-        pages before it writes anything."""
+        hashes: bytes | None = None,
+    ) -> bool:
+        """See the module docstring; False if a block did not match its hash (its layer
+        written up to that block, the others whole). Checks what the C code trusts: the
+        destination's layout, each source's size and contiguity, the hash count; the C
+        code checks the positions and pages before it writes anything. Without XXH3 in
+        the xxhash library the caller compares the hashes first (block_hashes: None)."""
         args, _alive = self._page_runs(dst, tpages, page_size, t0, runs, srcs, into_pool=True)
+        if hashes is None:
+            self._run(self._scatter, args, len(dst))
+            return True
+        if self._xxh3 is None or len(hashes) != 8 * blocks_of_frames(srcs):
+            raise ValueError(f"page_copy: {len(hashes)} bytes of hashes for {len(srcs)} frames")
+        bad = (ctypes.c_int32 * len(dst))()
+        args.hashes, args.hash, args.block = _address(hashes), self._xxh3, HASH_BLOCK
+        args.bad = ctypes.addressof(bad)
         self._run(self._scatter, args, len(dst))
+        return not any(bad)
 
     def gather_runs(
         self,
@@ -135,16 +159,16 @@ class PageCopy:
         t0: int,
         runs: list[int],
         frames: list[Any],
-    ) -> list[int] | None:
+    ) -> bytes | None:
         """The inverse of scatter_runs: `frames` (writable) filled from `src`'s pages,
-        and each frame's checksum.frame_hash, taken as soon as it is filled (None where
-        the xxhash library exports no XXH3-64: the caller hashes the frames)."""
+        and their checksum.block_hashes, taken as each frame is filled (None where the
+        xxhash library exports no XXH3-64: the caller hashes the frames)."""
         args, _alive = self._page_runs(src, tpages, page_size, t0, runs, frames, into_pool=False)
-        out = (ctypes.c_uint64 * len(frames))()
+        out = (ctypes.c_uint64 * blocks_of_frames(frames))()
         if self._xxh3 is not None:
-            args.hashes, args.hash = ctypes.addressof(out), self._xxh3
+            args.hashes, args.hash, args.block = ctypes.addressof(out), self._xxh3, HASH_BLOCK
         self._run(self._gather, args, len(src))
-        return None if self._xxh3 is None else list(out)
+        return None if self._xxh3 is None else bytes(out)
 
     def _page_runs(
         self,
@@ -177,7 +201,7 @@ class PageCopy:
         counts = (ctypes.c_int64 * len(runs))(*runs)
         args = PageRuns(pool.ctypes.data, pool.strides[0], num_pages, tpages.ctypes.data,
                         len(tpages), page_size, rb, t0, ctypes.addressof(counts), len(runs),
-                        ctypes.addressof(addrs), layers, None, None)  # fmt: skip
+                        ctypes.addressof(addrs), layers, None, None, 0, None)  # fmt: skip
         if not self._check(ctypes.byref(args)):
             raise ValueError(
                 f"page_copy: positions {t0} + {sum(runs)} outside the request's"
@@ -185,8 +209,8 @@ class PageCopy:
             )
         return args, (addrs, counts, views)
 
-    def frame_hashes(self, frames: Sequence[Any]) -> list[int] | None:
-        """checksum.frame_hash of each frame, on this kernel's threads; None where the
+    def block_hashes(self, frames: Sequence[Any]) -> bytes | None:
+        """checksum.block_hashes of `frames`, on this kernel's threads; None where the
         xxhash library exports no XXH3-64 or a frame is not contiguous (the caller then
         hashes in Python)."""
         if self._xxh3 is None:
@@ -194,14 +218,17 @@ class PageCopy:
         views = [memoryview(f) for f in frames]
         if not all(v.c_contiguous for v in views):
             return None
-        n = len(views)
+        n, sizes = len(views), [v.nbytes for v in views]
+        first = np.cumsum([0] + [blocks_of(size) for size in sizes])
         addrs = (ctypes.c_void_p * n)(*map(_address, views))
-        sizes = (ctypes.c_int64 * n)(*(v.nbytes for v in views))
-        out = (ctypes.c_uint64 * n)()
-        args = HashArgs(ctypes.addressof(addrs), ctypes.addressof(sizes), ctypes.addressof(out),
-                        self._xxh3)  # fmt: skip
-        self._run(self._hash_frames, args, n)
-        return list(out)
+        c_sizes = (ctypes.c_int64 * n)(*sizes)
+        c_first = (ctypes.c_int64 * n)(*first[:-1].tolist())
+        out = (ctypes.c_uint64 * int(first[-1]))()
+        args = HashArgs(ctypes.addressof(addrs), ctypes.addressof(c_sizes),
+                        ctypes.addressof(c_first), ctypes.addressof(out), self._xxh3,
+                        HASH_BLOCK)  # fmt: skip
+        self._run(self._hash_blocks, args, n)
+        return bytes(out)
 
     def _run(self, fn: Any, args: ctypes.Structure, n: int) -> None:
         if self._split is None:

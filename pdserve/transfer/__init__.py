@@ -1,7 +1,7 @@
 """pdserve.transfer: the prefill -> decode KV transfer over ZeroMQ (DESIGN §5).
 
 messages.py   wire types (msgspec, tagged, versioned)
-checksum.py   XXH3-64 frame checksums and the transfer digest
+checksum.py   XXH3-64 block checksums and the transfer digest
 zmq_io.py     the one typed ZeroMQ wrapper (sockets, send hook, CURVE keys)
 io_thread.py  the background I/O thread both sides run their sockets on
 sender.py     KVSender: the prefill's KVSink        (push.py, staging.py)

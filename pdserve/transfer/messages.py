@@ -8,27 +8,30 @@ Channels (DESIGN §5):
 A multipart message is [header] or [KVChunk header, payload frame(s)].
 KVChunk payload: kind "kv" -> two frames (K then V), "k"/"v" -> one frame. Each frame
 is the C-contiguous bytes of a [layer_end-layer_start, tok_end-tok_start, kv_heads,
-head_dim] tensor of `dtype`; `nbytes` is the length of each frame and `checksum` is
-frames_checksum() over the frames in order (XXH3-64, see checksum.py).
+head_dim] tensor of `dtype`; `nbytes` is the length of each frame. Its segments (for
+the checksum) are its layers, frame after frame.
 With `runs` (token counts summing to tok_end - tok_start) a kind's KV comes instead as
 (layer, run) segments, layer-major: [run tokens, kv_heads, head_dim] each, `nbytes` the
-kind's bytes in all, and `checksum` frames_checksum() over the segments in order. Each
-segment is its own frame (the prefill pool's own memory, sent without a gather where a
-request's slots lie in a few runs), or a kind's segments come one after another in one
-frame (a piece gathered page by page, each segment hashed as it was filled: fewer
-frames, the same checksum). transfer/push.py sends both; validate.segments cuts the
-second into the first.
+kind's bytes in all. Each segment is its own frame (the prefill pool's own memory, sent
+without a gather where a request's slots lie in a few runs), or a kind's segments come
+one after another in one frame (a piece gathered page by page: fewer frames, the same
+segments). transfer/push.py sends both; validate.segments cuts the second into the first.
+`hashes` holds the XXH3-64 of each HASH_BLOCK-byte block of each segment in order, and
+`checksum` is the XXH3-64 of `hashes` (checksum.py): the decode checks each block right
+before writing it.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from pdserve.transfer.checksum import done_digest, frames_checksum
+from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 
-__all__ = ["done_digest", "frames_checksum"]  # re-exported: the checksums of these messages
+# re-exported: the checksums of these messages
+__all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 
-PROTOCOL_VERSION = 4  # 4: runs packed in one frame (3: KVChunk.runs, 2: XXH3-64, 1: crc32)
+# 5: block hashes (4: runs packed in one frame, 3: KVChunk.runs, 2: XXH3-64, 1: crc32)
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 
 
@@ -60,7 +63,8 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     kind: str  # "kv" | "k" | "v"
     dtype: str
     nbytes: int  # bytes of each kind: its one frame, or with runs its segments together
-    checksum: int  # frames_checksum(): XXH3-64 of the frames' XXH3-64s
+    checksum: int  # chunk_checksum(hashes)
+    hashes: bytes  # block_hashes(): each HASH_BLOCK of each segment, in order
     runs: list[int] = msgspec.field(default_factory=list)  # [] : one tensor per kind
 
 

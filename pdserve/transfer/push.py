@@ -68,7 +68,7 @@ from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import combine, frames_checksum
+from pdserve.transfer.checksum import block_hashes, chunk_checksum
 from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import PageViews, PoolPages, StagingPool, request_pages
 from pdserve.transfer.zmq_io import MsgSocket, Tracker
@@ -83,7 +83,7 @@ class InPlace:
 
     runs: list[tuple[int, int]]
     frames: tuple[list[np.ndarray], list[np.ndarray]]  # K's, V's: one per (layer, run)
-    checksums: tuple[int, int] | None = None  # K's, V's, once Pusher.prepare hashed them
+    hashes: tuple[bytes, bytes] | None = None  # K's, V's block hashes, once prepare() took them
     # K's, V's frames made for the socket by Pusher.prepare (zero-copy zmq.Frames, or
     # zmq_native.Frames); sent once, then dropped (NOTE: a pyzmq frame's tracker is done
     # only once this object is gone too)
@@ -197,10 +197,15 @@ class Pusher:
         if piece.prepared is None:
             piece.prepared = in_place(piece)
         p = piece.prepared
-        if p is not None and p.checksums is None:
+        if p is not None and p.hashes is None:
             with stages.timed("prepare"):
-                p.checksums = (frames_checksum(p.frames[0]), frames_checksum(p.frames[1]))
+                p.hashes = (self._block_hashes(p.frames[0]), self._block_hashes(p.frames[1]))
                 p.zframes = (self._make(p.frames[0]), self._make(p.frames[1]))
+
+    def _block_hashes(self, segments: list[np.ndarray]) -> bytes:
+        """checksum.block_hashes, on the kernel threads where the native kernel is built."""
+        native = None if self._native is None else self._native.block_hashes(segments)
+        return block_hashes(segments) if native is None else native
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:
         """Send `piece`: a K chunk, then a V chunk, so K is on the wire (and verified,
@@ -220,8 +225,8 @@ class Pusher:
             return
         idx = piece.slots[piece.start : piece.end].to(pool.k.device)
         for kind, src in (("k", pool.k), ("v", pool.v)):
-            buf, frame = staging.gather(src, idx)
-            hdr = self._header(st, kind, tok, n, [frame], frame.nbytes)
+            buf, frame = staging.gather(src, idx)  # [layers, n, row bytes]: a segment per layer
+            hdr = self._header(st, kind, tok, n, list(frame), frame.nbytes)
             with stages.timed("send"):
                 trackers = sock.send(hdr, [frame])
             # NOTE: a staging buffer returns to the pool only when libzmq is done with it
@@ -260,8 +265,7 @@ class Pusher:
         for kind, src in zip("kv", views):
             assert src is not None
             buf, rows, hashes = staging.gather_pages(src, pages, t0, n, self._native)
-            checksum = None if hashes is None else combine(hashes)
-            hdr = self._header(st, kind, tok, n, list(rows), rows.nbytes, [n], checksum)
+            hdr = self._header(st, kind, tok, n, list(rows), rows.nbytes, [n], hashes)
             with stages.timed("send"):
                 trackers = sock.send(hdr, [rows.reshape(-1)])
             # NOTE: a staging buffer returns to the pool only when libzmq is done with it
@@ -271,12 +275,12 @@ class Pusher:
         """K, then V, of positions [tok, tok + n) as one frame per (layer, run), read by
         libzmq straight from the pool's pages (the module docstring); hashed here unless
         prepare() did."""
-        sums = p.checksums or (None, None)
+        sums = p.hashes or (None, None)
         made, p.zframes = p.zframes, None  # sent once: no reference may outlive the send
-        for i, (kind, frames, checksum) in enumerate(zip("kv", p.frames, sums)):
+        for i, (kind, frames, hashes) in enumerate(zip("kv", p.frames, sums)):
             nbytes = sum(f.nbytes for f in frames)
             counts = [c for _, c in p.runs]
-            hdr = self._header(st, kind, tok, n, frames, nbytes, counts, checksum)
+            hdr = self._header(st, kind, tok, n, frames, nbytes, counts, hashes)
             with stages.timed("send"):
                 st.inflight += sock.send(hdr, made[i] if made else frames)
         del made
@@ -287,17 +291,17 @@ class Pusher:
         kind: str,
         tok: int,
         n: int,
-        frames: list,
+        segments: list,
         nbytes: int,
         runs: list[int] | None = None,
-        checksum: int | None = None,
+        hashes: bytes | None = None,
     ) -> KVChunk:
-        """The KVChunk for `frames` (hashed here unless `checksum` is their hash),
-        recorded in st.sent."""
+        """The KVChunk for `segments` (hashed here unless `hashes` are their block
+        hashes), recorded in st.sent."""
         assert st.ready is not None
-        if checksum is None:
+        if hashes is None:
             with stages.timed("checksum"):
-                checksum = frames_checksum(frames)
+                hashes = self._block_hashes(segments)
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,
@@ -309,7 +313,8 @@ class Pusher:
             kind=kind,
             dtype=self.layout.dtype,
             nbytes=nbytes,
-            checksum=checksum,
+            checksum=chunk_checksum(hashes),
+            hashes=hashes,
             runs=runs or [],
         )
         st.sent.append((hdr.index, hdr.checksum))

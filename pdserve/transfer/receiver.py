@@ -11,8 +11,10 @@ Invariants:
   lock with `open` set; every terminal path (ok, failure, cancel) clears `open`
   under the same lock. So once cancel() returns or poll() reports the request,
   nothing writes into its slots again and the decode may free its pages.
-- A chunk is validated completely (room, session, ranges, byte counts, checksum,
-  no overlap with what arrived before) before a single byte is written.
+- A chunk's header is validated completely (room, session, ranges, byte counts, the
+  checksum of its block hashes, no overlap with what arrived before) before a single
+  byte is written, and each block of its payload is checked against its hash before
+  it is written (validate.py); a chunk refused part-way fails its transfer.
 """
 
 from __future__ import annotations
@@ -218,16 +220,17 @@ class KVReceiver:
         self._last_seen[x.endpoint] = time.monotonic()
         bufs = segments(self.layout, hdr, [f.buffer for f in frames])
         reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
+        try:
+            with x.lock:
+                if not reason and x.open:  # NOTE: cancel() may have closed it since the lookup
+                    # "" unless a block failed its hash as it was about to be written
+                    reason = write_chunk(x, hdr, bufs, self._page_copy)
+        except Exception as e:  # fail closed: partially written KV is never reported ok
+            self._fail(x, f"internal error while writing KV: {e!r}")
+            return
         if reason:
             self._count("refused_chunk")
             self._fail(x, f"chunk {hdr.index} refused: {reason}")
-            return
-        try:
-            with x.lock:
-                if x.open:  # NOTE: cancel() may have closed it since the lookup
-                    write_chunk(x, hdr, bufs, self._page_copy)
-        except Exception as e:  # fail closed: partially written KV is never reported ok
-            self._fail(x, f"internal error while writing KV: {e!r}")
 
     def _on_done(self, done: KVDone) -> None:
         x = self._lookup(done.room, done.session)

@@ -73,12 +73,12 @@ class StagingPool:
 
     def gather_pages(
         self, src: np.ndarray, tpages: np.ndarray, t0: int, n: int, native: PageCopy
-    ) -> tuple[torch.Tensor, np.ndarray, list[int] | None]:
+    ) -> tuple[torch.Tensor, np.ndarray, bytes | None]:
         """Copy positions t0 .. t0 + n - 1 of `src` (a CPU pool's K or V as pages,
         paged_view; position p in page tpages[p // page_size]) into a staging buffer,
         layer after layer, each layer hashed as soon as it is filled (native.gather_runs,
         on the kernel threads). Returns (buffer, the bytes as [layers, n * row bytes],
-        each layer's hash or None); the hash counts as part of the gather. Same
+        their block hashes or None); the hash counts as part of the gather. Same
         precondition as `gather`."""
         with stages.timed("send"):  # NOTE: waits here when every buffer is still in flight
             buf = self._take()

@@ -1,5 +1,13 @@
 """Receiver-side state of one transfer and the checks run before any byte is written.
 
+Every header field is checked before anything of a chunk is written (room, session,
+ranges, byte counts, no overlap, the hash count, the checksum of the block hashes), and
+every payload block is checked against its hash before it is written (checksum.py):
+by the native scatter block by block, each right before its write, where it writes the
+chunk; otherwise all of them here, before the write. A block that fails stops the
+write: the chunk is refused and the transfer fails, its pages (the request's own, no
+one else's) freed unread.
+
 Coverage map of one transfer (1 = received), per kind:
     cov[kind, layer, token]    kind 0 = K, 1 = V;  layer in [0, L);  token in [0, prompt_len)
 KVDone is accepted only when every cell is exactly 1 (each written exactly once:
@@ -24,11 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.page_copy import PageCopy
+from pdserve.kernels.page_copy import PageCopy, blocks_of_frames
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import combine, done_digest, frames_checksum
+from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 from pdserve.transfer.messages import KVChunk, KVDone
 from pdserve.transfer.staging import (
     PageViews,
@@ -105,14 +113,35 @@ def check_chunk(
     native: PageCopy | None = None,
 ) -> str:
     """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`.
-    `native`: the frames are hashed on its threads (else here, in Python's xxhash)."""
+    `native`: the blocks are hashed on its threads (else here, in Python's xxhash), or
+    by its scatter as it writes them, where it writes this transfer (write_chunk)."""
     with stages.timed("verify"):
         return _check_chunk(layout, x, h, bufs, native)
 
 
-def _checksum(bufs: list[memoryview], native: PageCopy | None) -> int:
-    hashes = native.frame_hashes(bufs) if native is not None else None
-    return frames_checksum(bufs) if hashes is None else combine(hashes)
+def _block_hashes(segs: list[memoryview], native: PageCopy | None) -> bytes:
+    hashes = native.block_hashes(segs) if native is not None else None
+    return block_hashes(segs) if hashes is None else hashes
+
+
+def _fused(x: Transfer, native: PageCopy | None) -> bool:
+    """Whether the native scatter writes `x`'s chunks, checking each block as it goes."""
+    return native is not None and native.verifies and x.paged() is not None
+
+
+def hash_segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryview]:
+    """What checksum.block_hashes covers: with runs, the (kind, layer, run) segments as
+    `segments` gave them; without, each kind's frame cut into its layers. Precondition:
+    the frames have the sizes `h` announces (check_chunk)."""
+    if h.runs:
+        return bufs
+    layers = h.layer_end - h.layer_start
+    out = []
+    for b in bufs:
+        whole = memoryview(b).cast("B")
+        step = whole.nbytes // layers
+        out += [whole[j * step : (j + 1) * step] for j in range(layers)]
+    return out
 
 
 MAX_RUNS = 64  # runs a chunk may name (the prefill sends at most push.MAX_RUNS)
@@ -174,26 +203,35 @@ def _check_chunk(
     for kind in _KINDS[h.kind]:
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
+    segs = hash_segments(layout, h, bufs)
+    if len(h.hashes) != 8 * blocks_of_frames(segs):
+        return f"{len(h.hashes)} bytes of block hashes for {blocks_of_frames(segs)} blocks"
+    if chunk_checksum(h.hashes) != h.checksum:
+        return "checksum mismatch (block hashes)"
     # NOTE: last, so a frame of the wrong size is never hashed
-    if _checksum(bufs, native) != h.checksum:
+    if not _fused(x, native) and _block_hashes(segs, native) != h.hashes:
         return "checksum mismatch"
     return ""
 
 
 def write_chunk(
     x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None = None
-) -> None:
-    """Precondition: check_chunk passed and the caller holds x.lock with x.open set.
+) -> str:
+    """Why the chunk was refused while it was written ("" if it was written whole).
+    Precondition: check_chunk passed and the caller holds x.lock with x.open set.
 
-    Scatters straight from the frame's buffer (a read-only view, no copy) into the pool."""
+    Scatters straight from the frame's buffer (a read-only view, no copy) into the pool.
+    The native scatter checks each block right before writing it: a block that fails
+    leaves the chunk written in part, and the caller must fail the transfer."""
     with stages.timed("scatter"):
-        _write_chunk(x, h, bufs, native)
+        return _write_chunk(x, h, bufs, native)
 
 
-def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> None:
-    if native is not None and (paged := x.paged()) is not None:  # one native call per kind
-        _write_paged(x, h, bufs, native, paged)
-        return
+def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> str:
+    if native is not None and _fused(x, native):  # one native call per kind
+        paged = x.paged()
+        assert paged is not None
+        return _write_paged(x, h, bufs, native, paged)
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
@@ -208,7 +246,7 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
                 scatter_runs(dst, idx, h.runs, frames, lay.page_size)
             x.cover(kind, h)
         x.chunks.append((h.index, h.checksum))
-        return
+        return ""
     for kind, buf in zip(_KINDS[h.kind], bufs):
         dst = (x.pool.k, x.pool.v)[kind][h.layer_start : h.layer_end]
         if dst.is_cuda:
@@ -224,24 +262,26 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
             scatter_rows(dst, idx, frame, lay.page_size)
         x.cover(kind, h)
     x.chunks.append((h.index, h.checksum))
+    return ""
 
 
 def _write_paged(
     x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy, paged: Paged
-) -> None:
-    layers, runs = h.layer_end - h.layer_start, h.runs or [h.tok_end - h.tok_start]
-    kinds = _KINDS[h.kind]
-    per_kind = len(bufs) // len(kinds)
+) -> str:
+    runs, kinds = h.runs or [h.tok_end - h.tok_start], _KINDS[h.kind]
+    segs = hash_segments(x.pool.layout, h, bufs)  # a view per layer and run: srcs, by kind
+    per_kind, at = len(segs) // len(kinds), 0
     for i, kind in enumerate(kinds):
-        srcs: list = bufs[i * per_kind : (i + 1) * per_kind]
-        if not h.runs:  # the kind's one frame, [layers, tokens, row]: a view per layer
-            whole = memoryview(srcs[0]).cast("B")
-            step = whole.nbytes // layers
-            srcs = [whole[j * step : (j + 1) * step] for j in range(layers)]
+        srcs = segs[i * per_kind : (i + 1) * per_kind]
+        end = at + 8 * blocks_of_frames(srcs)
         dst = paged.kinds[kind][h.layer_start : h.layer_end]
-        native.scatter_runs(dst, paged.pages, x.pool.layout.page_size, h.tok_start, runs, srcs)
+        size, want = x.pool.layout.page_size, h.hashes[at:end]
+        if not native.scatter_runs(dst, paged.pages, size, h.tok_start, runs, srcs, want):
+            return "checksum mismatch"
         x.cover(kind, h)
+        at = end
     x.chunks.append((h.index, h.checksum))
+    return ""
 
 
 def _copy_runs_to_device(
