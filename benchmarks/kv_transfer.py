@@ -64,7 +64,7 @@ from pdserve.envs import cache_root
 from pdserve.kernels.page_copy import PageCopy, page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
-from pdserve.transfer.checksum import block_hashes
+from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
 from pdserve.transfer.push import Pusher
@@ -309,7 +309,8 @@ class Checks:
         bufs = [f.buffer for f in frames]
         dst, size = self.kinds[kind], BENCH_LAYOUT.page_size
         rows = bufs[0].nbytes // BENCH_LAYOUT.token_bytes_per_layer
-        if not self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs, self.want[kind, t0]):
+        want = self.want[kind, t0]
+        if not self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs, want, HASH_BLOCK):
             raise RuntimeError(f"+checks: a block of kind {kind} at token {t0} failed its hash")
 
 

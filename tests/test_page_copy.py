@@ -238,11 +238,11 @@ def test_block_hashes_are_the_python_ones(tmp_path, threads) -> None:
     sizes = (0, 1, 31, 240, HASH_BLOCK - 1, HASH_BLOCK, HASH_BLOCK + 1, 3 << 18)
     frames: list = [g.bytes(n) for n in sizes]
     frames += [bytearray(g.bytes(1000)), memoryview(g.integers(0, 9, 77, dtype=np.uint8))]
-    got = kernel.block_hashes(frames)
+    got = kernel.block_hashes(frames, HASH_BLOCK)
     if got is None:
         pytest.skip("this xxhash library exports no XXH3-64")
     assert got == block_hashes(frames)
-    assert kernel.block_hashes([]) == b""
+    assert kernel.block_hashes([], HASH_BLOCK) == b""
 
 
 def _fresh(lay):
@@ -301,7 +301,7 @@ def test_scatter_writes_the_blocks_before_a_bad_one_and_stops_there(two_threads)
     bad[HASH_BLOCK + 7] ^= 4
     before = dst.copy()
     assert not two_threads.scatter_runs(dst, tpages, ps, 0, [n], [srcs[0], bytes(bad), srcs[2]],
-                                        hashes)  # fmt: skip
+                                        hashes, HASH_BLOCK)  # fmt: skip
     assert np.array_equal(dst[0], want[0]) and np.array_equal(dst[2], want[2])
     rows = HASH_BLOCK // rb  # positions per block
     for p in range(n):
@@ -310,7 +310,7 @@ def test_scatter_writes_the_blocks_before_a_bad_one_and_stops_there(two_threads)
         expect = (want if p < rows else before)[1, page, off : off + rb]
         assert np.array_equal(got, expect), p
     with pytest.raises(ValueError, match="hashes"):
-        two_threads.scatter_runs(dst, tpages, ps, 0, [n], srcs, hashes[:-8])
+        two_threads.scatter_runs(dst, tpages, ps, 0, [n], srcs, hashes[:-8], HASH_BLOCK)
 
 
 def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) -> None:
@@ -324,7 +324,7 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
         pytest.skip("no C compiler")
     monkeypatch.setattr(kernel, "_xxh3", None)
     lay, hdr, bufs = _chunk_case("k", (1, 3), (5, 18), [])
-    assert kernel.block_hashes(bufs) is None and not kernel.verifies
+    assert kernel.block_hashes(bufs, 16384) is None and not kernel.verifies
     x = _fresh(lay)
     assert check_chunk(lay, x, hdr, bufs, kernel) == ""
     bad = bytearray(bufs[0])
@@ -356,7 +356,7 @@ def test_gather_reads_what_indexing_reads(kernel, t0, runs) -> None:
     _, pool, tpages = _runs_case(ps, rb, seed=t0 * 7 + len(runs))
     before = pool.copy()
     frames = [bytearray(count * rb) for _ in range(3) for count in runs]
-    kernel.gather_runs(pool, tpages, ps, t0, runs, frames)
+    kernel.gather_runs(pool, tpages, ps, t0, runs, frames, 0)
     assert [bytes(f) for f in frames] == _gather_want(pool, tpages, ps, rb, t0, runs)
     assert np.array_equal(pool, before)
 
@@ -365,14 +365,14 @@ def test_gather_reads_what_indexing_reads(kernel, t0, runs) -> None:
 def test_two_threads_gather_and_hash_each_frame(two_threads, t0, runs) -> None:
     """Layers split over two threads: the same bytes, and each frame's hash is the
     xxhash package's over what it holds (the sender's checksum of it)."""
-    from pdserve.transfer.checksum import block_hashes
+    from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 
     ps, rb = 4, 64
     _, pool, tpages = _runs_case(ps, rb, seed=t0 + 3 * len(runs))
     want = _gather_want(pool, tpages, ps, rb, t0, runs)
     for _ in range(20):  # workers asleep, spinning, or not started
         frames = [np.zeros(count * rb, np.uint8) for _ in range(3) for count in runs]
-        hashes = two_threads.gather_runs(pool, tpages, ps, t0, runs, frames)
+        hashes = two_threads.gather_runs(pool, tpages, ps, t0, runs, frames, HASH_BLOCK)
         assert [f.tobytes() for f in frames] == want
         if hashes is not None:
             assert hashes == block_hashes(want)
@@ -385,15 +385,17 @@ def test_gather_refuses_before_copying(two_threads) -> None:
     _, pool, tpages = _runs_case(ps, rb, seed=4)
     frames = [np.full(3 * rb, 9, np.uint8) for _ in range(3)]
     with pytest.raises(ValueError, match="outside"):
-        two_threads.gather_runs(pool, tpages, ps, 5 * ps - 2, [3], frames)
+        two_threads.gather_runs(pool, tpages, ps, 5 * ps - 2, [3], frames, 64)
     bad = tpages.copy()
     bad[1] = 12
     with pytest.raises(ValueError, match="outside"):
-        two_threads.gather_runs(pool, bad, ps, 2, [3], frames)
+        two_threads.gather_runs(pool, bad, ps, 2, [3], frames, 64)
     with pytest.raises(ValueError):
-        two_threads.gather_runs(pool, tpages, ps, 0, [3], [*frames[:2], np.zeros(2 * rb, np.uint8)])
+        two_threads.gather_runs(
+            pool, tpages, ps, 0, [3], [*frames[:2], np.zeros(2 * rb, np.uint8)], 64
+        )
     with pytest.raises(ValueError, match="read-only"):
-        two_threads.gather_runs(pool, tpages, ps, 0, [3], [*frames[:2], bytes(3 * rb)])
+        two_threads.gather_runs(pool, tpages, ps, 0, [3], [*frames[:2], bytes(3 * rb)], 64)
     assert all((f == 9).all() for f in frames)
 
 
@@ -407,5 +409,5 @@ def test_gather_without_the_c_hash_still_gathers(tmp_path, monkeypatch) -> None:
     ps, rb = 4, 64
     _, pool, tpages = _runs_case(ps, rb, seed=6)
     frames = [np.zeros(9 * rb, np.uint8) for _ in range(3)]
-    assert kernel.gather_runs(pool, tpages, ps, 2, [9], frames) is None
+    assert kernel.gather_runs(pool, tpages, ps, 2, [9], frames, 64) is None
     assert [f.tobytes() for f in frames] == _gather_want(pool, tpages, ps, rb, 2, [9])

@@ -118,3 +118,25 @@ def test_done_digest_ignores_arrival_order_but_not_content() -> None:
     assert done_digest(pairs[:2], 5, -0.5, 30) != d
     assert done_digest(pairs, 6, -0.5, 30) != d
     assert done_digest([(0, 11), (1, 23), (2, 2**64 - 1)], 5, -0.5, 30) != d
+
+
+def test_block_hashes_fit_the_header_or_the_sender_is_refused() -> None:
+    """A chunk's block hashes travel in its header, which a decode drops past
+    MAX_HEADER_BYTES: the default frame size fits them even for 128 layers sent in
+    MAX_RUNS runs; a frame size whose hashes would not fit is refused up front."""
+    from pdserve.kvcache.pools import KVLayout
+    from pdserve.transfer.messages import MAX_HEADER_BYTES
+    from pdserve.transfer.push import MAX_RUNS, Pusher
+    from pdserve.transfer.sender import MAX_FRAME_BYTES
+
+    big = KVLayout(num_layers=128, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
+    pusher = Pusher(big, MAX_FRAME_BYTES)
+    blocks = -(-MAX_FRAME_BYTES // HASH_BLOCK) + big.num_layers * MAX_RUNS
+    worst = KVChunk(room=2**62, session=2**62, index=10**6, layer_start=0, layer_end=128,
+                    tok_start=0, tok_end=pusher.max_tokens, kind="k", dtype="bfloat16",
+                    nbytes=MAX_FRAME_BYTES, checksum=2**64 - 1, hashes=bytes(8 * blocks),
+                    runs=[pusher.max_tokens // 4] * 4)  # fmt: skip
+    assert len(encode(worst)) < MAX_HEADER_BYTES
+    assert Decoder().decode(encode(worst)) == worst
+    with pytest.raises(ValueError, match="block hashes"):
+        Pusher(big, 64 * MAX_FRAME_BYTES)

@@ -1,26 +1,26 @@
 """kernels/cpu/page_copy.c: KV pages between a pool and a chunk's frames, both sides.
 
-    scatter_runs(dst, tpages, P, t0, runs, srcs, hashes=None)  ->  all blocks matched
+    scatter_runs(dst, tpages, P, t0, runs, srcs, hashes=None, block=0)  ->  all matched
         dst    uint8 [L, num_pages, page bytes]: the pool's K or V, a page per row
         position p = t0, t0 + 1, ... (runs[0] + runs[1] + ... of them) of layer l:
             row p % P of page tpages[p // P] of dst[l]  =  the next row of
             srcs[l * len(runs) + r] (r: the run p falls in; each a buffer of rows)
         tpages int64: a request's pages in prompt order (page i holds positions
                       i * P .. i * P + P - 1)
-        hashes the chunk's block hashes (transfer/checksum.py): each block of a source
-               is hashed and compared right before it is written, while it is in L1,
-               and a layer stops at its first block that does not match
+        hashes the chunk's block hashes (transfer/checksum.py: each `block` bytes of a
+               source): each block is hashed and compared right before it is written,
+               while it is in L1, and a layer stops at its first block that does not match
         One call writes a whole received chunk of one kind, pages entered or left
         mid-way included (transfer/validate.py).
 
-    gather_runs(src, tpages, P, t0, runs, frames)  ->  the frames' block hashes
+    gather_runs(src, tpages, P, t0, runs, frames, block)  ->  the frames' block hashes
         The inverse, on the prefill: a piece's rows out of the request's pages into
         its frames (writable, one per layer and run), each frame hashed while it is
         still in the cache of the core that filled it (transfer/push.py, a piece whose
         pages are scattered over the pool).
 
-    block_hashes(frames)  ->  the frames' block hashes (transfer/checksum.py), through
-        the xxhash package's own library
+    block_hashes(frames, block)  ->  the frames' block hashes (transfer/checksum.py),
+        through the xxhash package's own library
 
 All three split their work (layers, frames) over par.c's threads when made with a
 Split: as many as the engine's kernels may use (Split.threads: --num-threads, or the
@@ -50,7 +50,6 @@ from typing import Any
 import numpy as np
 
 from pdserve.kernels.cpu_native import Split, load, range_fn
-from pdserve.transfer.checksum import HASH_BLOCK, blocks_of
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -98,9 +97,10 @@ def xxh3_address() -> int | None:
     return None
 
 
-def blocks_of_frames(frames: Sequence[Any]) -> int:
-    """The block hashes `frames` have (checksum.blocks_of each)."""
-    return sum(blocks_of(memoryview(f).nbytes) for f in frames)
+def blocks_of_frames(frames: Sequence[Any], block: int) -> int:
+    """How many blocks of `block` bytes `frames` are hashed in (each its own, the last
+    one shorter)."""
+    return sum(-(-memoryview(f).nbytes // block) for f in frames)
 
 
 class PageCopy:
@@ -133,6 +133,7 @@ class PageCopy:
         runs: list[int],
         srcs: list[Any],
         hashes: bytes | None = None,
+        block: int = 0,
     ) -> bool:
         """See the module docstring; False if a block did not match its hash (its layer
         written up to that block, the others whole). Checks what the C code trusts: the
@@ -143,10 +144,10 @@ class PageCopy:
         if hashes is None:
             self._run(self._scatter, args, len(dst))
             return True
-        if self._xxh3 is None or len(hashes) != 8 * blocks_of_frames(srcs):
+        if self._xxh3 is None or block < 1 or len(hashes) != 8 * blocks_of_frames(srcs, block):
             raise ValueError(f"page_copy: {len(hashes)} bytes of hashes for {len(srcs)} frames")
         bad = (ctypes.c_int32 * len(dst))()
-        args.hashes, args.hash, args.block = _address(hashes), self._xxh3, HASH_BLOCK
+        args.hashes, args.hash, args.block = _address(hashes), self._xxh3, block
         args.bad = ctypes.addressof(bad)
         self._run(self._scatter, args, len(dst))
         return not any(bad)
@@ -159,16 +160,19 @@ class PageCopy:
         t0: int,
         runs: list[int],
         frames: list[Any],
+        block: int,
     ) -> bytes | None:
         """The inverse of scatter_runs: `frames` (writable) filled from `src`'s pages,
-        and their checksum.block_hashes, taken as each frame is filled (None where the
-        xxhash library exports no XXH3-64: the caller hashes the frames)."""
+        and their block hashes, each `block` bytes hashed as each frame is filled (None
+        for `block` 0, or where the xxhash library exports no XXH3-64: the caller hashes
+        the frames)."""
         args, _alive = self._page_runs(src, tpages, page_size, t0, runs, frames, into_pool=False)
-        out = (ctypes.c_uint64 * blocks_of_frames(frames))()
-        if self._xxh3 is not None:
-            args.hashes, args.hash, args.block = ctypes.addressof(out), self._xxh3, HASH_BLOCK
+        hashing = self._xxh3 is not None and block > 0
+        out = (ctypes.c_uint64 * (blocks_of_frames(frames, block) if hashing else 0))()
+        if hashing:
+            args.hashes, args.hash, args.block = ctypes.addressof(out), self._xxh3, block
         self._run(self._gather, args, len(src))
-        return None if self._xxh3 is None else bytes(out)
+        return bytes(out) if hashing else None
 
     def _page_runs(
         self,
@@ -209,8 +213,9 @@ class PageCopy:
             )
         return args, (addrs, counts, views)
 
-    def block_hashes(self, frames: Sequence[Any]) -> bytes | None:
-        """checksum.block_hashes of `frames`, on this kernel's threads; None where the
+    def block_hashes(self, frames: Sequence[Any], block: int) -> bytes | None:
+        """checksum.block_hashes of `frames` (each `block` bytes of each hashed), on this
+        kernel's threads; None where the
         xxhash library exports no XXH3-64 or a frame is not contiguous (the caller then
         hashes in Python)."""
         if self._xxh3 is None:
@@ -219,14 +224,14 @@ class PageCopy:
         if not all(v.c_contiguous for v in views):
             return None
         n, sizes = len(views), [v.nbytes for v in views]
-        first = np.cumsum([0] + [blocks_of(size) for size in sizes])
+        first = np.cumsum([0] + [-(-size // block) for size in sizes])
         addrs = (ctypes.c_void_p * n)(*map(_address, views))
         c_sizes = (ctypes.c_int64 * n)(*sizes)
         c_first = (ctypes.c_int64 * n)(*first[:-1].tolist())
         out = (ctypes.c_uint64 * int(first[-1]))()
         args = HashArgs(ctypes.addressof(addrs), ctypes.addressof(c_sizes),
                         ctypes.addressof(c_first), ctypes.addressof(out), self._xxh3,
-                        HASH_BLOCK)  # fmt: skip
+                        block)  # fmt: skip
         self._run(self._hash_blocks, args, n)
         return bytes(out)
 

@@ -68,8 +68,8 @@ from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import block_hashes, chunk_checksum
-from pdserve.transfer.messages import KVChunk, KVDone, Ready, done_digest
+from pdserve.transfer.checksum import HASH_BLOCK, block_hashes, blocks_of, chunk_checksum
+from pdserve.transfer.messages import MAX_HEADER_BYTES, KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import PageViews, PoolPages, StagingPool, request_pages
 from pdserve.transfer.zmq_io import MsgSocket, Tracker
 from pdserve.transfer.zmq_native import Frames
@@ -181,6 +181,16 @@ class Pusher:
         self._make: Callable[[list[np.ndarray]], Made] = Frames if native_send else zero_copy
         per_token = layout.token_bytes_per_layer * layout.num_layers
         self.max_tokens = max(1, max_frame_bytes // per_token)
+        # NOTE: a chunk's block hashes travel in its header, which the decode drops unread
+        # past MAX_HEADER_BYTES: a kind's bytes (<= max_frame_bytes, or one token's) in
+        # blocks, plus a shorter last block per segment (layers * MAX_RUNS at most)
+        most = max(max_frame_bytes, per_token)
+        hashes = 8 * (blocks_of(most) + layout.num_layers * MAX_RUNS)
+        if hashes > MAX_HEADER_BYTES // 2:
+            raise ValueError(
+                f"max_frame_bytes {max_frame_bytes}: a chunk's block hashes ({hashes} bytes)"
+                f" would not fit in a header of {MAX_HEADER_BYTES // 2} bytes"
+            )
         self._staging: StagingPool | None = None  # made on first use (pool dtype, device)
         self._native = native
         self._pool_pages = PoolPages()
@@ -204,7 +214,7 @@ class Pusher:
 
     def _block_hashes(self, segments: list[np.ndarray]) -> bytes:
         """checksum.block_hashes, on the kernel threads where the native kernel is built."""
-        native = None if self._native is None else self._native.block_hashes(segments)
+        native = None if self._native is None else self._native.block_hashes(segments, HASH_BLOCK)
         return block_hashes(segments) if native is None else native
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:

@@ -27,6 +27,7 @@ import zmq
 
 from pdserve.kvcache.pools import KVPool
 from pdserve.transfer import stages
+from pdserve.transfer.checksum import HASH_BLOCK
 
 if TYPE_CHECKING:
     from pdserve.kernels.page_copy import PageCopy
@@ -85,7 +86,7 @@ class StagingPool:
         t0_s = time.perf_counter()
         layers, row = src.shape[0], src.shape[2] // self.page_size
         out = buf.view(torch.uint8)[: layers * n * row].numpy().reshape(layers, n * row)
-        hashes = native.gather_runs(src, tpages, self.page_size, t0, [n], list(out))
+        hashes = native.gather_runs(src, tpages, self.page_size, t0, [n], list(out), HASH_BLOCK)
         stages.add("gather", time.perf_counter() - t0_s)
         return buf, out, hashes
 

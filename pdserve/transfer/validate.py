@@ -32,11 +32,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.page_copy import PageCopy, blocks_of_frames
+from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
+from pdserve.transfer.checksum import (
+    HASH_BLOCK,
+    block_hashes,
+    blocks_of,
+    chunk_checksum,
+    done_digest,
+)
 from pdserve.transfer.messages import KVChunk, KVDone
 from pdserve.transfer.staging import (
     PageViews,
@@ -120,7 +126,7 @@ def check_chunk(
 
 
 def _block_hashes(segs: list[memoryview], native: PageCopy | None) -> bytes:
-    hashes = native.block_hashes(segs) if native is not None else None
+    hashes = native.block_hashes(segs, HASH_BLOCK) if native is not None else None
     return block_hashes(segs) if hashes is None else hashes
 
 
@@ -204,8 +210,9 @@ def _check_chunk(
         if x.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end].any():
             return "overlaps KV already received (duplicate chunk)"
     segs = hash_segments(layout, h, bufs)
-    if len(h.hashes) != 8 * blocks_of_frames(segs):
-        return f"{len(h.hashes)} bytes of block hashes for {blocks_of_frames(segs)} blocks"
+    blocks = sum(blocks_of(s.nbytes) for s in segs)
+    if len(h.hashes) != 8 * blocks:
+        return f"{len(h.hashes)} bytes of block hashes for {blocks} blocks"
     if chunk_checksum(h.hashes) != h.checksum:
         return "checksum mismatch (block hashes)"
     # NOTE: last, so a frame of the wrong size is never hashed
@@ -273,10 +280,12 @@ def _write_paged(
     per_kind, at = len(segs) // len(kinds), 0
     for i, kind in enumerate(kinds):
         srcs = segs[i * per_kind : (i + 1) * per_kind]
-        end = at + 8 * blocks_of_frames(srcs)
+        end = at + 8 * sum(blocks_of(s.nbytes) for s in srcs)
         dst = paged.kinds[kind][h.layer_start : h.layer_end]
         size, want = x.pool.layout.page_size, h.hashes[at:end]
-        if not native.scatter_runs(dst, paged.pages, size, h.tok_start, runs, srcs, want):
+        if not native.scatter_runs(
+            dst, paged.pages, size, h.tok_start, runs, srcs, want, HASH_BLOCK
+        ):
             return "checksum mismatch"
         x.cover(kind, h)
         at = end
