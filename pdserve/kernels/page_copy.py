@@ -215,9 +215,8 @@ class PageCopy:
 
     def block_hashes(self, frames: Sequence[Any], block: int) -> bytes | None:
         """checksum.block_hashes of `frames` (each `block` bytes of each hashed), on this
-        kernel's threads; None where the
-        xxhash library exports no XXH3-64 or a frame is not contiguous (the caller then
-        hashes in Python)."""
+        kernel's threads; None where the xxhash library exports no XXH3-64 or a frame is
+        not contiguous (the caller then hashes in Python)."""
         if self._xxh3 is None:
             return None
         views = [memoryview(f) for f in frames]

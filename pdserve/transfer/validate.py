@@ -225,7 +225,9 @@ def write_chunk(
     x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None = None
 ) -> str:
     """Why the chunk was refused while it was written ("" if it was written whole).
-    Precondition: check_chunk passed and the caller holds x.lock with x.open set.
+    Precondition: check_chunk passed with the same `native` (it leaves the payload's
+    blocks to this call exactly where this call checks them) and the caller holds x.lock
+    with x.open set.
 
     Scatters straight from the frame's buffer (a read-only view, no copy) into the pool.
     The native scatter checks each block right before writing it: a block that fails
