@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from pdserve.kernels.page_copy import PageCopy
 
 # NOTE: fits L1 (32-48 KiB per core on x86 and Arm servers) with room for the stores;
 # a multiple of every vector store's width, so the decode's stores stay aligned
@@ -39,8 +42,12 @@ def blocks_of(nbytes: int) -> int:
     return -(-nbytes // HASH_BLOCK)
 
 
-def block_hashes(segments: Sequence[Any]) -> bytes:
-    """KVChunk.hashes of `segments` (bytes, memoryviews, contiguous arrays), in order."""
+def block_hashes(segments: Sequence[Any], native: PageCopy | None = None) -> bytes:
+    """KVChunk.hashes of `segments` (bytes, memoryviews, contiguous arrays), in order:
+    on `native`'s kernel threads where it can (kernels/page_copy.py), else here."""
+    hashes = None if native is None else native.block_hashes(segments, HASH_BLOCK)
+    if hashes is not None:
+        return hashes
     out = []
     for seg in segments:
         view = memoryview(seg).cast("B")

@@ -68,7 +68,7 @@ from pdserve.kernels.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.checksum import HASH_BLOCK, block_hashes, blocks_of, chunk_checksum
+from pdserve.transfer.checksum import block_hashes, blocks_of, chunk_checksum
 from pdserve.transfer.messages import MAX_HEADER_BYTES, KVChunk, KVDone, Ready, done_digest
 from pdserve.transfer.staging import PageViews, PoolPages, StagingPool, request_pages
 from pdserve.transfer.zmq_io import MsgSocket, Tracker
@@ -209,13 +209,9 @@ class Pusher:
         p = piece.prepared
         if p is not None and p.hashes is None:
             with stages.timed("prepare"):
-                p.hashes = (self._block_hashes(p.frames[0]), self._block_hashes(p.frames[1]))
+                native = self._native
+                p.hashes = (block_hashes(p.frames[0], native), block_hashes(p.frames[1], native))
                 p.zframes = (self._make(p.frames[0]), self._make(p.frames[1]))
-
-    def _block_hashes(self, segments: list[np.ndarray]) -> bytes:
-        """checksum.block_hashes, on the kernel threads where the native kernel is built."""
-        native = None if self._native is None else self._native.block_hashes(segments, HASH_BLOCK)
-        return block_hashes(segments) if native is None else native
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:
         """Send `piece`: a K chunk, then a V chunk, so K is on the wire (and verified,
@@ -311,7 +307,7 @@ class Pusher:
         assert st.ready is not None
         if hashes is None:
             with stages.timed("checksum"):
-                hashes = self._block_hashes(segments)
+                hashes = block_hashes(segments, self._native)
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,

@@ -125,14 +125,10 @@ def check_chunk(
         return _check_chunk(layout, x, h, bufs, native)
 
 
-def _block_hashes(segs: list[memoryview], native: PageCopy | None) -> bytes:
-    hashes = native.block_hashes(segs, HASH_BLOCK) if native is not None else None
-    return block_hashes(segs) if hashes is None else hashes
-
-
-def _fused(x: Transfer, native: PageCopy | None) -> bool:
-    """Whether the native scatter writes `x`'s chunks, checking each block as it goes."""
-    return native is not None and native.verifies and x.paged() is not None
+def _fused(x: Transfer, native: PageCopy | None) -> Paged | None:
+    """Where the native scatter writes `x`'s chunks, checking each block as it goes (None:
+    it does not; check_chunk compares every block before the write)."""
+    return x.paged() if native is not None and native.verifies else None
 
 
 def hash_segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryview]:
@@ -216,7 +212,7 @@ def _check_chunk(
     if chunk_checksum(h.hashes) != h.checksum:
         return "checksum mismatch (block hashes)"
     # NOTE: last, so a frame of the wrong size is never hashed
-    if not _fused(x, native) and _block_hashes(segs, native) != h.hashes:
+    if _fused(x, native) is None and block_hashes(segs, native) != h.hashes:
         return "checksum mismatch"
     return ""
 
@@ -237,9 +233,7 @@ def write_chunk(
 
 
 def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> str:
-    if native is not None and _fused(x, native):  # one native call per kind
-        paged = x.paged()
-        assert paged is not None
+    if native is not None and (paged := _fused(x, native)) is not None:  # a call per kind
         return _write_paged(x, h, bufs, native, paged)
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
