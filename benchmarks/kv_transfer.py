@@ -11,13 +11,22 @@ hashed the pieces sent in place before it came, transfer/push.py) or computes it
 (--prefill-pages): `runs` as its allocator hands them out of a fresh pool (consecutive
 pages, sent in place: no gather, transfer/push.py), or `shuffled` (a fragmented pool:
 every page gathered into a staging frame).
-The received bytes are checked against the prefill's afterwards. The raw-TCP
-baseline, measured in the same run, is a child process's `sendall` of a buffer of
-the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
-The ZeroMQ floor, also in the same run, is ZeroMQ alone moving the same messages
-(a K and a V message per piece, a zero-copy frame per layer) between two processes,
-timed from a 'go' message: how far raw TCP is out of reach of any ZeroMQ path here,
-and how much of that floor pdserve's whole path keeps ('of floor'). The floor
+The received bytes are checked against the prefill's afterwards.
+
+Raw TCP takes turns with the transfers it is compared with, in the same two processes
+(RawTCP): before each of them, a thread of the child (`raw_peer`) `sendall`s a buffer
+of the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
+Every transfer, raw or not, starts QUIET_S after the one before, so what that one left
+running (the prefill's Ack and report) is done. Taking turns, both see the same CPUs,
+caches and moment: in runs of its own (up to the thirty-first round) raw loopback TCP
+swung 2x here with where its two processes landed, and each ratio with it. A run's
+ratio is the median GB/s of its transfers over that of its raw ones (the first of each
+warms up); their CPU is taken out of the processes' and the threads' CPU.
+The ZeroMQ floor is ZeroMQ alone moving the same messages (a K and a V message per
+piece, a zero-copy frame per layer) between two processes, timed from a 'go' message,
+raw TCP taking turns with it too: how far raw TCP is out of reach of any ZeroMQ path
+here, and how much of that floor pdserve's whole path keeps ('of floor': pdserve's
+ratio over the floor's, each to its own run's raw TCP). The floor
 '+checks' adds what the decode must do with each message whichever way it is written
 (hash each block of its frames, compare it and write it into the pool's shuffled pages:
 the native scatter on the kernel threads, as the receiver; no header checks, coverage
@@ -30,8 +39,9 @@ divided by the wall time of all its transfers. Sender: gather, checksum, send (i
 waiting for a free staging buffer; a piece gathered by the native kernel is hashed
 inside its gather); receiver: receive, verify, scatter. The sides
 run concurrently, so shares of different stages overlap; the rest is idle time.
-CPU ratio: raw TCP's CPU time per byte (both processes, user + system) over
-ZeroMQ's; on a machine shared with other work it varies less than the wall time.
+CPU ratio: raw TCP's CPU time per byte (the two threads at its ends) over ZeroMQ's
+(both processes, all threads, user + system); on a machine shared with other work it
+varies less than the wall time.
 tx / rx ns/B: ZeroMQ's CPU per byte in the sender and in the receiver process.
 CPU by thread: each process's CPU milliseconds per timed transfer by kind of thread (main,
 the transfer's I/O thread, libzmq's I/O threads, pyzmq's zero-copy collector, other:
@@ -53,6 +63,7 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -76,6 +87,9 @@ from pdserve.transfer.zmq_io import CurveKeys, make_socket
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
 
 POLL_S = 0.0002  # --ready first: how often the prefill looks for the decode's Ready
+# NOTE: before each transfer, raw or not: what the previous one left running (the
+# prefill's Ack and report, libzmq letting frames go) is done, on either side of a turn
+QUIET_S = 0.003
 
 BENCH_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
 
@@ -109,13 +123,16 @@ def prefill_side(
     device: str,
     pages: str,
     ready: str,
+    raw_port: int,
 ) -> None:
-    """Child process: the prefill. `ready` late: admits and computes every room at once,
-    and each one's KV leaves as soon as the decode's Ready arrives (so the decode's clock,
-    started at expect(), covers Ready + gather + send + receive + scatter + KVDone; the
-    sender hashes in-place pieces before the Ready, push.py). `first`: computes a room
-    only once its Ready has arrived (polled every POLL_S), so every hash is on the path."""
+    """Child process: the prefill (and raw TCP's sending end, raw_peer). `ready` late:
+    admits and computes every room at once, and each one's KV leaves as soon as the
+    decode's Ready arrives (so the decode's clock, started at expect(), covers Ready +
+    gather + send + receive + scatter + KVDone; the sender hashes in-place pieces before
+    the Ready, push.py). `first`: computes a room only once its Ready has arrived (polled
+    every POLL_S), so every hash is on the path."""
     keep_freed_memory()  # as the engine process does, before its sockets exist
+    raw = raw_peer(raw_port, kv_bytes(BENCH_LAYOUT, n))
     tx = KVSender(
         "127.0.0.1",
         0,
@@ -140,9 +157,26 @@ def prefill_side(
                 time.sleep(POLL_S)
             push_prompt(tx, req, side, chunk=n)
     events = wait_for(tx.poll, len(rooms), 600)
+    raw.join(timeout=60)  # NOTE: ended (its CPU in no thread's below), the decode's loop done
     threads = (thread_times(), thread_kinds())  # NOTE: here, before its threads end
     port_q.put((sum(e.ok for e in events), stages.snapshot(), cpu_s() - c0, threads))
     tx.close()
+
+
+@dataclass
+class Run:
+    """One run of a path with raw TCP taking turns with it (RawTCP), in one process pair."""
+
+    gbps: float  # median over the timed transfers (the first one warms up)
+    raw_gbps: float  # raw TCP's, the same way
+    cpu_ns: tuple[float, float]  # CPU ns per byte of the (sender, receiver) process
+    raw_cpu_ns: float  # raw TCP's CPU ns per byte, both ends
+    shares: dict[str, float] = field(default_factory=dict)  # stage -> share of the wall time
+    threads: dict[str, dict[str, float]] = field(default_factory=dict)  # side -> kind -> ms
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.raw_gbps
 
 
 def zmq_run(
@@ -153,25 +187,29 @@ def zmq_run(
     device: str = "cpu",
     pages: str = "runs",
     ready: str = "late",
-) -> tuple[float, tuple[float, float], dict[str, float], dict[str, dict[str, float]]]:
-    """(GB/s: median over the repeats after a warm-up, CPU ns per byte of the (sender,
-    receiver) process, stage -> share of the wall time, {"prefill", "decode"} -> CPU ms
-    per transfer by kind of thread)."""
+) -> Run:
+    """pdserve's path, raw TCP before each transfer. Run.threads: {"prefill", "decode"}
+    -> CPU ms per transfer by kind of thread (raw TCP's taken out)."""
     rooms = list(range(1000, 1001 + repeats))  # the first one warms up
+    raw = RawTCP(kv_bytes(BENCH_LAYOUT, n))
     port_q: mp.Queue = mp.get_context("spawn").Queue()
     child = mp.get_context("spawn").Process(
-        target=prefill_side, args=(n, rooms, port_q, frame_bytes, curve, device, pages, ready)
+        target=prefill_side,
+        args=(n, rooms, port_q, frame_bytes, curve, device, pages, ready, raw.port),
     )
     child.start()
     rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
     stages.reset()
     try:
+        raw.accept()
         port = port_q.get(timeout=120)
         dec_pool = random_pool(BENCH_LAYOUT, n + 128, 2, device)
         dec = Side(dec_pool, *reserve(dec_pool, n, 2))
         gc.freeze()  # as the engine process does once it is built
         times, c0, snaps = [], cpu_s(), [{}, {}]
         for room in rooms:
+            raw.transfer()
+            time.sleep(QUIET_S)
             t0 = time.perf_counter()
             rx.expect(make_req(f"b{room}", room, n, port), dec.pool, dec.slots)
             [ev] = rx.wait(300)  # blocking, as raw TCP's recv_into (no poll interval)
@@ -180,7 +218,9 @@ def zmq_run(
             if room == rooms[0]:  # the timed transfers start after the warm-up
                 prefill_start = thread_times(child.pid)  # NOTE: first: reading it costs
                 snaps = [thread_times(), prefill_start]
-        cpu, decode_end = cpu_s() - c0, thread_times()
+                raw_main = raw.cpu
+        cpu, decode_end = cpu_s() - c0 - raw.cpu, thread_times()
+        peer_cpu = raw.close()
         ok, sender_stages, sender_cpu, (prefill_end, sender_kinds) = port_q.get(timeout=60)
         per = 1e3 / repeats  # CPU ms per timed transfer
         threads = {
@@ -190,9 +230,12 @@ def zmq_run(
                 ("prefill", snaps[1], prefill_end, sender_kinds),
             )
         }
+        main = threads["decode"]["main"] - (raw.cpu - raw_main) * per  # less raw TCP's recv
+        threads["decode"]["main"] = round(main, 3)
         assert ok == len(rooms)
-        moved = kv_bytes(BENCH_LAYOUT, n) * len(rooms)
-        cpu_ns = (sender_cpu / moved * 1e9, cpu / moved * 1e9)
+        nbytes = kv_bytes(BENCH_LAYOUT, n)
+        moved = nbytes * len(rooms)
+        cpu_ns = ((sender_cpu - peer_cpu) / moved * 1e9, cpu / moved * 1e9)
         seconds = {**sender_stages, **stages.snapshot()}
         shares = {k: round(seconds.get(k, 0.0) / sum(times), 3) for k in STAGES}
         pre_pool = random_pool(BENCH_LAYOUT, n + 64, 1)  # the child's pool, regenerated
@@ -200,46 +243,81 @@ def zmq_run(
         dec_slots = dec.slots.to(device)
         assert torch.equal(pre_pool.k[:, pre_slots], dec.pool.k[:, dec_slots].cpu())
         assert torch.equal(pre_pool.v[:, pre_slots], dec.pool.v[:, dec_slots].cpu())
-        gbps = kv_bytes(BENCH_LAYOUT, n) / statistics.median(times[1:]) / 1e9
-        return gbps, cpu_ns, shares, threads
+        gbps = nbytes / statistics.median(times[1:]) / 1e9
+        raw_ns = (raw.cpu + peer_cpu) / moved * 1e9
+        return Run(gbps, raw.gbps(), cpu_ns, raw_ns, shares, threads)
     finally:
         rx.close()
+        raw.shut()
         child.join(timeout=30)
 
 
-def raw_sender(port: int, nbytes: int, repeats: int, cpu_q: mp.Queue) -> None:
-    """Child process: sendall a buffer, once per 'go' byte from the receiver."""
-    src = bytes(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy())
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        c0 = cpu_s()
-        for _ in range(repeats):
-            s.recv(1)
-            s.sendall(src)
-        cpu_q.put(cpu_s() - c0)
+def raw_peer(port: int, nbytes: int) -> threading.Thread:
+    """A child's end of RawTCP: a thread ("raw-tcp") that sendall()s `nbytes` once per
+    'g' byte; at 'x' it sends back its CPU seconds in them and ends."""
+
+    def serve() -> None:
+        src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            cpu = 0.0
+            while s.recv(1) == b"g":
+                c0 = time.thread_time()
+                s.sendall(src)
+                cpu += time.thread_time() - c0
+            s.sendall(f"{cpu!r}\n".encode())
+
+    thread = threading.Thread(target=serve, name="raw-tcp", daemon=True)
+    thread.start()
+    return thread
 
 
-def raw_run(nbytes: int, repeats: int) -> tuple[float, float]:
-    """(GB/s, CPU ns per byte of both processes) of raw TCP, as zmq_run."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    ctx = mp.get_context("spawn")
-    cpu_q: mp.Queue = ctx.Queue()
-    child = ctx.Process(target=raw_sender, args=(srv.getsockname()[1], nbytes, repeats + 1, cpu_q))
-    child.start()
-    conn, _ = srv.accept()
-    dst = bytearray(nbytes)
-    view, times, c0 = memoryview(dst), [], cpu_s()
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        conn.send(b"g")
-        off = 0
+class RawTCP:
+    """The decode's end of raw TCP taking turns with the transfers measured, in the same
+    two processes (the module docstring): `transfer` sends a 'go' byte to the child's
+    raw_peer and recv_into()s its `nbytes` into a buffer made once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.srv.settimeout(120)
+        self.port = self.srv.getsockname()[1]
+        self.view = memoryview(bytearray(nbytes))
+        self.times: list[float] = []
+        self.cpu = 0.0  # this (the main) thread's CPU seconds in the transfers
+        self.conn: socket.socket | None = None
+
+    def accept(self) -> None:
+        self.conn, _ = self.srv.accept()
+        self.conn.settimeout(120)
+
+    def transfer(self) -> None:
+        assert self.conn is not None
+        time.sleep(QUIET_S)
+        c0, t0 = time.thread_time(), time.perf_counter()
+        self.conn.send(b"g")
+        off, nbytes = 0, self.view.nbytes
         while off < nbytes:
-            off += conn.recv_into(view[off:])
-        times.append(time.perf_counter() - t0)
-    cpu = cpu_s() - c0 + cpu_q.get(timeout=60)
-    conn.close()
-    srv.close()
-    child.join(timeout=30)
-    return nbytes / statistics.median(times[1:]) / 1e9, cpu / (nbytes * (repeats + 1)) * 1e9
+            got = self.conn.recv_into(self.view[off:])
+            if not got:
+                raise ConnectionError("raw TCP: the child closed")
+            off += got
+        self.times.append(time.perf_counter() - t0)
+        self.cpu += time.thread_time() - c0
+
+    def gbps(self) -> float:
+        """Median over the transfers after the first (a warm-up, as the others')."""
+        return self.view.nbytes / statistics.median(self.times[1:]) / 1e9
+
+    def close(self) -> float:
+        """End the child's raw_peer; returns its CPU seconds in the transfers."""
+        assert self.conn is not None
+        self.conn.send(b"x")
+        with self.conn.makefile("rb") as f:
+            return float(f.readline())
+
+    def shut(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.srv.close()
 
 
 def floor_pieces(n: int, frame_bytes: int) -> list[tuple[int, int]]:
@@ -255,11 +333,12 @@ def floor_rows(n: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
 
 
-def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
-    """Child process: ZeroMQ alone. Once per 'go' message, the bytes of an n-token
-    transfer as pdserve sends them in place (a K then a V message per piece, a small
-    header and one zero-copy, tracked frame per layer), and nothing else: no Ready
-    handling, no checksum, no KVDone."""
+def floor_sender(port: int, n: int, repeats: int, frame_bytes: int, raw_port: int) -> None:
+    """Child process: ZeroMQ alone (and raw TCP's sending end, raw_peer). Once per 'go'
+    message, the bytes of an n-token transfer as pdserve sends them in place (a K then a
+    V message per piece, a small header and one zero-copy, tracked frame per layer), and
+    nothing else: no Ready handling, no checksum, no KVDone."""
+    raw_peer(raw_port, kv_bytes(BENCH_LAYOUT, n))
     rows = floor_rows(n)
     sock = make_socket(zmq.PAIR)
     sock.connect(f"tcp://127.0.0.1:{port}")
@@ -273,7 +352,7 @@ def floor_sender(port: int, n: int, repeats: int, frame_bytes: int) -> None:
                           for layer in range(BENCH_LAYOUT.num_layers)]  # fmt: skip
                 sock.send_multipart([header, *frames], copy=False)
     sock.recv()  # the receiver is done
-    sock.send(str(cpu_s() - c0).encode())  # CPU seconds of the sends (all threads)
+    sock.send(str(cpu_s() - c0).encode())  # CPU seconds of its threads (raw TCP's too)
     sock.close(linger=1000)
 
 
@@ -314,20 +393,23 @@ class Checks:
             raise RuntimeError(f"+checks: a block of kind {kind} at token {t0} failed its hash")
 
 
-def floor_run(
-    n: int, repeats: int, frame_bytes: int, checks: Checks | None = None
-) -> tuple[float, float]:
-    """(GB/s, CPU ns per byte of both processes) of ZeroMQ alone (floor_sender), timed
-    as zmq_run: from the 'go' to the last message received, median over the repeats
-    after a warm-up. `checks`: with the decode's hash and page write of each message."""
+def floor_run(n: int, repeats: int, frame_bytes: int, checks: Checks | None = None) -> Run:
+    """ZeroMQ alone (floor_sender), timed as zmq_run, from the 'go' to the last message
+    received, raw TCP before each transfer. `checks`: with the decode's hash and page
+    write of each message."""
     sock = make_socket(zmq.PAIR)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
+    nbytes = kv_bytes(BENCH_LAYOUT, n)
+    raw = RawTCP(nbytes)
     ctx = mp.get_context("spawn")
-    child = ctx.Process(target=floor_sender, args=(port, n, repeats + 1, frame_bytes))
+    child = ctx.Process(target=floor_sender, args=(port, n, repeats + 1, frame_bytes, raw.port))
     child.start()
     pieces, times, c0 = floor_pieces(n, frame_bytes), [], cpu_s()
     try:
+        raw.accept()
         for _ in range(repeats + 1):
+            raw.transfer()
+            time.sleep(QUIET_S)
             t0 = time.perf_counter()
             sock.send(b"g")
             for tok, _ in pieces:
@@ -336,68 +418,67 @@ def floor_run(
                     if checks is not None:
                         checks(kind, tok, parts[1:])
             times.append(time.perf_counter() - t0)
-        cpu = cpu_s() - c0
+        cpu = cpu_s() - c0 - raw.cpu
+        peer_cpu = raw.close()
         sock.send(b"end")
-        cpu += float(sock.recv())
+        cpu += float(sock.recv()) - peer_cpu
     finally:
         child.join(timeout=30)
         sock.close()
-    nbytes = kv_bytes(BENCH_LAYOUT, n)
-    return nbytes / statistics.median(times[1:]) / 1e9, cpu / (nbytes * (repeats + 1)) * 1e9
+        raw.shut()
+    moved = nbytes * (repeats + 1)
+    gbps = nbytes / statistics.median(times[1:]) / 1e9
+    return Run(gbps, raw.gbps(), (0.0, cpu / moved * 1e9), (raw.cpu + peer_cpu) / moved * 1e9)
 
 
 def measure(n: int, args: argparse.Namespace) -> dict:
-    """Rounds of (ZeroMQ, raw TCP, ZeroMQ alone) back to back; each ratio is the median
-    of the rounds' ratios, so a baseline that drifts (raw loopback TCP swings 2x here,
-    with where the scheduler puts the two processes) moves both sides of a pair together."""
-    nbytes = kv_bytes(BENCH_LAYOUT, n)
+    """Rounds of (pdserve, ZeroMQ alone, + checks) back to back, each with raw TCP taking
+    turns with it (RawTCP); each ratio is the median of the rounds' ratios."""
     frame = int(args.frame_mib * 2**20)
     rounds = []
     checks = Checks.make(n, frame)  # its pool made once for the rounds
     for _ in range(args.rounds):
-        z, z_sides, shares, threads = zmq_run(
+        z = zmq_run(
             n, args.repeats, frame, device=args.device, pages=args.prefill_pages, ready=args.ready
         )
-        r, r_ns = raw_run(nbytes, args.repeats)
-        f, f_ns = floor_run(n, args.repeats, frame)
+        f = floor_run(n, args.repeats, frame)
         checked = floor_run(n, args.repeats, frame, checks) if checks else None
-        rounds.append((z, r, z_sides, r_ns, shares, f, f_ns, threads, checked))
+        rounds.append((z, f, checked))
     med = statistics.median
-    z, r = med(x[0] for x in rounds), med(x[1] for x in rounds)
-    z_tx, z_rx = med(x[2][0] for x in rounds), med(x[2][1] for x in rounds)
-    z_cpu, r_cpu = med(sum(x[2]) for x in rounds), med(x[3] for x in rounds)
+    zs = [x[0] for x in rounds]
+    z_cpu, r_cpu = med(sum(z.cpu_ns) for z in zs), med(z.raw_cpu_ns for z in zs)
     out = {
         "tokens": n,
         "prefill_pages": args.prefill_pages,
         "ready": args.ready,
-        "bytes": nbytes,
-        "zmq_gbps": round(z, 3),
-        "raw_tcp_gbps": round(r, 3),
-        "ratio": round(med(x[0] / x[1] for x in rounds), 3),
-        "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
-        "zmq_floor_gbps": round(med(x[5] for x in rounds), 3),
-        "floor_ratio": round(med(x[5] / x[1] for x in rounds), 3),
-        "of_floor": round(med(x[0] / x[5] for x in rounds), 3),
-        "floor_cpu_ns_per_byte": round(med(x[6] for x in rounds), 3),
+        "bytes": kv_bytes(BENCH_LAYOUT, n),
+        "zmq_gbps": round(med(z.gbps for z in zs), 3),
+        "raw_tcp_gbps": round(med(z.raw_gbps for z in zs), 3),
+        "ratio": round(med(z.ratio for z in zs), 3),
+        "round_ratios": [round(z.ratio, 3) for z in zs],
+        "zmq_floor_gbps": round(med(f.gbps for _, f, _ in rounds), 3),
+        "floor_ratio": round(med(f.ratio for _, f, _ in rounds), 3),
+        "of_floor": round(med(z.ratio / f.ratio for z, f, _ in rounds), 3),
+        "floor_cpu_ns_per_byte": round(med(sum(f.cpu_ns) for _, f, _ in rounds), 3),
         "zmq_cpu_ns_per_byte": round(z_cpu, 3),
-        "zmq_sender_cpu_ns_per_byte": round(z_tx, 3),
-        "zmq_receiver_cpu_ns_per_byte": round(z_rx, 3),
+        "zmq_sender_cpu_ns_per_byte": round(med(z.cpu_ns[0] for z in zs), 3),
+        "zmq_receiver_cpu_ns_per_byte": round(med(z.cpu_ns[1] for z in zs), 3),
         "raw_cpu_ns_per_byte": round(r_cpu, 3),
         "cpu_ratio": round(r_cpu / z_cpu, 3),
-        "shares": rounds[-1][4],
-        "thread_cpu_ms": rounds[-1][7],
+        "shares": zs[-1].shares,
+        "thread_cpu_ms": zs[-1].threads,
     }
-    if all(x[8] is not None for x in rounds):
-        out["checked_floor_gbps"] = round(med(x[8][0] for x in rounds), 3)
-        out["checked_floor_ratio"] = round(med(x[8][0] / x[1] for x in rounds), 3)
-        out["of_checked_floor"] = round(med(x[0] / x[8][0] for x in rounds), 3)
+    checked_runs = [(z, c) for z, _, c in rounds if c is not None]
+    if checked_runs and len(checked_runs) == len(rounds):
+        out["checked_floor_gbps"] = round(med(c.gbps for _, c in checked_runs), 3)
+        out["checked_floor_ratio"] = round(med(c.ratio for _, c in checked_runs), 3)
+        out["of_checked_floor"] = round(med(z.ratio / c.ratio for z, c in checked_runs), 3)
     if not args.no_curve:
         keys = CurveKeys.generate()
-        c, _, c_shares, _ = zmq_run(
-            n, args.repeats, frame, keys, args.device, args.prefill_pages, args.ready
+        c = zmq_run(n, args.repeats, frame, keys, args.device, args.prefill_pages, args.ready)
+        out.update(
+            curve_gbps=round(c.gbps, 3), curve_ratio=round(c.ratio, 3), curve_shares=c.shares
         )
-        r2, _ = raw_run(nbytes, args.repeats)
-        out.update(curve_gbps=round(c, 3), curve_ratio=round(c / r2, 3), curve_shares=c_shares)
     return out
 
 
@@ -405,7 +486,8 @@ def print_table(results: list[dict], repeats: int, pages: str, ready: str) -> No
     print(
         f"layout {BENCH_LAYOUT.fingerprint()}, TCP loopback, 2 processes, prefill pages {pages},"
         f" Ready {ready},"
-        f" median of {repeats} transfers per run, ratio: median over paired rounds"
+        f" median of {repeats} transfers per run, raw TCP taking turns with them in each run;"
+        " ratio: median over the rounds"
     )
     print(
         f"{'tokens':>7} {'MiB':>7} {'zmq GB/s':>9} {'raw GB/s':>9} {'ratio':>6}"
@@ -432,12 +514,13 @@ def print_table(results: list[dict], repeats: int, pages: str, ready: str) -> No
             f" {x['raw_cpu_ns_per_byte']:>8.2f} {x['floor_cpu_ns_per_byte']:>10.2f}  "
             + " ".join(f"{x['shares'][s]:>8.0%}" for s in STAGES)
         )
+    print("raw GB/s: raw TCP taking turns with pdserve's transfers, in the same two processes")
     print("floor: ZeroMQ alone moving the same messages (no Ready, checksum, scatter or KVDone);")
-    print("  its ratio to raw TCP, and pdserve's share of it (of floor)")
+    print("  its ratio to raw TCP (taking turns with it), and pdserve's ratio over it (of floor)")
     print("+checks: the floor with the decode's native hash and page write of each message,")
     print("  what any path that hashes a chunk before writing it pays here; its ratio to raw")
-    print("  TCP, and pdserve's share of it (of it)")
-    print("CPU ratio: raw TCP's CPU seconds per byte / ZeroMQ's (both processes, all threads)")
+    print("  TCP, and pdserve's ratio over it (of it)")
+    print("CPU ratio: raw TCP's CPU seconds per byte (its two threads) / ZeroMQ's (both processes)")
     print("tx / rx ns/B: ZeroMQ's CPU nanoseconds per byte in the sender / receiver process;")
     print("  raw / floor ns/B: both processes' CPU nanoseconds per byte in raw TCP / the floor")
     print("stage columns: share of the (checksums on, CURVE off) transfers' wall time")
