@@ -155,6 +155,56 @@ def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
     assert torch.equal(x.pool.v[:, outside], v0[:, outside])
 
 
+@st.composite
+def sound_chunks(draw):
+    """A chunk every header check accepts (ranges, kind, sizes, its hashes' checksum),
+    whose hashes are its bytes'."""
+    ls = draw(st.integers(0, LAYOUT.num_layers - 1))
+    le = draw(st.integers(ls + 1, LAYOUT.num_layers))
+    ts = draw(st.integers(0, N - 1))
+    te = draw(st.integers(ts + 1, N))
+    kind = draw(st.sampled_from(["kv", "k", "v"]))
+    size = (le - ls) * (te - ts) * TB
+    frames = [draw(st.binary(min_size=size, max_size=size)) for _ in kind]
+    hashes = block_hashes(_layers(frames, le - ls))
+    hdr = KVChunk(room=1, session=7, index=0, layer_start=ls, layer_end=le, tok_start=ts,
+                  tok_end=te, kind=kind, dtype="float32", nbytes=size,
+                  checksum=chunk_checksum(hashes), hashes=hashes)  # fmt: skip
+    return hdr, frames
+
+
+@FAST
+@given(sound_chunks(), st.integers(0, 10**6), st.integers(1, 255))
+def test_a_corrupted_byte_never_reaches_the_pool(chunk, at, flip) -> None:
+    """One byte of a sound chunk flipped on the wire (its header and hashes intact): the
+    chunk is refused, by check_chunk's compare or by the native scatter as it is about to
+    write that block, and the pool never holds the flipped byte; nothing outside the
+    request is touched."""
+    hdr, frames = chunk
+    f, at = at % len(frames), at % len(frames[0])
+    bad = bytearray(frames[f])
+    bad[at] ^= flip
+    bufs = [memoryview(b) for b in frames[:f] + [bytes(bad)] + frames[f + 1 :]]
+    x = _transfer()
+    k0, v0 = x.pool.k.clone(), x.pool.v.clone()
+    reason = check_chunk(LAYOUT, x, hdr, bufs, NATIVE)
+    if reason == "":  # left to the scatter: the native kernel checks as it writes
+        assert NATIVE is not None and NATIVE.verifies
+        assert write_chunk(x, hdr, bufs, NATIVE) == "checksum mismatch"
+    else:
+        assert reason == "checksum mismatch"
+    per_layer = (hdr.tok_end - hdr.tok_start) * TB
+    layer, tok = hdr.layer_start + at // per_layer, hdr.tok_start + at % per_layer // TB
+    kind = {"kv": (0, 1), "k": (0,), "v": (1,)}[hdr.kind][f]
+    pool, before = ((x.pool.k, k0), (x.pool.v, v0))[kind]
+    row = pool[layer, x.slots[tok]].numpy().tobytes()
+    assert row == before[layer, x.slots[tok]].numpy().tobytes()  # the flipped byte: never
+    outside = torch.ones(x.pool.k.shape[1], dtype=torch.bool)
+    outside[x.slots] = False
+    assert torch.equal(x.pool.k[:, outside], k0[:, outside])
+    assert torch.equal(x.pool.v[:, outside], v0[:, outside])
+
+
 def _assert_written(x: Transfer, hdr: KVChunk, bufs: list[memoryview]) -> None:
     kinds = {"kv": (0, 1), "k": (0,), "v": (1,)}[hdr.kind]
     idx = x.slots[hdr.tok_start : hdr.tok_end]

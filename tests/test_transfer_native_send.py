@@ -10,8 +10,10 @@ the caller early stay alive until then.
 from __future__ import annotations
 
 import gc
+import socket
 import time
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -44,14 +46,20 @@ def pair() -> tuple[zmq.Socket, zmq.Socket]:
     return pull, push
 
 
-def peerless_push() -> zmq.Socket:
-    """A PUSH connected to a port nobody listens on: libzmq queues what it is sent."""
-    probe = make_socket(zmq.PULL)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close()
+@pytest.fixture
+def peerless_push() -> Iterator[zmq.Socket]:
+    """A PUSH connected to a TCP listener that never answers ZeroMQ's greeting: the
+    connection never becomes a peer, so libzmq queues what it is sent. (A port closed
+    after binding it, as before, could be taken by another socket of the test process
+    meanwhile, and the PUSH then delivered: seen once in a full `make test`.)"""
+    silent = socket.create_server(("127.0.0.1", 0))
     push = make_socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    return push
+    push.connect(f"tcp://127.0.0.1:{silent.getsockname()[1]}")
+    try:
+        yield push
+    finally:
+        push.close(linger=0)
+        silent.close()
 
 
 def test_a_message_arrives_whole_and_its_pending_is_done_after(native: NativeSend) -> None:
@@ -69,10 +77,12 @@ def test_a_message_arrives_whole_and_its_pending_is_done_after(native: NativeSen
         pull.close()
 
 
-def test_pending_stays_open_while_libzmq_holds_a_frame(native: NativeSend) -> None:
+def test_pending_stays_open_while_libzmq_holds_a_frame(
+    native: NativeSend, peerless_push: zmq.Socket
+) -> None:
     """The fence: until libzmq lets go (here: the socket closed, its queue discarded),
     the frames may still be read, so the Pending must not be done."""
-    push = peerless_push()
+    push = peerless_push
     _, frames = frames_of(2)
     p = native.send(push, b"h", Frames(frames))
     time.sleep(0.05)
@@ -85,9 +95,9 @@ def test_pending_stays_open_while_libzmq_holds_a_frame(native: NativeSend) -> No
 
 
 def test_frames_dropped_by_the_caller_stay_alive_until_libzmq_lets_go(
-    native: NativeSend,
+    native: NativeSend, peerless_push: zmq.Socket
 ) -> None:
-    push = peerless_push()
+    push = peerless_push
     rows, frames = frames_of(3)
     alive = weakref.ref(rows)
     native.send(push, b"h", Frames(frames))  # the Pending is dropped at once
