@@ -254,10 +254,11 @@ def zmq_run(
 
 def raw_peer(port: int, nbytes: int) -> threading.Thread:
     """A child's end of RawTCP: a thread ("raw-tcp") that sendall()s `nbytes` once per
-    'g' byte; at 'x' it sends back its CPU seconds in them and ends."""
+    'g' byte; at 'x' it sends back its CPU seconds in them and ends. The bytes are made
+    here, before the thread starts: the child's CPU count starts after this returns."""
+    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
 
     def serve() -> None:
-        src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
         with socket.create_connection(("127.0.0.1", port)) as s:
             cpu = 0.0
             while s.recv(1) == b"g":
