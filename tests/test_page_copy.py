@@ -313,6 +313,69 @@ def test_scatter_writes_the_blocks_before_a_bad_one_and_stops_there(two_threads)
         two_threads.scatter_runs(dst, tpages, ps, 0, [n], srcs, hashes[:-8], HASH_BLOCK)
 
 
+def _writer_case(kernel: PageCopy, rb: int, seed: int):
+    """Two pools of 3 layers (a K and a V), the writer into them, a request's pages."""
+    g, k, tpages = _runs_case(4, rb, seed)
+    v = g.integers(0, 256, k.shape, dtype=np.uint8)
+    writer = kernel.writer((k, v), 4)
+    if writer is None:
+        pytest.skip("this xxhash library exports no XXH3-64")
+    return g, (k, v), tpages, writer
+
+
+@pytest.mark.parametrize("rb", [256, 24])
+@pytest.mark.parametrize("t0, runs", RUNS)
+def test_writer_writes_what_indexing_writes(kernel, rb, t0, runs) -> None:
+    """PageWriter, made once per pool: chunks of either kind, a layer range of their own,
+    for two requests' pages in turn, each where scatter_runs (plain indexing) puts it."""
+    from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
+
+    g, kinds, tpages, writer = _writer_case(kernel, rb, seed=rb + t0)
+    other = np.ascontiguousarray(tpages[::-1])
+    for kind, pages, (lo, hi) in ((1, tpages, (1, 3)), (0, other, (0, 2)), (1, other, (2, 3))):
+        srcs = [memoryview(g.bytes(count * rb)) for _ in range(hi - lo) for count in runs]
+        want = _runs_want(kinds[kind], pages, 4, rb, lo, t0, runs, srcs)
+        assert writer.scatter(kind, (lo, hi), pages, t0, runs, srcs, block_hashes(srcs), HASH_BLOCK)
+        assert np.array_equal(kinds[kind], want)
+
+
+def test_writer_refuses_before_writing(two_threads) -> None:
+    """What the C code trusts is checked first, in Python or in C (the sources' sizes
+    and the hash count: pd_page_runs_check); a refused chunk writes nothing, and a
+    source's failed block is refused as scatter_runs refuses it."""
+    from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
+
+    rb = 64
+    g, kinds, tpages, writer = _writer_case(two_threads, rb, seed=4)
+    before = [k.copy() for k in kinds]
+    srcs = [memoryview(g.bytes(3 * rb)) for _ in range(3)]
+    sums = block_hashes(srcs)
+
+    def refused(match: str, **change) -> None:
+        args = dict(kind=0, layers=(0, 3), tpages=tpages, t0=0, runs=[3], srcs=srcs,
+                    hashes=sums, block=HASH_BLOCK) | change  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            writer.scatter(**args)
+
+    refused("outside", t0=5 * 4 - 2)  # positions past the request's pages
+    refused("outside", t0=-1)
+    refused("outside", tpages=np.array([12, 1, 2, 3, 4], np.int64))  # a page outside the pool
+    refused("outside", srcs=[*srcs[:2], memoryview(g.bytes(2 * rb))])  # a source a row short
+    refused("outside", srcs=srcs[:2])  # a layer's source missing
+    refused("outside", hashes=sums[:-8])  # a hash missing
+    refused("layers", layers=(2, 4))
+    refused("layers", runs=[])
+    refused("pages", tpages=tpages.astype(np.int32))
+    refused("contiguous", srcs=[*srcs[:2], memoryview(np.zeros((3, 2 * rb), np.uint8)[:, ::2])])
+    for k, b in zip(kinds, before):
+        assert np.array_equal(k, b)
+    bad = bytearray(srcs[2])
+    bad[5] ^= 1
+    assert not writer.scatter(0, (0, 3), tpages, 0, [3], [*srcs[:2], memoryview(bytes(bad))],
+                              sums, HASH_BLOCK)  # fmt: skip
+    assert writer.scatter(0, (0, 3), tpages, 0, [3], srcs, sums, HASH_BLOCK)  # then a good one
+
+
 def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) -> None:
     """An xxhash build that exports no XXH3-64: block_hashes says so, the scatter does
     not check, and check_chunk hashes every block in Python before anything is written,

@@ -53,6 +53,8 @@ from pdserve.kernels.cpu_native import Split, load, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
+MAX_RUNS = 64  # runs of positions one chunk may have (transfer/validate.py MAX_RUNS)
+
 
 def _paged(a: np.ndarray) -> bool:
     """[L, pages, page bytes] uint8 with contiguous pages (layers at any stride)."""
@@ -71,7 +73,8 @@ class PageRuns(ctypes.Structure):  # page_copy.c PageRuns
     _fields_ = [("pool", _ptr), ("pool_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
                 ("n_tpages", _i64), ("ps", _i64), ("rb", _i64), ("t0", _i64), ("runs", _ptr),
                 ("n_runs", _i64), ("frames", _ptr), ("layers", _i64), ("hashes", _ptr),
-                ("hash", _ptr), ("block", _i64), ("bad", _ptr)]  # fmt: skip
+                ("hash", _ptr), ("block", _i64), ("bad", _ptr), ("sizes", _ptr),
+                ("n_frames", _i64), ("n_hashes", _i64)]  # fmt: skip
 
 
 class HashArgs(ctypes.Structure):  # page_copy.c HashArgs
@@ -151,6 +154,14 @@ class PageCopy:
         args.bad = ctypes.addressof(bad)
         self._run(self._scatter, args, len(dst))
         return not any(bad)
+
+    def writer(self, kinds: tuple[np.ndarray, np.ndarray], page_size: int) -> PageWriter | None:
+        """scatter_runs, with hashes, into the pools `kinds` (the K and V of one pool),
+        its C arguments made now (PageWriter); None where scatter_runs cannot check
+        hashes (XXH3 not found)."""
+        if self._xxh3 is None:
+            return None
+        return PageWriter(self, kinds, page_size)
 
     def gather_runs(
         self,
@@ -248,3 +259,82 @@ def page_copy(cache_dir: Path, split: bool = False, threads: int = 0) -> PageCop
     if lib is None:
         return None
     return PageCopy(lib, Split(cache_dir) if split else None, threads)
+
+
+class PageWriter:
+    """PageCopy.scatter_runs, with hashes, into one pool's K and V, made once per pool
+    (transfer/receiver.py): each chunk sets only its own fields in C arguments made
+    here. On this machine Python runs several times slower on a core that has been idle
+    a few milliseconds (its caches taken meanwhile), as the decode's I/O thread is
+    between a transfer's messages: what a chunk runs of it is kept to one short loop
+    and two C calls.
+    One caller at a time (the receiver's I/O thread).
+
+    Checked here, once: the pools' layout and writability; per chunk: the layer range,
+    the page numbers' dtype and each source's contiguity here; the positions' pages,
+    the sources' sizes and the hash count in C (pd_page_runs_check), before any write.
+    """
+
+    def __init__(
+        self, copy: PageCopy, kinds: tuple[np.ndarray, np.ndarray], page_size: int
+    ) -> None:
+        layers, num_pages, pb = kinds[0].shape if kinds[0].ndim == 3 else (0, 0, -1)
+        rb = pb // page_size if page_size > 0 and pb % page_size == 0 else -1
+        ok = rb > 0 and all(_paged(k) and k.shape == kinds[0].shape for k in kinds)
+        if not ok or not all(k.flags.writeable for k in kinds):
+            raise ValueError(f"page_copy: {kinds[0].dtype} {kinds[0].shape} pools, P {page_size}")
+        self._copy, self._layers = copy, layers
+        self._most = layers * MAX_RUNS  # frames a chunk of one kind may have
+        self._addrs = (ctypes.c_void_p * self._most)()
+        self._sizes = (ctypes.c_int64 * self._most)()
+        self._counts = (ctypes.c_int64 * MAX_RUNS)()
+        self._bad = (ctypes.c_int32 * layers)()
+        self._base = [int(k.ctypes.data) for k in kinds]
+        self._args = [
+            PageRuns(base, k.strides[0], num_pages, None, 0, page_size, rb, 0,
+                     ctypes.addressof(self._counts), 0, ctypes.addressof(self._addrs), 0, None,
+                     copy._xxh3, 0, ctypes.addressof(self._bad), ctypes.addressof(self._sizes),
+                     0, 0)
+            for base, k in zip(self._base, kinds)
+        ]  # fmt: skip
+        self._keep = kinds  # NOTE: the C arguments point into them
+        self._pages, self._pages_at = np.zeros(0, np.int64), 0  # the last chunk's, checked
+
+    def scatter(
+        self,
+        kind: int,
+        layers: tuple[int, int],
+        tpages: np.ndarray,
+        t0: int,
+        runs: list[int],
+        srcs: list[memoryview],
+        hashes: bytes,
+        block: int,
+    ) -> bool:
+        """scatter_runs(kinds[kind][layers[0]:layers[1]], tpages, P, t0, runs, srcs,
+        hashes, block): False if a block did not match its hash (its layer written up
+        to that block, the others whole). ValueError, nothing written, where the chunk
+        does not fit (layers, runs, positions, pages, source sizes, hash count)."""
+        a, (lo, hi), n = self._args[kind], layers, len(srcs)
+        if not (0 <= lo < hi <= self._layers) or n > self._most or not 0 < len(runs) <= MAX_RUNS:
+            raise ValueError(f"page_copy: layers [{lo}, {hi}), {len(runs)} runs, {n} frames")
+        if tpages is not self._pages:  # NOTE: the same for all of a transfer's chunks
+            if tpages.dtype != np.int64 or tpages.ndim != 1 or not tpages.flags.c_contiguous:
+                raise ValueError(f"page_copy: pages {tpages.dtype} {tpages.shape}")
+            self._pages, self._pages_at = tpages, int(tpages.ctypes.data)
+        for i, src in enumerate(srcs):
+            if not src.c_contiguous:
+                raise ValueError("page_copy: a frame is not contiguous")
+            self._addrs[i], self._sizes[i] = _address(src), src.nbytes
+        self._counts[: len(runs)] = runs  # type: ignore[assignment]  # ctypes takes ints
+        a.pool, a.layers, a.n_frames = self._base[kind] + lo * a.pool_ls, hi - lo, n
+        a.tpages, a.n_tpages, a.t0, a.n_runs = self._pages_at, len(tpages), t0, len(runs)
+        a.hashes, a.n_hashes, a.block = _address(hashes), len(hashes) // 8, block
+        if len(hashes) % 8 or not self._copy._check(ctypes.byref(a)):
+            raise ValueError(
+                f"page_copy: positions {t0} + {sum(runs)} outside the request's"
+                f" {len(tpages)} pages, frames {[self._sizes[i] for i in range(min(n, 4))]}"
+                f" not runs {runs[:4]}, or {len(hashes)} bytes of hashes"
+            )
+        self._copy._run(self._copy._scatter, a, hi - lo)
+        return not any(self._bad[: hi - lo])

@@ -22,19 +22,20 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from collections import Counter
 
 import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import page_copy
+from pdserve.kernels.page_copy import PageWriter, page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
-from pdserve.transfer.staging import PoolPages
+from pdserve.transfer.staging import PageViews, PoolPages
 from pdserve.transfer.validate import (
     Transfer,
     check_chunk,
@@ -68,6 +69,7 @@ class KVReceiver:
         inside a transfer; None where no C compiler is. False: numpy's assignment and
         Python's xxhash (--disable-compile)."""
         self.layout = layout
+        self._fingerprint = layout.fingerprint()  # in every Ready
         self._page_copy = page_copy(cache_root(), split=True) if native_scatter else None
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -79,6 +81,7 @@ class KVReceiver:
         self._curve = curve
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
+        self._writers: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
@@ -104,9 +107,9 @@ class KVReceiver:
             self._io.emit(SourceEvent(req.rid, False, reason=reason))
             return
         endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
-        x = Transfer(
-            req, pool, slots.to(pool.k.device, torch.int64), random.getrandbits(62) + 1, endpoint
-        )
+        if slots.dtype != torch.int64 or slots.device != pool.k.device:
+            slots = slots.to(pool.k.device, torch.int64)
+        x = Transfer(req, pool, slots, random.getrandbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.kv_timeout_s
         with self._lock:
             self._xfers[req.room] = x
@@ -115,7 +118,7 @@ class KVReceiver:
             rid=req.rid,
             session=x.session,
             data_endpoint=self.data_endpoint,
-            layout=self.layout.fingerprint(),
+            layout=self._fingerprint,
             num_tokens=req.prompt_len,
             decode_id=self.decode_id,
             model=self.model,
@@ -167,8 +170,8 @@ class KVReceiver:
         self._io.stop()
 
     def _refuse_reason(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> str:
-        if pool.layout.fingerprint() != self.layout.fingerprint():
-            return f"pool layout {pool.layout.fingerprint()} != receiver layout {self.layout.fingerprint()}"
+        if pool.layout is not self.layout and pool.layout != self.layout:
+            return f"pool layout {pool.layout.fingerprint()} != receiver layout {self._fingerprint}"
         if len(slots) != req.prompt_len or req.prompt_len == 0:
             return f"reserved {len(slots)} slots for a prompt of {req.prompt_len} tokens"
         if not req.bootstrap_host or not req.bootstrap_port:
@@ -192,7 +195,22 @@ class KVReceiver:
     def _send_ready(self, x: Transfer, ready: Ready) -> None:
         self._control(x.endpoint).send(ready)
         # NOTE: off the transfer's path, while the Ready is on its way
-        x.arm(self._pool_pages.of(x.pool))
+        views = self._pool_pages.of(x.pool)
+        x.arm(views, self._writer(x.pool, views))
+
+    def _writer(self, pool: KVPool, views: PageViews) -> PageWriter | None:
+        """The native writer into `pool`'s pages `views`, made once per pool (about a
+        transfer's arming again, the first time) and reused while its views are the same."""
+        k, v = views
+        if self._page_copy is None or k is None or v is None:
+            return None
+        hit = self._writers.get(pool)
+        if hit is None or hit[0] is not views:
+            hit = self._writers[pool] = (
+                views,
+                self._page_copy.writer((k, v), pool.layout.page_size),
+            )
+        return hit[1]
 
     def _lookup(self, room: int, session: int) -> Transfer | None:
         with self._lock:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.page_copy import PageCopy
+from pdserve.kernels.page_copy import MAX_RUNS, PageCopy, PageWriter
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
@@ -83,11 +83,14 @@ class Transfer:
         """Mark the cells chunk `h` wrote for `kind` (check_chunk found none set)."""
         self.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
 
-    def arm(self, views: PageViews | None = None) -> None:
+    def arm(self, views: PageViews | None = None, writer: PageWriter | None = None) -> None:
         """Make what the first chunk needs (I/O thread, once the Ready is sent: the
-        prefill's answer takes longer than this). `views`: the pool's (PoolPages.of)."""
+        prefill's answer takes longer than this). `views`: the pool's (PoolPages.of);
+        `writer`: the receiver's native writer into that pool (PoolWriters.of)."""
         _ = self.cov
-        self.paged(views)
+        paged = self.paged(views)
+        if paged is not None:
+            paged.writer = writer
 
     def paged(self, views: PageViews | None = None) -> Paged | None:
         """The pool's K and V as pages (`views`, else made here) and this request's
@@ -99,16 +102,18 @@ class Transfer:
             k, v = views or pool_views(self.pool)
             pages = request_pages(self.slots.numpy(), page_size) if k is not None else None
             if k is not None and v is not None and pages is not None:
-                self._paged = Paged((k, v), pages)
+                self._paged = Paged((k, v), pages, page_size)
         return self._paged
 
 
-@dataclass(frozen=True)
+@dataclass
 class Paged:
     """Where a transfer's rows go: position p to row p % P of page pages[p // P]."""
 
     kinds: tuple[np.ndarray, np.ndarray]  # the pool's K, V: uint8 [L, num_pages, page bytes]
     pages: np.ndarray  # int64, the request's pages in prompt order
+    page_size: int
+    writer: PageWriter | None = None  # into `kinds`, where the transfer was armed with one
 
 
 def check_chunk(
@@ -144,9 +149,6 @@ def hash_segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[
         step = whole.nbytes // layers
         out += [whole[j * step : (j + 1) * step] for j in range(layers)]
     return out
-
-
-MAX_RUNS = 64  # runs a chunk may name (the prefill sends at most push.MAX_RUNS)
 
 
 def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
@@ -274,14 +276,15 @@ def _write_paged(
     runs, kinds = h.runs or [h.tok_end - h.tok_start], _KINDS[h.kind]
     segs = hash_segments(x.pool.layout, h, bufs)  # a view per layer and run: srcs, by kind
     per_kind, at = len(segs) // len(kinds), 0
+    writer, layers = paged.writer, (h.layer_start, h.layer_end)
+    if writer is None:  # not armed with the receiver's (tests, tools)
+        writer = paged.writer = native.writer(paged.kinds, paged.page_size)
+        assert writer is not None  # _fused: native.verifies
     for i, kind in enumerate(kinds):
         srcs = segs[i * per_kind : (i + 1) * per_kind]
         end = at + 8 * sum(blocks_of(s.nbytes) for s in srcs)
-        dst = paged.kinds[kind][h.layer_start : h.layer_end]
-        size, want = x.pool.layout.page_size, h.hashes[at:end]
-        if not native.scatter_runs(
-            dst, paged.pages, size, h.tok_start, runs, srcs, want, HASH_BLOCK
-        ):
+        want = h.hashes if len(kinds) == 1 else h.hashes[at:end]
+        if not writer.scatter(kind, layers, paged.pages, h.tok_start, runs, srcs, want, HASH_BLOCK):
             return "checksum mismatch"
         x.cover(kind, h)
         at = end

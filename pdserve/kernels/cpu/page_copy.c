@@ -96,6 +96,10 @@ typedef struct {
     hash64_fn hash;
     int64_t block; /* bytes per hashed block (> 0 where hashes is set) */
     int32_t *bad;  /* scatter with hashes: one flag per layer */
+    /* where set (kernels/page_copy.py PageWriter), pd_page_runs_check also checks the
+     * frames' count and sizes, and the hash count where hashes is set */
+    const int64_t *sizes;
+    int64_t n_frames, n_hashes;
 } PageRuns;
 
 static int64_t blocks_of(int64_t nbytes, int64_t block) { return (nbytes + block - 1) / block; }
@@ -107,15 +111,25 @@ static int64_t layer_blocks(const PageRuns *a) {
     return n;
 }
 
+/* 1 if the frames hold what the runs say (where sizes is set) */
+static int32_t frames_ok(const PageRuns *a) {
+    if (a->n_frames != a->layers * a->n_runs) return 0;
+    for (int64_t l = 0; l < a->layers; l++)
+        for (int64_t r = 0; r < a->n_runs; r++)
+            if (a->sizes[l * a->n_runs + r] != a->runs[r] * a->rb) return 0;
+    return !a->hashes || (a->block > 0 && a->n_hashes == a->layers * layer_blocks(a));
+}
+
 /* 1 if every position of the chunk has a page in tpages and every such page is inside
- * [0, num_pages); 0 (the caller copies nothing) otherwise. Checked once, before any
- * layer is copied. */
+ * [0, num_pages), and (where sizes is set) the frames and hashes are what the runs say;
+ * 0 (the caller copies nothing) otherwise. Checked once, before any layer is copied. */
 int pd_page_runs_check(const PageRuns *a) {
     int64_t total = 0;
     for (int64_t r = 0; r < a->n_runs; r++) {
         if (a->runs[r] < 0) return 0;
         total += a->runs[r];
     }
+    if (a->sizes && !frames_ok(a)) return 0;
     if (a->t0 < 0 || a->ps < 1 || (total && (a->t0 + total - 1) / a->ps >= a->n_tpages)) return 0;
     int64_t first = a->t0 / a->ps;
     return !total || pages_ok(a->tpages + first, (a->t0 + total - 1) / a->ps - first + 1,
