@@ -223,7 +223,7 @@ class KVReceiver:
         return x
 
     def _on_data(self) -> None:
-        _, msg, frames = self._data.recv()
+        _, msg, frames = self._data.recv(block=False)
         if isinstance(msg, KVChunk):
             self._on_chunk(msg, frames)
         elif isinstance(msg, KVDone):
@@ -268,7 +268,7 @@ class KVReceiver:
             self._io.emit(ok)
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
-        _, msg, _ = sock.recv()
+        _, msg, _ = sock.recv(block=False)
         if msg is None:
             return
         self._last_seen[endpoint] = time.monotonic()

@@ -224,7 +224,7 @@ class KVSender:
 
     # ---- control channel (I/O thread) -----------------------------------------------
     def _on_control(self) -> None:
-        peer, msg, _ = self._ctrl.recv()
+        peer, msg, _ = self._ctrl.recv(block=False)
         if peer is None or msg is None:
             return
         self._peers.heard(peer)

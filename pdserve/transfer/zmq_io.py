@@ -133,13 +133,18 @@ class MsgSocket:
             trackers += [f.tracker for f in payload]
         return trackers
 
-    def recv(self) -> tuple[bytes | None, Message | None, list[zmq.Frame]]:
-        """Receive one multipart message (call after poll said readable).
+    def recv(self, block: bool = True) -> tuple[bytes | None, Message | None, list[zmq.Frame]]:
+        """Receive one multipart message (the I/O thread: after poll said readable, and
+        `block` False, so a handler never waits whatever the poll said).
 
-        Returns (peer identity or None, decoded header or None if dropped, payload frames).
+        Returns (peer identity or None, decoded header or None if dropped or, not
+        `block`, none was there, payload frames).
         """
         with stages.timed("receive"):
-            parts = self.sock.recv_multipart(copy=False)
+            try:
+                parts = self.sock.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None, None, []
         peer = None
         if self.routed:
             peer, parts = parts[0].bytes, parts[1:]
