@@ -137,12 +137,15 @@ def request_pages(slots: np.ndarray, page_size: int) -> np.ndarray | None:
     """int64 `pages` with slots[i] == pages[i // P] * P + i % P for every position i (a
     request's slots as the pool hands them out: whole pages, the last one maybe in
     part), or None if they are not so."""
-    n, first = len(slots), slots[::page_size]
-    if n == 0 or page_size < 1 or (first % page_size).any():
+    n = len(slots)
+    if n == 0 or page_size < 1:
         return None
-    if not np.array_equal(slots - np.repeat(first, page_size)[:n], np.arange(n) % page_size):
+    # NOTE: few numpy calls: the decode arms each transfer with this, mostly cold
+    first = slots[::page_size]
+    pages, off = np.divmod(first, page_size)
+    if off.any() or not (slots == (first[:, None] + np.arange(page_size)).ravel()[:n]).all():
         return None
-    return (first // page_size).astype(np.int64)
+    return pages.astype(np.int64, copy=False)
 
 
 def paged_view(pool: torch.Tensor, page_size: int) -> np.ndarray | None:

@@ -115,6 +115,9 @@ class MsgSocket:
         made (a tracked zmq.Frame, made before its message was due: push.zero_copy); its
         tracker is done only once the caller has dropped it too. `frames` may also come
         made for a native send (zmq_native.Frames, made before the message was due)."""
+        if not frames and self.hook is None and not self.routed:  # a header alone (Ready,
+            self.sock.send(encode(msg))  # Ack, KVDone): pyzmq copies one so small anyway
+            return []
         if isinstance(frames, Frames):  # made for a native send (zmq_native.Frames)
             if self.native is not None:
                 return [self.native.send(self.sock, encode(msg), frames)]
