@@ -11,7 +11,8 @@
                source): each block is hashed and compared right before it is written,
                while it is in L1, and a layer stops at its first block that does not match
         One call writes a whole received chunk of one kind, pages entered or left
-        mid-way included (transfer/validate.py).
+        mid-way included (transfer/validate.py, through a PageWriter: the same call
+        with its C arguments made once per pool, each chunk setting only its own).
 
     gather_runs(src, tpages, P, t0, runs, frames, block)  ->  the frames' block hashes
         The inverse, on the prefill: a piece's rows out of the request's pages into
@@ -53,7 +54,7 @@ from pdserve.kernels.cpu_native import Split, load, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
-MAX_RUNS = 64  # runs of positions one chunk may have (transfer/validate.py MAX_RUNS)
+MAX_RUNS = 64  # runs a KVChunk may name (validate.py; the prefill sends at most push.MAX_RUNS)
 
 
 def _paged(a: np.ndarray) -> bool:

@@ -15,10 +15,10 @@ a chunk overlapping cells already received is refused before writing).
 
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
-native call (kernels/page_copy.py scatter_runs: its layers on the engine's kernel
-threads, as the chunk's frames are hashed), with its pages looked up once per
-transfer (`Transfer.arm`: on the I/O thread right after the Ready is sent, while the
-prefill's answer is on its way); elsewhere (other slots, no C compiler, --disable-compile)
+native call (kernels/page_copy.py PageWriter.scatter: scatter_runs with its C arguments
+made once per pool; its layers on the engine's kernel threads, as the chunk's frames
+are hashed), with its pages looked up once per transfer (`Transfer.arm`: on the I/O
+thread right after the Ready is sent, while the prefill's answer is on its way); elsewhere (other slots, no C compiler, --disable-compile)
 by numpy's assignment (staging.py), or by index_copy_ on a GPU pool.
 """
 
@@ -86,7 +86,7 @@ class Transfer:
     def arm(self, views: PageViews | None = None, writer: PageWriter | None = None) -> None:
         """Make what the first chunk needs (I/O thread, once the Ready is sent: the
         prefill's answer takes longer than this). `views`: the pool's (PoolPages.of);
-        `writer`: the receiver's native writer into that pool (PoolWriters.of)."""
+        `writer`: the receiver's native writer into that pool (KVReceiver._writer)."""
         _ = self.cov
         paged = self.paged(views)
         if paged is not None:
