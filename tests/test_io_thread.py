@@ -41,3 +41,63 @@ def test_an_idle_thread_still_ticks_on_time() -> None:
     assert len(stamps) >= 8, stamps  # ~15 expected; timers must not wait for traffic
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert max(gaps) < 0.2, gaps
+
+
+def test_each_message_read_once_and_the_work_run_in_order() -> None:
+    """Messages queued before the thread looks are each handed to the reader once, no
+    call more (EVENTS asked after each message, not assumed), and work runs in order."""
+    import zmq
+
+    from pdserve.transfer.zmq_io import context
+
+    pull, push = context().socket(zmq.PULL), context().socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    for i in range(5):
+        push.send(b"%d" % i)
+    time.sleep(0.2)  # all five queued at the PULL before the thread polls
+    io, _ = _thread(0.05)
+    got: list[bytes] = []
+    calls: list[int] = []
+
+    def read() -> None:
+        calls.append(1)
+        try:
+            got.append(pull.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+
+    order: list[int] = []
+    done = threading.Event()
+    io.submit(lambda: io.add_reader(pull, read))
+    for i in range(3):
+        io.submit(lambda i=i: order.append(i))
+    io.submit(done.set)
+    assert done.wait(5)
+    deadline = time.monotonic() + 5
+    while len(got) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    io.stop()
+    pull.close(linger=0)
+    push.close(linger=0)
+    assert got == [b"%d" % i for i in range(5)] and len(calls) == 5, (got, len(calls))
+    assert order == [0, 1, 2]
+
+
+def test_a_handler_never_waits_on_an_empty_socket() -> None:
+    """recv(block=False), as every handler calls it: an empty socket answers at once
+    (a blocking recv would hold the I/O thread until its receive timeout)."""
+    import zmq
+
+    from pdserve.transfer.messages import Decoder
+    from pdserve.transfer.zmq_io import MsgSocket, context
+
+    pull = context().socket(zmq.PULL)
+    pull.bind_to_random_port("tcp://127.0.0.1")
+    pull.setsockopt(zmq.RCVTIMEO, 3000)
+    try:
+        t0 = time.monotonic()
+        assert MsgSocket(pull, Decoder()).recv(block=False) == (None, None, [])
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        pull.close(linger=0)
