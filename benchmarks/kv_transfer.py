@@ -366,11 +366,12 @@ class Checks:
     block must match, or the run stops."""
 
     def __init__(self, copy: PageCopy, n: int, frame_bytes: int) -> None:
-        self.copy = copy
         pool = random_pool(BENCH_LAYOUT, n + 128, 2)
         _, slots = reserve(pool, n, 2)
         self.pages = request_pages(slots.numpy(), BENCH_LAYOUT.page_size)
-        self.kinds = pool_views(pool)
+        k, v = pool_views(pool)
+        assert k is not None and v is not None
+        self.writer = copy.writer((k, v), BENCH_LAYOUT.page_size)  # as the receiver's, once
         rows = floor_rows(n)
         self.want = {
             (kind, t0): block_hashes(list(rows[kind, :, t0:t1]))
@@ -385,12 +386,12 @@ class Checks:
         return None if copy is None or not copy.verifies else cls(copy, n, frame_bytes)
 
     def __call__(self, kind: int, t0: int, frames: list[zmq.Frame]) -> None:
-        assert self.pages is not None
+        assert self.pages is not None and self.writer is not None
         bufs = [f.buffer for f in frames]
-        dst, size = self.kinds[kind], BENCH_LAYOUT.page_size
         rows = bufs[0].nbytes // BENCH_LAYOUT.token_bytes_per_layer
+        layers = (0, BENCH_LAYOUT.num_layers)
         want = self.want[kind, t0]
-        if not self.copy.scatter_runs(dst, self.pages, size, t0, [rows], bufs, want, HASH_BLOCK):
+        if not self.writer.scatter(kind, layers, self.pages, t0, [rows], bufs, want, HASH_BLOCK):
             raise RuntimeError(f"+checks: a block of kind {kind} at token {t0} failed its hash")
 
 

@@ -142,24 +142,23 @@ class PageCopy:
         """See the module docstring; False if a block did not match its hash (its layer
         written up to that block, the others whole). Checks what the C code trusts: the
         destination's layout, each source's size and contiguity, the hash count; the C
-        code checks the positions and pages before it writes anything. Without XXH3 in
-        the xxhash library the caller compares the hashes first (block_hashes: None)."""
+        code checks the positions and pages before it writes anything. With `hashes`, a
+        PageWriter made for this one call writes (ValueError without XXH3 in the xxhash
+        library: the caller then compares the hashes first, block_hashes giving None)."""
+        if hashes is not None:
+            writer = self.writer((dst, dst), page_size)
+            if writer is None:
+                raise ValueError("page_copy: no XXH3-64 in the xxhash library to check hashes")
+            views = [memoryview(s) for s in srcs]
+            return writer.scatter(0, (0, len(dst)), tpages, t0, runs, views, hashes, block)
         args, _alive = self._page_runs(dst, tpages, page_size, t0, runs, srcs, into_pool=True)
-        if hashes is None:
-            self._run(self._scatter, args, len(dst))
-            return True
-        if self._xxh3 is None or block < 1 or len(hashes) != 8 * blocks_of_frames(srcs, block):
-            raise ValueError(f"page_copy: {len(hashes)} bytes of hashes for {len(srcs)} frames")
-        bad = (ctypes.c_int32 * len(dst))()
-        args.hashes, args.hash, args.block = _address(hashes), self._xxh3, block
-        args.bad = ctypes.addressof(bad)
         self._run(self._scatter, args, len(dst))
-        return not any(bad)
+        return True
 
     def writer(self, kinds: tuple[np.ndarray, np.ndarray], page_size: int) -> PageWriter | None:
-        """scatter_runs, with hashes, into the pools `kinds` (the K and V of one pool),
-        its C arguments made now (PageWriter); None where scatter_runs cannot check
-        hashes (XXH3 not found)."""
+        """The scatter that checks block hashes (the module docstring's scatter_runs with
+        hashes) into the pools `kinds` (the K and V of one pool), its C arguments made
+        now (PageWriter); None where hashes cannot be checked (XXH3 not found)."""
         if self._xxh3 is None:
             return None
         return PageWriter(self, kinds, page_size)
@@ -263,9 +262,9 @@ def page_copy(cache_dir: Path, split: bool = False, threads: int = 0) -> PageCop
 
 
 class PageWriter:
-    """PageCopy.scatter_runs, with hashes, into one pool's K and V, made once per pool
-    (transfer/receiver.py): each chunk sets only its own fields in C arguments made
-    here. On this machine Python runs several times slower on a core that has been idle
+    """The scatter with hashes (the module docstring's scatter_runs), into one pool's K
+    and V, made once per pool (transfer/receiver.py): each chunk sets only its own
+    fields in C arguments made here. On this machine Python runs several times slower on a core that has been idle
     a few milliseconds (its caches taken meanwhile), as the decode's I/O thread is
     between a transfer's messages: what a chunk runs of it is kept to one short loop
     and two C calls.

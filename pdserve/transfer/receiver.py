@@ -81,7 +81,9 @@ class KVReceiver:
         self._curve = curve
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
-        self._writers: weakref.WeakKeyDictionary[KVPool, tuple] = weakref.WeakKeyDictionary()
+        # pool -> (the views a writer was made for, the writer): KVReceiver._writer
+        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, PageWriter | None]]
+        self._writers = weakref.WeakKeyDictionary()
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}

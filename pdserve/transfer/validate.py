@@ -18,8 +18,9 @@ allocator hands them out) and the pool is on the CPU, a chunk's kind is written 
 native call (kernels/page_copy.py PageWriter.scatter: scatter_runs with its C arguments
 made once per pool; its layers on the engine's kernel threads, as the chunk's frames
 are hashed), with its pages looked up once per transfer (`Transfer.arm`: on the I/O
-thread right after the Ready is sent, while the prefill's answer is on its way); elsewhere (other slots, no C compiler, --disable-compile)
-by numpy's assignment (staging.py), or by index_copy_ on a GPU pool.
+thread right after the Ready is sent, while the prefill's answer is on its way);
+elsewhere (other slots, no C compiler, --disable-compile) by numpy's assignment
+(staging.py), or by index_copy_ on a GPU pool.
 """
 
 from __future__ import annotations
