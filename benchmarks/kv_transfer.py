@@ -72,7 +72,7 @@ import zmq.utils.garbage
 from proc_cpu import cpu_by_kind, thread_times
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import PageCopy, page_copy
+from pdserve.kernels.native.page_copy import PageCopy, page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK, block_hashes

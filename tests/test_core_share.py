@@ -12,8 +12,9 @@ import threading
 import pytest
 import torch
 
-from pdserve.kernels import core_share, cpu_native
+from pdserve.kernels import core_share
 from pdserve.kernels.core_share import IDLE_S, CoreShare
+from pdserve.kernels.native import par
 
 
 def test_borrows_only_from_idle_peers(tmp_path, monkeypatch) -> None:
@@ -233,11 +234,11 @@ def test_kernel_threads_follow_the_peer_at_once(tmp_path, monkeypatch) -> None:
 
 
 def test_split_asks_the_budget_at_every_call(tmp_path, monkeypatch) -> None:
-    split = cpu_native.Split(tmp_path)
+    split = par.Split(tmp_path)
     calls: list[int] = []
     split._run = lambda fn, args, n, parts: calls.append(parts)
     budget = iter([2, 1, 3])
-    monkeypatch.setattr(cpu_native.Split, "budget", lambda: next(budget))
+    monkeypatch.setattr(par.Split, "budget", lambda: next(budget))
     ran: list[tuple[int, int]] = []
     fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
         lambda args, lo, hi: ran.append((lo, hi))

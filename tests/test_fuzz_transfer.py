@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import page_copy
+from pdserve.kernels.native.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import (

@@ -1,4 +1,4 @@
-"""kernels/cpu/page_copy.c: the decode's page scatter equals plain indexing and the
+"""kernels/native/page_copy.c: the decode's page scatter equals plain indexing and the
 receiver's numpy path, on every store path (non-temporal AVX-512 / AVX / SSE2 stores,
 memcpy), and refuses out-of-range positions, pages and bad shapes before writing."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
-from pdserve.kernels.page_copy import PageCopy, page_copy
+from pdserve.kernels.native import library
+from pdserve.kernels.native.page_copy import PageCopy, page_copy
 
 # -march=native plus these: each build takes another path through the same source
 ISAS = [(), ("-mno-avx512f",), ("-mno-avx",), ("-mno-sse2", "-mno-avx")]
@@ -19,11 +19,11 @@ ISAS = [(), ("-mno-avx512f",), ("-mno-avx",), ("-mno-sse2", "-mno-avx")]
 
 @pytest.fixture(scope="module", params=ISAS, ids=["native", "avx", "sse2", "memcpy"])
 def kernel(request, tmp_path_factory) -> PageCopy:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     if request.param and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         pytest.skip("x86 flags")
-    lib = cpu_native.build("page_copy", tmp_path_factory.mktemp("pc"), request.param)
+    lib = library.build("page_copy", tmp_path_factory.mktemp("pc"), request.param)
     assert lib is not None
     return PageCopy(ctypes.CDLL(str(lib)))
 
@@ -38,7 +38,7 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     on, off = KVReceiver(lay), KVReceiver(lay, native_scatter=False)
     try:
         assert off._page_copy is None
-        assert (on._page_copy is None) == (cpu_native.compiler() is None)
+        assert (on._page_copy is None) == (library.compiler() is None)
     finally:
         on.close()
         off.close()

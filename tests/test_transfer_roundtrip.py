@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import (
     Side,
@@ -75,7 +75,7 @@ def test_gathered_pieces_arrive_exactly(monkeypatch, gather: bool, scatter: bool
     other gather fails if it is called, so the one named is the one that ran."""
     from pdserve.transfer.staging import StagingPool
 
-    if gather and cpu_native.compiler() is None:
+    if gather and library.compiler() is None:
         pytest.skip("no C compiler")
 
     def not_this(*_a, **_k):

@@ -96,7 +96,7 @@ class CoreShare:
         self._write(time.monotonic(), 0)
 
     def kernel_threads(self) -> int:
-        """Threads for this engine's next native kernel call (kernels/cpu_native.Split):
+        """Threads for this engine's next native kernel call (kernels/native/par.Split):
         its own share plus the shares of peers not computing at this moment. No idle
         time is asked for, unlike begin(): the count is read again at every call, so a
         peer that starts a forward gets its cores back within one kernel (~0.1-1 ms),
@@ -109,7 +109,7 @@ class CoreShare:
 
     def records(self) -> tuple[int, int, int, int]:
         """(address of the records, engines, this engine's slot, its share): for native
-        code that computes kernel_threads itself (kernels/cpu/decode_forward.c). The
+        code that computes kernel_threads itself (kernels/native/decode_forward.c). The
         address stays valid until close()."""
         if self._view is None:
             self._view = (ctypes.c_char * len(self._map)).from_buffer(self._map)
@@ -161,7 +161,7 @@ class HostCore:
     thread computes beside an in-flight forward (the overlap scheduler on CPU).
 
     The native decode forward reads the claim before every kernel (threads_now in
-    kernels/cpu/decode_forward.c) and, while it is set, splits the kernel over one part
+    kernels/native/decode_forward.c) and, while it is set, splits the kernel over one part
     fewer (never fewer than one), so the schedule thread's host work has a core to
     itself instead of preempting one of the forward's threads; when the schedule thread
     blocks on the forward stream (or sleeps) it gives the core back, from the next

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_native, cpu_ops
-from pdserve.kernels.cpu_native import PagedDecode
-from pdserve.kernels.cpu_ops import DecodeOps
+from pdserve.kernels.native import decode_ops, paged_decode
+from pdserve.kernels.native.decode_ops import DecodeOps
+from pdserve.kernels.native.paged_decode import PagedDecode
 from pdserve.kvcache.pools import KVPool
 from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
@@ -69,14 +69,14 @@ class TorchAttention:
     def warm_up(self, num_heads: int | None = None) -> None:
         """Build (or load) the native kernel now: engines call it at start-up, so no
         step builds anything. With `num_heads` (the model's query heads) a shape the
-        kernel does not take (kernels/cpu/paged_decode.c's limits) keeps the eager path
+        kernel does not take (kernels/native/paged_decode.c's limits) keeps the eager path
         instead of failing every step."""
         if self.native_dir is None or self.pool.k.dtype != torch.float32:
             return
         cache_dir, self.native_dir = Path(self.native_dir), None
         if self.pool.k.device.type != "cpu":
             return
-        native = cpu_native.paged_decode(cache_dir)
+        native = paged_decode.paged_decode(cache_dir)
         if native is None:
             log.warning("attention stays eager (the native kernel was not built)")
             return
@@ -91,7 +91,7 @@ class TorchAttention:
             )
             return
         self._native = native
-        self._kv_write = cpu_ops.decode_ops(cache_dir)
+        self._kv_write = decode_ops.decode_ops(cache_dir)
 
     @property
     def native(self) -> bool:

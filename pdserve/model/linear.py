@@ -11,7 +11,7 @@ weight is laid out for it (benchmarks/decode_step.py measures the floor), so at 
 
 A CPU engine then moves every Linear to the native kernel (`use_native`, from
 ModelRunner.warm_up_decode / warm_up_prefill): W in 16-column panels,
-kernels/cpu/linear_f32.c, which streams the weights 1.1-1.9x faster than oneDNN for a
+kernels/native/linear_f32.c, which streams the weights 1.1-1.9x faster than oneDNN for a
 decode's few rows (benchmarks/decode_step.py); at a prompt's rows it is 5-10% slower on
 one thread, but its panels go to the threads in chunks, which a host shared with other
 processes needs more (ModelRunner.warm_up_prefill).
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pdserve.kernels.cpu_native import LinearF32
+    from pdserve.kernels.native.linear_f32 import LinearF32
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size works with it
 _BATCH_HINT = 64

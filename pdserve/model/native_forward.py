@@ -1,4 +1,4 @@
-"""A decode engine's forward as one native call (kernels/cpu_forward.py), where it fits.
+"""A decode engine's forward as one native call (kernels/native/decode_forward.py), where it fits.
 
 `NativeDecodeForward.build` binds a model's weights, its KV pool and the rotary tables
 into a plan once (a decode runner's warm-up); each pure decode step then fills in the
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.cpu_forward import (
+from pdserve.kernels.native.decode_forward import (
     MAX_WINDOWS,
     DecodeForward,
     DecodeLayer,

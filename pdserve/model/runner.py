@@ -11,8 +11,9 @@ import torch
 from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV, cache_root
-from pdserve.kernels import core_share, cpu_forward, cpu_native, cpu_ops
+from pdserve.kernels import core_share
 from pdserve.kernels.core_share import CoreShare, HostCore
+from pdserve.kernels.native import decode_forward, decode_ops, linear_f32, par
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.attention_triton import TritonAttention
@@ -61,7 +62,7 @@ class ModelRunner:
         if cfg.core_share and cfg.device.startswith("cpu"):
             path, slot, engines = core_share.parse(cfg.core_share)
             self.core_share = CoreShare(path, slot, engines, torch.get_num_threads())
-            cpu_native.Split.budget = self.core_share.kernel_threads  # one engine a process
+            par.Split.budget = self.core_share.kernel_threads  # one engine a process
         # the decode's schedule thread claims a core of the native forward's while it
         # computes beside it (overlap; kernels/core_share.HostCore)
         self.host_core = HostCore()
@@ -157,7 +158,7 @@ class ModelRunner:
     def _native_linears(self, native_dir: Path) -> bool:
         """Every projection on the native linear (a model shared with another runner, as
         in the offline LLM, moves for both); False where it was not built."""
-        kernel = cpu_native.linear_f32(native_dir)
+        kernel = linear_f32.linear_f32(native_dir)
         if kernel is None:
             log.warning("projections stay on oneDNN (the native linear was not built)")
             return False
@@ -183,7 +184,7 @@ class ModelRunner:
         """The whole decode step as one native call, where the model fits it."""
         if ENV.PER_CALL_DECODE.get("0") == "1":
             return
-        kernel = cpu_forward.decode_forward(native_dir)
+        kernel = decode_forward.decode_forward(native_dir)
         self.native_forward, why = NativeDecodeForward.build(
             kernel, self.model, self.attn, self.core_share, self.host_core
         )
@@ -191,7 +192,7 @@ class ModelRunner:
             log.info("decode steps call their kernels one by one: %s", why)
 
     def _native_ops(self, native_dir: Path) -> None:
-        ops = cpu_ops.decode_ops(native_dir)
+        ops = decode_ops.decode_ops(native_dir)
         if ops is None:
             log.warning("norms, rotation and activation stay on torch (native ops not built)")
         else:

@@ -8,7 +8,7 @@ one shorter, and the chunk carries those hashes:
     KVChunk.checksum  = xxh3_64(KVChunk.hashes)       (in the transfer's digest)
 
 Why blocks: the decode hashes a block and writes it into its pages while it is in
-the core's L1 cache (kernels/page_copy.py scatter_runs), so the received bytes are
+the core's L1 cache (kernels/native/page_copy.py scatter_runs), so the received bytes are
 read from memory once; hashing a whole frame and then writing it read them twice.
 Every block is still compared before it is written. A later block that fails leaves
 the chunk written in part, in the request's own pages: the transfer fails and those
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 if TYPE_CHECKING:
-    from pdserve.kernels.page_copy import PageCopy
+    from pdserve.kernels.native.page_copy import PageCopy
 
 # NOTE: fits L1 (32-48 KiB per core on x86 and Arm servers) with room for the stores;
 # a multiple of every vector store's width, so the decode's stores stay aligned
@@ -44,7 +44,7 @@ def blocks_of(nbytes: int) -> int:
 
 def block_hashes(segments: Sequence[Any], native: PageCopy | None = None) -> bytes:
     """KVChunk.hashes of `segments` (bytes, memoryviews, contiguous arrays), in order:
-    on `native`'s kernel threads where it can (kernels/page_copy.py), else here."""
+    on `native`'s kernel threads where it can (kernels/native/page_copy.py), else here."""
     hashes = None if native is None else native.block_hashes(segments, HASH_BLOCK)
     if hashes is not None:
         return hashes

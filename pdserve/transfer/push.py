@@ -23,7 +23,7 @@ The staging buffer a frame is gathered into is the buffer libzmq sends from (cop
 it goes back to the pool only when its tracker says libzmq is done. On a CPU pool whose
 request slots are whole pages (as the pool hands them out) the native kernel gathers
 page by page, layer after layer on the engine's kernel threads, and hashes each layer
-while it is still in the cache of the core that copied it (kernels/page_copy.py
+while it is still in the cache of the core that copied it (kernels/native/page_copy.py
 gather_runs); the kind's frame then carries runs [n], its layers' segments one after
 another (messages.py), and the checksum is the one in-place pieces have. Against torch's
 gather and xxhash after it, taking turns per transfer in one process pair (shuffled
@@ -64,7 +64,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.kernels.page_copy import PageCopy
+from pdserve.kernels.native.page_copy import PageCopy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
@@ -174,7 +174,7 @@ class Pusher:
         native_send: bool = False,
     ) -> None:
         """`native`: pieces whose pages are scattered over a CPU pool are gathered and
-        hashed by kernels/page_copy.py (gather_runs), else by torch and xxhash.
+        hashed by kernels/native/page_copy.py (gather_runs), else by torch and xxhash.
         `native_send`: the sockets send numpy frames through libzmq's C API
         (zmq_native.py), so prepare() makes a piece's frames for that, else pyzmq's."""
         self.layout = layout

@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import PageWriter, page_copy
+from pdserve.kernels.native.page_copy import PageWriter, page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
@@ -64,7 +64,7 @@ class KVReceiver:
         native_scatter: bool = True,
     ) -> None:
         """`native_scatter`: write whole pages with the native scatter, and hash chunks
-        from C, on as many threads as the engine's kernels use (kernels/page_copy.py),
+        from C, on as many threads as the engine's kernels use (kernels/native/page_copy.py),
         built (once per machine, about a second) and loaded here at start-up, never
         inside a transfer; None where no C compiler is. False: numpy's assignment and
         Python's xxhash (--disable-compile)."""

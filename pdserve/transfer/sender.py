@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import page_copy
+from pdserve.kernels.native.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
@@ -66,7 +66,7 @@ class KVSender:
         native: bool = True,
     ) -> None:
         """`native`: gather and hash pieces whose pages are scattered over the pool with
-        the native kernel (kernels/page_copy.py), and send KV frames through libzmq's C API
+        the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
         (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
         torch's index_select, Python's xxhash and pyzmq's zero-copy send
         (--disable-compile)."""

@@ -30,7 +30,7 @@ from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK
 
 if TYPE_CHECKING:
-    from pdserve.kernels.page_copy import PageCopy
+    from pdserve.kernels.native.page_copy import PageCopy
     from pdserve.transfer.zmq_io import Tracker
 
 PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
@@ -215,7 +215,7 @@ def scatter_runs(
     """dst[:, idx] = the frames' rows, from frames sent in place (messages.KVChunk.runs):
     frames[layer * len(runs) + r] holds run r's tokens of that layer (runs split idx in
     order), read straight from their buffers, whole pages by numpy's assignment (the
-    receiver's native path is kernels/page_copy.py scatter_runs, transfer/validate.py)."""
+    receiver's native path is kernels/native/page_copy.py scatter_runs, transfer/validate.py)."""
     rows, slots, off = _rows(dst), idx.numpy(), 0
     for r, count in enumerate(runs):
         part = slots[off : off + count]

@@ -15,7 +15,7 @@ a chunk overlapping cells already received is refused before writing).
 
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
-native call (kernels/page_copy.py PageWriter.scatter: scatter_runs with its C arguments
+native call (kernels/native/page_copy.py PageWriter.scatter: scatter_runs with its C arguments
 made once per pool; its layers on the engine's kernel threads, as the chunk's frames
 are hashed), with its pages looked up once per transfer (`Transfer.arm`: on the I/O
 thread right after the Ready is sent, while the prefill's answer is on its way);
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.page_copy import MAX_RUNS, PageCopy, PageWriter
+from pdserve.kernels.native.page_copy import MAX_RUNS, PageCopy, PageWriter
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket

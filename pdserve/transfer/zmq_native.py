@@ -7,7 +7,7 @@ tracker. On the prefill of an 8k-token transfer (128 frames) that thread used 2.
 CPU, beside 1.2 ms for the sender's own I/O thread (benchmarks/kv_transfer.py, CPU by
 thread), and it takes the GIL from the engine's threads each time.
 
-Here one C call (kernels/cpu/zmq_send.c) sends a KVChunk's header and frames on the
+Here one C call (transfer/native/zmq_send.c) sends a KVChunk's header and frames on the
 socket pyzmq made, through the functions of the libzmq pyzmq loaded; libzmq's I/O thread
 counts a frame off in a `Pending` slot when it lets the frame go. A `Pending` is the
 tracker of the whole message (`done`, `wait`, as zmq.MessageTracker).
@@ -45,10 +45,11 @@ import numpy as np
 import zmq
 
 from pdserve.envs import ENV
-from pdserve.kernels.cpu_native import load
+from pdserve.kernels.native.library import load
 
 log = logging.getLogger(__name__)
 
+SRC_DIR = Path(__file__).parent / "native"  # zmq_send.c
 _SLAB = 4096  # Pending slots per slab (8 bytes each); slabs are made as needed, kept
 
 
@@ -175,7 +176,7 @@ class NativeSend:
     def load(cls, cache_dir: Path) -> NativeSend | None:
         """None where libzmq is not a library of its own here, or no C compiler is."""
         libzmq = _libzmq()
-        lib = load("zmq_send", cache_dir) if libzmq is not None else None
+        lib = load("zmq_send", cache_dir, SRC_DIR) if libzmq is not None else None
         if libzmq is None or lib is None:
             log.info("KV frames go through pyzmq's zero-copy send (libzmq's C API not found)")
             return None

@@ -1,4 +1,4 @@
-"""kernels/cpu/page_copy.c: KV pages between a pool and a chunk's frames, both sides.
+"""kernels/native/page_copy.c: KV pages between a pool and a chunk's frames, both sides.
 
     scatter_runs(dst, tpages, P, t0, runs, srcs, hashes=None, block=0)  ->  all matched
         dst    uint8 [L, num_pages, page bytes]: the pool's K or V, a page per row
@@ -35,7 +35,7 @@ Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x nu
 fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
 pool, measured on the per-page call this one replaced). A request's slots that are not
 whole pages in prompt order (never the decode's allocator) go through numpy instead
-(transfer/staging.py). The decode's KVReceiver loads it at start-up (cpu_native.load: once per
+(transfer/staging.py). The decode's KVReceiver loads it at start-up (library.load: once per
 process), unless --disable-compile. The wrapper checks what
 the C code trusts (dtypes, shapes, strides, writability, the hash count); the C code
 checks the page numbers before it writes anything.
@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kernels.cpu_native import Split, load, range_fn
+from pdserve.kernels.native.library import load
+from pdserve.kernels.native.par import Split, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

@@ -1,4 +1,4 @@
-"""kernels/cpu/decode_ops.c: a forward's elementwise passes, one ctypes call each.
+"""kernels/native/decode_ops.c: a forward's elementwise passes, one ctypes call each.
 
 CPU engines turn them on at start-up (ModelRunner.warm_up_decode, warm_up_prefill); the
 model then calls these instead of the torch ops that compute the same values
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels.cpu_native import Split, load
+from pdserve.kernels.native.library import load
+from pdserve.kernels.native.par import Split
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 CHUNK_ROWS = 64  # from this many rows (a prompt's) a pass is split over threads in chunks

@@ -24,7 +24,7 @@
  * Plain C in lanes of 8 that the compiler vectorises, except the argmax (a max with its
  * index does not vectorise from C): AVX2 intrinsics where the compiler targets AVX2, a
  * scalar loop elsewhere; so it builds anywhere a C compiler is. The callers check
- * shapes and strides (kernels/cpu_ops.py).
+ * shapes and strides (kernels/native/decode_ops.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -98,7 +98,7 @@ void pd_rope(float *x, int64_t ld, const float *cos, const float *sin, int64_t t
 }
 
 /* The passes above over rows [lo, hi) of their arguments (par.c range functions): a
- * prompt's rows go to the engine's threads in chunks (kernels/cpu_ops.py). Rows are
+ * prompt's rows go to the engine's threads in chunks (kernels/native/decode_ops.py). Rows are
  * independent, so any split gives the same bits. */
 typedef struct {
     float *x; /* h (norm), x (heads, rope), gu (silu) */

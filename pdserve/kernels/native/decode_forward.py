@@ -1,4 +1,4 @@
-"""kernels/cpu/decode_forward.c: a whole decode forward in one ctypes call (fp32, CPU).
+"""kernels/native/decode_forward.c: a whole decode forward in one ctypes call (fp32, CPU).
 
 The C side computes nothing itself: it calls the kernels the per-call path uses
 (linear_f32.c, paged_decode.c, decode_ops.c, par.c), taken here from their loaded
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_native import load
+from pdserve.kernels.native.library import load
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 MAX_WINDOWS = 4  # decode_forward.c MAX_WINDOWS
