@@ -18,13 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.native.decode_forward import (
-    MAX_WINDOWS,
-    DecodeForward,
-    DecodeLayer,
-    Proj,
-    float_ptr,
-)
+from pdserve.kernels.native.abi import MAX_WINDOWS, DecodeLayer, Proj
+from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
 from pdserve.model.attention import TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import Linear

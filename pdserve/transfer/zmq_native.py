@@ -128,10 +128,17 @@ class Pending:
             pass
 
 
-class _ZmqApi(ctypes.Structure):  # zmq_send.c ZmqApi
+class ZmqApi(ctypes.Structure):  # checked against zmq_send.c's at load (kernels/native/abi.py)
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("init_size", "init_data", "data", "send", "close", "errno")
+        for name in (
+            "msg_init_size",
+            "msg_init_data",
+            "msg_data",
+            "msg_send",
+            "msg_close",
+            "errno_",
+        )
     ]
 
 
@@ -165,7 +172,7 @@ class NativeSend:
         names: tuple[str, ...] = ("zmq_msg_init_size", "zmq_msg_init_data", "zmq_msg_data")
         names += ("zmq_msg_send", "zmq_msg_close", "zmq_errno")
         fns = [ctypes.cast(getattr(libzmq, n), ctypes.c_void_p).value for n in names]
-        self._api = _ZmqApi(*fns)
+        self._api = ZmqApi(*fns)
         self._libzmq = libzmq  # NOTE: keeps the functions' library loaded
         self._send = lib.pd_zmq_send
         self._send.restype = ctypes.c_int
@@ -176,7 +183,7 @@ class NativeSend:
     def load(cls, cache_dir: Path) -> NativeSend | None:
         """None where libzmq is not a library of its own here, or no C compiler is."""
         libzmq = _libzmq()
-        lib = load("zmq_send", cache_dir, SRC_DIR) if libzmq is not None else None
+        lib = load("zmq_send", cache_dir, SRC_DIR, (ZmqApi,)) if libzmq is not None else None
         if libzmq is None or lib is None:
             log.info("KV frames go through pyzmq's zero-copy send (libzmq's C API not found)")
             return None

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kernels.native.abi import HashArgs, PageRuns
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -69,19 +70,6 @@ def _address(buf: Any) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):  # read-only (bytes, a view over them) or empty
         return int(np.frombuffer(buf, np.uint8).ctypes.data)
-
-
-class PageRuns(ctypes.Structure):  # page_copy.c PageRuns
-    _fields_ = [("pool", _ptr), ("pool_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
-                ("n_tpages", _i64), ("ps", _i64), ("rb", _i64), ("t0", _i64), ("runs", _ptr),
-                ("n_runs", _i64), ("frames", _ptr), ("layers", _i64), ("hashes", _ptr),
-                ("hash", _ptr), ("block", _i64), ("bad", _ptr), ("sizes", _ptr),
-                ("n_frames", _i64), ("n_hashes", _i64)]  # fmt: skip
-
-
-class HashArgs(ctypes.Structure):  # page_copy.c HashArgs
-    _fields_ = [("srcs", _ptr), ("sizes", _ptr), ("first", _ptr), ("out", _ptr),
-                ("hash", _ptr), ("block", _i64)]  # fmt: skip
 
 
 def xxh3_address() -> int | None:
