@@ -37,19 +37,19 @@ class _Registry:
     CURVE_SECRET = EnvVar(
         "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
     )
+    # Kept: the offline LLM has no --disable-compile, and its tests run the portable
+    # paths (eager attention, torch norms) through it.
     DISABLE_COMPILE = EnvVar(
         "PDSERVE_DISABLE_COMPILE",
         "1: build no native CPU kernels (as --disable-compile)",
     )
+    # Kept: the per-call path is the fallback for a model the one-call forward does not
+    # fit; this runs it on one that fits, for the tests that compare the two and
+    # benchmarks/decode_step.py --paths per-call.
     PER_CALL_DECODE = EnvVar(
         "PDSERVE_PER_CALL_DECODE",
         "1: a CPU decode step calls its native kernels one by one from Python instead of "
         "as one native forward (same results; for comparing the two)",
-    )
-    PYZMQ_SEND = EnvVar(
-        "PDSERVE_PYZMQ_SEND",
-        "1: a prefill sends KV frames through pyzmq's zero-copy frames instead of libzmq's "
-        "C API (transfer/zmq_native.py; for comparing the two)",
     )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",

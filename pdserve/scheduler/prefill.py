@@ -107,13 +107,11 @@ class PrefillEngine:
         self._poll_sink()
         self._admit()
         chunk = self._plan_chunk()
-        share = self.runner.core_share
-        if share is not None:  # a decode on this host may step aside for it (prefill first)
-            share.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
+        cores = self.runner.cores  # a decode on this host may step aside for it (prefill first)
+        cores.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
         if chunk:
             self._run(chunk)
-            if share is not None:
-                share.set_backlog(len(self.prefilling) + len(self.waiting))
+            cores.set_backlog(len(self.prefilling) + len(self.waiting))
         events, self.events = self.events, []
         return events
 

@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -62,15 +63,19 @@ class KVReceiver:
         model: str = "",
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
         """`native_scatter`: write whole pages with the native scatter, and hash chunks
         from C, on as many threads as the engine's kernels use (kernels/native/page_copy.py),
         built (once per machine, about a second) and loaded here at start-up, never
         inside a transfer; None where no C compiler is. False: numpy's assignment and
-        Python's xxhash (--disable-compile)."""
+        Python's xxhash (--disable-compile). `kernel_threads`: the engine's
+        (kernels/core_share.Cores), else torch's thread count."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
-        self._page_copy = page_copy(cache_root(), split=True) if native_scatter else None
+        self._page_copy = (
+            page_copy(cache_root(), True, kernel_threads=kernel_threads) if native_scatter else None
+        )
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,19 +65,21 @@ class KVSender:
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         native: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
         """`native`: gather and hash pieces whose pages are scattered over the pool with
         the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
         (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
         torch's index_select, Python's xxhash and pyzmq's zero-copy send
-        (--disable-compile)."""
+        (--disable-compile). `kernel_threads`: the engine's (kernels/core_share.Cores),
+        else torch's thread count."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        gather = page_copy(cache_root(), split=True) if native else None
+        gather = page_copy(cache_root(), True, kernel_threads=kernel_threads) if native else None
         send = native_send(cache_root()) if native else None
         self._pusher = Pusher(layout, max_frame_bytes, gather, native_send=send is not None)
         self._max_tokens = self._pusher.max_tokens

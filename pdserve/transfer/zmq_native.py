@@ -12,10 +12,8 @@ socket pyzmq made, through the functions of the libzmq pyzmq loaded; libzmq's I/
 counts a frame off in a `Pending` slot when it lets the frame go. A `Pending` is the
 tracker of the whole message (`done`, `wait`, as zmq.MessageTracker).
 
-Eight runs of benchmarks/kv_transfer.py each way, interleaved (--rounds 1 --repeats 9,
-PDSERVE_PYZMQ_SEND=1 for pyzmq's send; docs/benchmarks.md, thirtieth round): 1k tokens
-2.14 against 1.91 GB/s (median), 8k 2.82 against 2.72; CPU per byte, both processes,
-1.08 against 1.23 ns at 1k and 0.74 against 0.80 at 8k.
+Both ways were measured with benchmarks/kv_transfer.py (docs/benchmarks.md): this one
+moves more bytes per second and spends less CPU per byte, most at small transfers.
 
 Where libzmq cannot be found as a library of its own (a pyzmq built with it inside the
 extension), or no C compiler is, `NativeSend.load` returns None and MsgSocket sends
@@ -44,7 +42,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.envs import ENV
 from pdserve.kernels.native.library import load
 
 log = logging.getLogger(__name__)
@@ -225,9 +222,4 @@ class Frames:
         self.sizes = (ctypes.c_int64 * n)(*(a.nbytes for a in arrays))
 
 
-_load = functools.cache(NativeSend.load)  # once per process and cache folder
-
-
-def native_send(cache_dir: Path) -> NativeSend | None:
-    """NativeSend.load, once per process (PDSERVE_PYZMQ_SEND=1: always pyzmq's send)."""
-    return None if ENV.PYZMQ_SEND.get() == "1" else _load(cache_dir)
+native_send = functools.cache(NativeSend.load)  # once per process and cache folder

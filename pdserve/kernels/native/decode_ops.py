@@ -17,7 +17,7 @@ import torch
 
 from pdserve.kernels.native.abi import RowsArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split
+from pdserve.kernels.native.par import Split, Threads
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 CHUNK_ROWS = 64  # from this many rows (a prompt's) a pass is split over threads in chunks
@@ -164,6 +164,7 @@ class DecodeOps:
         return out
 
 
-def decode_ops(cache_dir: Path) -> DecodeOps | None:
+def decode_ops(cache_dir: Path, kernel_threads: Threads | None = None) -> DecodeOps | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("decode_ops", cache_dir)
-    return None if lib is None else DecodeOps(lib, Split(cache_dir))
+    return None if lib is None else DecodeOps(lib, Split(cache_dir, kernel_threads))

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.kernels.native.abi import LinearArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -72,6 +72,7 @@ class LinearF32:
         return max(2, panels // 16 // 2 * 2)
 
 
-def linear_f32(cache_dir: Path) -> LinearF32 | None:
+def linear_f32(cache_dir: Path, kernel_threads: Threads | None = None) -> LinearF32 | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("linear_f32", cache_dir)
-    return None if lib is None else LinearF32(lib, Split(cache_dir))
+    return None if lib is None else LinearF32(lib, Split(cache_dir, kernel_threads))

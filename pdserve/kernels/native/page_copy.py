@@ -52,7 +52,7 @@ import numpy as np
 
 from pdserve.kernels.native.abi import HashArgs, PageRuns
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -241,13 +241,16 @@ class PageCopy:
             self._split.alone(fn, args, n, self._threads)
 
 
-def page_copy(cache_dir: Path, split: bool = False, threads: int = 0) -> PageCopy | None:
+def page_copy(
+    cache_dir: Path, split: bool = False, threads: int = 0, kernel_threads: Threads | None = None
+) -> PageCopy | None:
     """The native scatter, built and loaded once per process (None without a C
-    compiler); `split`: over par.c's workers (PageCopy)."""
+    compiler); `split`: over par.c's workers (PageCopy), as many as `kernel_threads`
+    says at each call (par.Split) where `threads` is 0."""
     lib = load("page_copy", cache_dir)
     if lib is None:
         return None
-    return PageCopy(lib, Split(cache_dir) if split else None, threads)
+    return PageCopy(lib, Split(cache_dir, kernel_threads) if split else None, threads)
 
 
 class PageWriter:

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.kernels.native.abi import PagedDecodeArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -71,6 +71,7 @@ class PagedDecode:
         return out
 
 
-def paged_decode(cache_dir: Path) -> PagedDecode | None:
+def paged_decode(cache_dir: Path, kernel_threads: Threads | None = None) -> PagedDecode | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("paged_decode", cache_dir)
-    return None if lib is None else PagedDecode(lib, Split(cache_dir))
+    return None if lib is None else PagedDecode(lib, Split(cache_dir, kernel_threads))
