@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.native.page_copy import PageWriter, page_copy
+from pdserve.kernels.page_io import Writer, page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
@@ -65,17 +65,15 @@ class KVReceiver:
         native_scatter: bool = True,
         kernel_threads: Callable[[], int] | None = None,
     ) -> None:
-        """`native_scatter`: write whole pages with the native scatter, and hash chunks
-        from C, on as many threads as the engine's kernels use (kernels/native/page_copy.py),
-        built (once per machine, about a second) and loaded here at start-up, never
-        inside a transfer; None where no C compiler is. False: numpy's assignment and
-        Python's xxhash (--disable-compile). `kernel_threads`: the engine's
-        (kernels/core_share.Cores), else torch's thread count."""
+        """`native_scatter`: write whole pages and hash chunks in C, on as many threads
+        as the engine's kernels use, `kernel_threads` (kernels/core_share.Cores; None:
+        torch's thread count), built (once per machine, about a second) and loaded here
+        at start-up, never inside a transfer; False, or no C compiler: numpy and
+        Python's xxhash (--disable-compile). Either is the page I/O of
+        kernels/page_io.py, chosen here once."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
-        self._page_copy = (
-            page_copy(cache_root(), True, kernel_threads=kernel_threads) if native_scatter else None
-        )
+        self._pages = page_io(cache_root() if native_scatter else None, kernel_threads)
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -87,7 +85,7 @@ class KVReceiver:
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
         # pool -> (the views a writer was made for, the writer): KVReceiver._writer
-        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, PageWriter | None]]
+        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, Writer]]
         self._writers = weakref.WeakKeyDictionary()
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
@@ -205,17 +203,18 @@ class KVReceiver:
         views = self._pool_pages.of(x.pool)
         x.arm(views, self._writer(x.pool, views))
 
-    def _writer(self, pool: KVPool, views: PageViews) -> PageWriter | None:
-        """The native writer into `pool`'s pages `views`, made once per pool (about a
-        transfer's arming again, the first time) and reused while its views are the same."""
+    def _writer(self, pool: KVPool, views: PageViews) -> Writer | None:
+        """The writer into `pool`'s pages `views` (None: not a CPU pool of pages), made
+        once per pool (about a transfer's arming again, the first time) and reused while
+        its views are the same."""
         k, v = views
-        if self._page_copy is None or k is None or v is None:
+        if k is None or v is None:
             return None
         hit = self._writers.get(pool)
         if hit is None or hit[0] is not views:
             hit = self._writers[pool] = (
                 views,
-                self._page_copy.writer((k, v), pool.layout.page_size),
+                self._pages.writer((k, v), pool.layout.page_size),
             )
         return hit[1]
 
@@ -244,12 +243,12 @@ class KVReceiver:
             return
         self._last_seen[x.endpoint] = time.monotonic()
         bufs = segments(self.layout, hdr, [f.buffer for f in frames])
-        reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
+        reason = check_chunk(self.layout, x, hdr, bufs, self._pages)
         try:
             with x.lock:
                 if not reason and x.open:  # NOTE: cancel() may have closed it since the lookup
                     # "" unless a block failed its hash as it was about to be written
-                    reason = write_chunk(x, hdr, bufs, self._page_copy)
+                    reason = write_chunk(x, hdr, bufs, self._pages)
         except Exception as e:  # fail closed: partially written KV is never reported ok
             self._fail(x, f"internal error while writing KV: {e!r}")
             return

@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.native.page_copy import page_copy
+from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
@@ -79,9 +79,9 @@ class KVSender:
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        gather = page_copy(cache_root(), True, kernel_threads=kernel_threads) if native else None
+        pages = page_io(cache_root() if native else None, kernel_threads)  # chosen once
         send = native_send(cache_root()) if native else None
-        self._pusher = Pusher(layout, max_frame_bytes, gather, native_send=send is not None)
+        self._pusher = Pusher(layout, max_frame_bytes, pages, native_send=send is not None)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
