@@ -132,7 +132,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """The prefill<->decode KV channel (DESIGN §5)."""
+    """The prefill<->decode KV channel (docs/architecture.md §5)."""
 
     host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
     bootstrap_port: int = 8998  # prefill side

@@ -1,4 +1,4 @@
-"""The packages form a one-way stack (DESIGN §1): each imports only those below it.
+"""The packages form a one-way stack (docs/architecture.md §1): each imports only those below it.
 
     cli.py, llm.py, __init__.py                      top: may import anything
     server/ (frontends, launcher)   router/   bench/  start processes, speak HTTP / protocol.py

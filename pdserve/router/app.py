@@ -1,4 +1,4 @@
-"""The PD router: one HTTP front for prefill and decode servers (DESIGN §1, §6).
+"""The PD router: one HTTP front for prefill and decode servers (docs/architecture.md §1, §6).
 
 Generation requests go to a (prefill, decode) pair with the bootstrap fields
 added (router_proxy.py); the rest of the API is answered from the workers.

@@ -1,6 +1,6 @@
 """The FastAPI app of a prefill or decode frontend.
 
-Endpoints (DESIGN §6): generation routes live in native_api / openai_routes;
+Endpoints (docs/architecture.md §6): generation routes live in native_api / openai_routes;
 this module adds health, info, metrics and abort, error handling, and the
 lifespan that starts and stops the engine process.
 
