@@ -79,7 +79,6 @@ def engine_env(base: Mapping[str, str]) -> dict[str, str]:
     Why: an engine's threads are more than torch's. The decode's overlap scheduler runs
     its schedule thread beside the forward; the KV transfer has an I/O thread; `pdserve
     up` puts a prefill and a decode on the same cores. After the sampler's torch ops the
-    OpenMP threads spun on the cores those needed: in `benchmarks/decode_overlap.py` (16
-    requests, two threads) the next step's input ids took 0.39 ms to resolve instead of
-    0.03 (docs/benchmarks.md, twenty-seventh round)."""
+    OpenMP threads spun on the cores those needed, and the next step's input ids took
+    many times longer to resolve (`benchmarks/decode_overlap.py` shows it)."""
     return {"OMP_WAIT_POLICY": "PASSIVE", **base}

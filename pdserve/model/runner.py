@@ -123,10 +123,8 @@ class ModelRunner:
         preempted now and then, and its partner waits for it at the join. One thread
         alone pays little or nothing for it (the native linear is 5-10% slower than
         oneDNN at a prompt's rows, the native attention 1.5x faster than torch's fused
-        one). `pdserve up` on 2 cores: the machine 84-90% -> 91-95% busy, compare.py's
-        48-prompt workload 1.40-1.55x -> 1.25-1.83x vLLM's tok/s (four rounds of six
-        at 1.5x or more), the 64-stream one 1.31-1.54x -> 1.43-1.68x (docs/benchmarks.md,
-        eighteenth round)."""
+        one). Under `pdserve up` on 2 cores the machine is then busier, so more of it
+        goes to tokens (benchmarks/compare.py)."""
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return

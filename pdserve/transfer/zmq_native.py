@@ -12,10 +12,8 @@ socket pyzmq made, through the functions of the libzmq pyzmq loaded; libzmq's I/
 counts a frame off in a `Pending` slot when it lets the frame go. A `Pending` is the
 tracker of the whole message (`done`, `wait`, as zmq.MessageTracker).
 
-Eight runs of benchmarks/kv_transfer.py each way, interleaved (--rounds 1 --repeats 9,
-PDSERVE_PYZMQ_SEND=1 for pyzmq's send; docs/benchmarks.md, thirtieth round): 1k tokens
-2.14 against 1.91 GB/s (median), 8k 2.82 against 2.72; CPU per byte, both processes,
-1.08 against 1.23 ns at 1k and 0.74 against 0.80 at 8k.
+So no thread wakes, and takes the GIL, once per frame: the prefill spends less CPU per
+byte sent (benchmarks/kv_transfer.py against PDSERVE_PYZMQ_SEND=1, pyzmq's send).
 
 Where libzmq cannot be found as a library of its own (a pyzmq built with it inside the
 extension), or no C compiler is, `NativeSend.load` returns None and MsgSocket sends
