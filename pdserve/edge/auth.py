@@ -28,8 +28,10 @@ _UNAUTHORIZED = json.dumps(
 def key_matches(authorization: bytes | str | None, api_key: str) -> bool:
     """True when the `Authorization` header value is `Bearer <api_key>` (scheme in any case).
     A `str` header is taken as decoded latin-1, as ASGI servers and Starlette decode them."""
-    raw = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization  # fmt: skip
-    scheme, _, token = (raw or b"").partition(b" ")
+    raw = authorization or b""
+    if isinstance(raw, str):
+        raw = raw.encode("latin-1", "replace")
+    scheme, _, token = raw.partition(b" ")
     # NOTE: the digest comparison runs whatever the scheme, so a wrong scheme and a
     # wrong key take the same time
     same = hmac.compare_digest(token.strip(), api_key.encode())

@@ -249,6 +249,6 @@ def config_from_args(args: Any) -> RouterConfig:
         port=args.port,
         policy=args.policy,
         api_key=args.api_key or ENV.API_KEY.get(),
-        metrics_public=getattr(args, "metrics_public", False),
+        metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
     )
