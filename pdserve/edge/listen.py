@@ -127,7 +127,7 @@ def serve(
         logger.warning(warning)
     quiet_polls()  # uvicorn keeps existing filters when it configures its loggers
     try:
-        started = run(app, sock, what, stop_when, host=host, port=port, **kw)
+        started = run(app, sock, what, stop_when=stop_when, host=host, port=port, **kw)
     finally:
         sock.close()
     if not started:
