@@ -91,6 +91,7 @@ def test_every_router_route_but_health_wants_the_key(pair):
         assert httpx.get(router.url + "/metrics", headers=header).status_code == 401
         assert httpx.get(router.url + "/metrics", headers=AUTH).status_code == 200
         assert httpx.get(router.url + "/health").status_code == 200
+        assert httpx.options(router.url + "/v1/models").status_code == 405  # a preflight passes
     finally:
         router.stop()
     router = start(*pair, api_key=KEY, metrics_public=True)

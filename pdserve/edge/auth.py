@@ -2,7 +2,9 @@
 
 `RequireKey` wraps a whole app, so every route needs the key except those named
 here (`/health`, and `/metrics` where `metrics_public` says so): a route added later
-is covered without anyone remembering to check. It is plain ASGI (no Starlette
+is covered without anyone remembering to check. CORS preflights (OPTIONS) pass: a
+browser sends them without credentials, and a CORS middleware added after this one
+(so outside it) answers them. It is plain ASGI (no Starlette
 BaseHTTPMiddleware), so streams and disconnect detection pass through untouched.
 
 Every comparison is constant-time (`hmac.compare_digest`) on the header's raw bytes,
@@ -57,7 +59,8 @@ class RequireKey:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.api_key:
             return await self.app(scope, receive, send)
-        if not needs_key(scope["path"], self.metrics_public):
+        # NOTE: a CORS preflight (OPTIONS) carries no key by design; no route does work on it
+        if scope["method"] == "OPTIONS" or not needs_key(scope["path"], self.metrics_public):
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
         if key_matches(header, self.api_key):
