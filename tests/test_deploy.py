@@ -424,6 +424,17 @@ def test_k8s_pods_require_the_api_key_and_the_curve_keys():
     assert "--api-key=$(PDSERVE_API_KEY)" in router["args"]
 
 
+def test_k8s_sglang_router_args_parse_and_carry_the_key():
+    """sglang-router's own parser: with --api-key it requires the key from clients (all but
+    /health) and sends it to the workers (checked with sglang-router 0.3.2)."""
+    launch = pytest.importorskip("sglang_router.launch_router")
+    router = pod_container(of_kind("Deployment")["pdserve-router"])
+    env = {"PDSERVE_API_KEY": "k", "POD_NAMESPACE": "pdserve"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in router["args"]]
+    args = launch.parse_router_args(argv)
+    assert args.api_key == "k" and args.pd_disaggregation and args.service_discovery
+
+
 def test_pdserve_secrets_makes_the_secret_the_manifests_read():
     namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "secrets", "--k8s"],

@@ -184,3 +184,30 @@ def test_a_dead_loop_ends_the_router_process_non_zero():
                          text=True, timeout=30)  # fmt: skip
     assert out.returncode == 1, out.stderr[-2000:]
     assert "pdserve router: the worker health loop stopped" in out.stderr
+
+
+def test_sglang_router_with_a_key_requires_it_and_sends_it_to_the_workers(pair):
+    """What deploy/k8s relies on (sglang-router --api-key): clients need the key, the
+    workers get it on every call but /health."""
+    pytest.importorskip("sglang_router")
+    p, d = pair
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--prefill", p.url, "8998", "--decode", d.url, "--host", "127.0.0.1",
+           "--port", str(port), "--prometheus-port", str(free_port()), "--api-key", KEY]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        registered = lambda: all("/model_info" in [r.path for r in w.received] for w in pair)  # noqa: E731
+        assert wait_for(registered, timeout=30), "sglang-router did not register the workers"
+        assert httpx.post(url + "/generate", json={"text": "x"}, timeout=10).status_code == 401
+        r = httpx.post(url + "/generate", json={"text": "x"}, headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: p.gen_requests() and d.gen_requests())
+        for w in pair:
+            for got in w.received:
+                want = None if got.path == "/health" else f"Bearer {KEY}"
+                assert got.headers.get("authorization") == want, (w.role, got.path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
