@@ -198,7 +198,10 @@ def test_sglang_router_with_a_key_requires_it_and_sends_it_to_the_workers(pair):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        registered = lambda: all("/model_info" in [r.path for r in w.received] for w in pair)  # noqa: E731
+
+        def registered() -> bool:
+            return all("/model_info" in [r.path for r in w.received] for w in pair)
+
         assert wait_for(registered, timeout=30), "sglang-router did not register the workers"
         assert httpx.post(url + "/generate", json={"text": "x"}, timeout=10).status_code == 401
         r = httpx.post(url + "/generate", json={"text": "x"}, headers=AUTH, timeout=10)
