@@ -29,7 +29,10 @@ class _Registry:
         "PDSERVE_CACHE_DIR", "where default models are made and cached (~/.cache/pdserve)"
     )
     API_KEY = EnvVar(
-        "PDSERVE_API_KEY", "bearer key required on generation endpoints (same as --api-key)"
+        "PDSERVE_API_KEY", "bearer key required on every HTTP route but /health (as --api-key)"
+    )
+    METRICS_PUBLIC = EnvVar(
+        "PDSERVE_METRICS_PUBLIC", "1: /metrics answers without the API key (as --metrics-public)"
     )
     CURVE_PUBLIC = EnvVar(
         "PDSERVE_CURVE_PUBLIC", "Z85 public key of the KV channel's CURVE keypair"

@@ -194,7 +194,8 @@ class Frontend:
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
                                      bootstrap_host=host, bootstrap_port=port,
-                                     received_at=time.time(), stamps=dict(stamps or {})))  # fmt: skip
+                                     received_at=time.time(), stamps=dict(stamps or {}),
+                                     group=base if n > 1 else None))  # fmt: skip
         return out
 
 
