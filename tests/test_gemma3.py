@@ -1,0 +1,160 @@
+"""Gemma 3 (`Gemma3ForCausalLM`) served like transformers, or refused naming the field.
+
+Every checkpoint is made by transformers itself (Gemma3TextConfig, its model class,
+`save_pretrained`), with weights re-drawn so that every tensor matters; a few cases then
+rewrite config.json into the older layout (top-level rope_theta, rope_local_base_freq,
+rope_scaling) or leave layer_types out. Prompts of 41 and 70 tokens run past every
+window here (70 is prefilled in two chunks), so the sliding layers attend to fewer keys
+than the full ones in prefill and in decode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from tests.conftest import assert_pools_free, hf_greedy
+from tests.test_config_conformance import BASE, _prompts
+
+NEW_TOKENS = 8
+S, F = "sliding_attention", "full_attention"
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights around 0 (Gemma scales by 1 + weight), embeddings at 1/sqrt(hidden)
+    (the model multiplies them by sqrt(hidden)), projections large enough that each
+    sublayer moves the residual: greedy tokens then differ from step to step."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 2.0 / p.shape[1] ** 0.5)
+
+
+def make_gemma3(root: Path, name: str, edit: dict[str, Any] | None = None, **kw) -> Path:
+    """A random Gemma 3 saved by transformers; `edit`: config.json keys then set (a None
+    value deletes the key)."""
+    import transformers
+
+    base = {**BASE, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 6}
+    cfg = transformers.Gemma3TextConfig(**{**base, "tie_word_embeddings": False, **kw})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _reinit(model, seed=len(name))
+    path = root / name
+    model.save_pretrained(path)
+    if edit:
+        data = json.loads((path / "config.json").read_text())
+        for key, value in edit.items():
+            data.pop(key) if value is None else data.__setitem__(key, value)
+        (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+MIXED = [S, F, S]
+# name -> (Gemma3TextConfig kwargs, config.json edit); each served like transformers
+SERVED: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
+    # head_dim 32 != 64 / 4, query_pre_attn_scalar != head_dim, a rope per layer type
+    "mixed-layers": (
+        dict(
+            layer_types=MIXED,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                F: {"rope_type": "default", "rope_theta": 1000.0},
+                S: {"rope_type": "default", "rope_theta": 50.0},
+            },
+        ),  # fmt: skip
+        None,
+    ),
+    # transformers 4's layout: the full layers' rope_theta and linear rope_scaling at the
+    # top, the sliding layers' theta as rope_local_base_freq; q/k/v/o biases
+    "old-rope-layout-bias": (
+        dict(layer_types=MIXED, attention_bias=True),
+        {
+            "rope_parameters": None,
+            "rope_theta": 300.0,
+            "rope_local_base_freq": 20.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),  # fmt: skip
+    # no layer_types: every sliding_window_pattern-th layer is full; tied embeddings;
+    # logits soft-capped so low that the top ones saturate (tanh rounds to 1): the
+    # cap decides the greedy token by the tie it makes (argmax takes the first)
+    "pattern-tied-softcap": (
+        dict(tie_word_embeddings=True, final_logit_softcapping=0.3, sliding_window=9),
+        {"layer_types": None, "sliding_window_pattern": 2, "_sliding_window_pattern": None},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gemma3")
+
+
+def _serve(path: Path, prompts: list[list[int]], page_size: int, overlap: bool) -> list[list[int]]:
+    llm = LLM(
+        path,
+        page_size=page_size,
+        max_running_requests=2,
+        max_prefill_tokens=48,
+        max_total_tokens=1024,
+        max_context=256,
+        disable_overlap=not overlap,
+    )
+    try:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        )
+        assert_pools_free(llm)
+    finally:
+        llm.close()
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("case", list(SERVED))
+def test_served_like_transformers(root: Path, case: str) -> None:
+    kw, edit = SERVED[case]
+    path = make_gemma3(root, case, edit, **kw)
+    prompts = _prompts(len(case))
+    want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+    assert any(len(set(w)) > 2 for w in want), want  # the model is not stuck on one token
+    for page_size, overlap in ((1, True), (16, False)):
+        got = _serve(path, prompts, page_size, overlap)
+        assert got == want, f"{case}: page_size={page_size} overlap={overlap}"
+
+
+def test_portable_kernels_serve_it_too(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native CPU kernels off: torch's fused attention for prefill and the
+    gathered decode attention, each with the layer's window."""
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "1")
+    kw, edit = SERVED["mixed-layers"]
+    path = make_gemma3(root, "mixed-portable", edit, **kw)
+    prompts = _prompts(5)
+    want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+    assert _serve(path, prompts, 16, True) == want
+
+
+def test_triton_backend_honours_the_layer_windows(root: Path) -> None:
+    """The Triton kernels (interpreted on CPU): a chunked prefill over a prefix, then
+    decode steps past the window, each layer with its window, rope and scale."""
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.model.runner import ModelRunner
+    from tests.test_triton_attention import _greedy
+
+    kw, edit = SERVED["mixed-layers"]
+    path = make_gemma3(root, "mixed-triton", edit, **kw)
+    cache = CacheConfig(page_size=4, max_total_tokens=64, max_context=32)
+    runner = ModelRunner(EngineConfig(str(path), attention_backend="triton", cache=cache))
+    assert runner.arch.layer_windows == (6, 0, 6)
+    prompt = _prompts(1)[0][:14]
+    assert _greedy(runner, prompt, 5) == hf_greedy(path, prompt, 5)
