@@ -159,3 +159,22 @@ def test_norm_and_embedding_scale_bit_for_bit_in_bfloat16() -> None:
     scale = torch.tensor(640**0.5).to(torch.bfloat16)  # what Gemma3Model multiplies by
     assert torch.equal(torch.nn.functional.embedding(ids, emb.weight) * scale, emb(ids))
     assert float(scale) == 25.25  # not sqrt(640) = 25.30: the rounding matters
+
+
+def test_fingerprint_names_what_differs_per_layer() -> None:
+    """A prefill and a decode whose layers differ only in one window or in the sliding
+    layers' rope refuse each other, and the message says so in words."""
+    import dataclasses
+
+    from pdserve.kvcache.pools import KVLayout
+    from pdserve.transfer.identity import describe_mismatch, model_fingerprint
+
+    arch = arch_from_config(_cfg(layer_types=[S, S, S, F]))
+    layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, "float32", 16)
+    base = model_fingerprint(arch, layout)
+    assert "layers=3x(w6,r10000)+1x(full,r1e+06)" in base
+    one = dataclasses.replace(arch, layer_windows=(6, 6, 7, 0))
+    rope = dataclasses.replace(arch, sliding_rope=(20.0, None))
+    for other, part in ((one, "2x(w6,r10000)+1x(w7,r10000)"), (rope, "3x(w6,r20)")):
+        msg = describe_mismatch(model_fingerprint(other, layout), base)
+        assert msg.startswith("layers: decode ") and part in msg, msg
