@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels.cpu_native import compiler
 from tests.conftest import assert_pools_free, hf_greedy
 from tests.test_config_conformance import BASE, _prompts
 
@@ -101,7 +102,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gemma3")
 
 
-def _serve(path: Path, prompts: list[list[int]], page_size: int, overlap: bool) -> list[list[int]]:
+def _serve(
+    path: Path, prompts: list[list[int]], page_size: int, overlap: bool, native: bool = True
+) -> list[list[int]]:
+    """Greedy tokens from the offline engine pair; `native`: the CPU attention kernels
+    (kernels/cpu/paged_decode.c, for decode and extend) are on, where a compiler is."""
     llm = LLM(
         path,
         page_size=page_size,
@@ -112,6 +117,8 @@ def _serve(path: Path, prompts: list[list[int]], page_size: int, overlap: bool) 
         disable_overlap=not overlap,
     )
     try:
+        for runner in (llm.prefill.runner, llm.decode.runner):
+            assert runner.attn.native == (native and compiler() is not None)
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         )
@@ -141,7 +148,7 @@ def test_portable_kernels_serve_it_too(root: Path, monkeypatch: pytest.MonkeyPat
     path = make_gemma3(root, "mixed-portable", edit, **kw)
     prompts = _prompts(5)
     want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
-    assert _serve(path, prompts, 16, True) == want
+    assert _serve(path, prompts, 16, True, native=False) == want
 
 
 def test_triton_backend_honours_the_layer_windows(root: Path) -> None:
@@ -158,3 +165,30 @@ def test_triton_backend_honours_the_layer_windows(root: Path) -> None:
     assert runner.arch.layer_windows == (6, 0, 6)
     prompt = _prompts(1)[0][:14]
     assert _greedy(runner, prompt, 5) == hf_greedy(path, prompt, 5)
+
+
+def test_bfloat16_to_its_own_precision(root: Path) -> None:
+    """bfloat16 served against transformers in bfloat16, as tests/test_bf16_tokens.py
+    scores it: each token pdserve picks is within a few bf16 ULPs of transformers' best
+    logit when transformers re-reads the prompt and pdserve's tokens."""
+    import transformers
+
+    from tests.test_bf16_tokens import score
+
+    kw, edit = SERVED["mixed-layers"]
+    path = make_gemma3(root, "mixed-bf16", edit, **kw)
+    prompts = _prompts(11)
+    llm = LLM(path, dtype="bfloat16", max_total_tokens=1024, max_context=256)
+    try:
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        )
+    finally:
+        llm.close()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    agree = steps = 0
+    for prompt, out in zip(prompts, outs):
+        regrets, allowed, hits = score(hf, prompt, out.token_ids)
+        assert all(r <= a for r, a in zip(regrets, allowed)), (regrets, allowed)
+        agree, steps = agree + hits, steps + len(regrets)
+    assert agree >= 0.85 * steps, (agree, steps)
