@@ -178,3 +178,10 @@ def test_fingerprint_names_what_differs_per_layer() -> None:
     for other, part in ((one, "2x(w6,r10000)+1x(w7,r10000)"), (rope, "3x(w6,r20)")):
         msg = describe_mismatch(model_fingerprint(other, layout), base)
         assert msg.startswith("layers: decode ") and part in msg, msg
+
+
+def test_unknown_fields_are_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pdserve.model.gemma3_config"):
+        arch_from_config(_cfg(some_new_knob=3, use_cache=True, hidden_act="silu"))
+    assert "some_new_knob" in caplog.text
+    assert "use_cache" not in caplog.text and "hidden_act" not in caplog.text

@@ -27,7 +27,7 @@ from pdserve.model import arch_rules as rules
 from pdserve.model.activations import ACTIVATIONS
 from pdserve.model.arch_rules import FULL, SLIDING, refuse
 
-log = logging.getLogger("pdserve.model.hf_config")
+log = logging.getLogger(__name__)
 
 GEMMA3 = "Gemma3ForCausalLM"
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pdserve.model.gguf_error import GGUFError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -41,8 +43,6 @@ def value_fix(name: str, w: np.ndarray) -> np.ndarray:
 
 def config_fix(meta: Mapping[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json fields beyond the dense-decoder ones, as Gemma3TextConfig reads them."""
-    from pdserve.model.gguf_tensors import GGUFError  # it imports the table this is part of
-
     swa_base = meta.get(f"{arch}.rope.freq_base_swa")
     if swa_base is not None and float(swa_base) != 10_000.0:
         raise GGUFError(
