@@ -56,7 +56,8 @@ class Gemma3Layer(LayerWeights):
 
 
 class Gemma3Model(LlamaModel):
-    """The Llama model's interface (weights, `linears`, `forward`) with Gemma 3's layer."""
+    """The Llama model's interface (weights, `linears`, `forward`) with Gemma 3's layer;
+    it reads its own tensors (LlamaModel.__init__ would look for Llama's)."""
 
     layers: list[Gemma3Layer]  # type: ignore[assignment]
 
@@ -76,17 +77,20 @@ class Gemma3Model(LlamaModel):
         w.check_all_used()
         self.act = ACTIVATIONS[arch.hidden_act]
         self.ops = TorchOps()  # NativeOps once a CPU engine turns them on
-        ropes: dict[tuple[float, str], RotaryEmbedding] = {}
-        self.layer_ropes: list[RotaryEmbedding] = []
-        for i in range(arch.num_layers):
-            theta, scaling = arch.layer_rope(i)
-            key = (theta, repr(scaling))
-            if key not in ropes:
-                ropes[key] = RotaryEmbedding(
-                    arch.head_dim, max_positions, theta, scaling, dtype, str(device)
-                )
-            self.layer_ropes.append(ropes[key])
-        self.rope = self.layer_ropes[0]  # the cos table's length bounds positions (runner)
+        # one rope per distinct (theta, scaling): sliding and full layers' (ModelArch.layer_rope)
+        kinds = [repr(arch.layer_rope(i)) for i in range(arch.num_layers)]
+        distinct = list(dict.fromkeys(kinds))
+        self.ropes = [self._rope(arch, i, dtype, str(device), max_positions)
+                      for i in (kinds.index(k) for k in distinct)]  # fmt: skip
+        self.rope_of_layer = [distinct.index(k) for k in kinds]
+        self.rope = self.ropes[0]  # the cos table's length bounds positions (runner)
+
+    @staticmethod
+    def _rope(
+        arch: ModelArch, layer: int, dtype: torch.dtype, device: str, max_positions: int
+    ) -> RotaryEmbedding:
+        theta, scaling = arch.layer_rope(layer)
+        return RotaryEmbedding(arch.head_dim, max_positions, theta, scaling, dtype, device)
 
     def _gemma_layer(self, w: StateReader, i: int) -> Gemma3Layer:
         a, p = self.arch, f"model.layers.{i}."
@@ -137,15 +141,14 @@ class Gemma3Model(LlamaModel):
     ) -> torch.Tensor:
         """As LlamaModel.forward: logits [B, vocab] at each request's last token."""
         h = F.embedding(batch.input_ids, self.embed) * self.embed_scale
-        tables = {id(r): r.tables(batch.positions) for r in self.layer_ropes}
+        tables = [r.tables(batch.positions) for r in self.ropes]  # shared by the layers
         delta = None  # the last sublayer's normed output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             if i and between_layers is not None:
                 between_layers()
             h, x = self._norm(h, delta, layer.input_norm)
-            rope = tables[id(self.layer_ropes[i])]
-            _, a = self._norm(self._gemma_attention(i, layer, x, rope, batch, attn), None,
-                              layer.post_norm)  # fmt: skip
+            a = self._gemma_attention(i, layer, x, tables[self.rope_of_layer[i]], batch, attn)
+            _, a = self._norm(a, None, layer.post_norm)
             h, x = self._norm(h, a, layer.pre_ff_norm)
             _, delta = self._norm(self._mlp(layer, x), None, layer.post_ff_norm)
         last = batch.last_index
