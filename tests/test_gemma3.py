@@ -87,11 +87,10 @@ SERVED: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
             "rope_scaling": {"rope_type": "linear", "factor": 4.0},
         },
     ),  # fmt: skip
-    # no layer_types: every sliding_window_pattern-th layer is full; tied embeddings;
-    # logits soft-capped so low that the top ones saturate (tanh rounds to 1): the
-    # cap decides the greedy token by the tie it makes (argmax takes the first)
+    # no layer_types: every sliding_window_pattern-th layer is full;
+    # soft-capped logits (the cap leaves the argmax; test_softcapped_logprobs shows it)
     "pattern-tied-softcap": (
-        dict(tie_word_embeddings=True, final_logit_softcapping=0.3, sliding_window=9),
+        dict(final_logit_softcapping=2.0, sliding_window=9),
         {"layer_types": None, "sliding_window_pattern": 2, "_sliding_window_pattern": None},
     ),
 }
@@ -192,3 +191,28 @@ def test_bfloat16_to_its_own_precision(root: Path) -> None:
         assert all(r <= a for r, a in zip(regrets, allowed)), (regrets, allowed)
         agree, steps = agree + hits, steps + len(regrets)
     assert agree >= 0.85 * steps, (agree, steps)
+
+
+def test_softcapped_logprobs(root: Path) -> None:
+    """final_logit_softcapping, with the head tied to the embedding: the logprobs of the
+    greedy tokens are transformers' of the capped logits (uncapped, these logits span far
+    more than the cap's +-2). Logprobs, not only tokens: the cap keeps the argmax, and a
+    tied random model repeats its tokens."""
+    import transformers
+
+    kw = dict(layer_types=MIXED, final_logit_softcapping=2.0, tie_word_embeddings=True)
+    path = make_gemma3(root, "softcap", None, **kw)
+    prompt = _prompts(3)[0]
+    llm = LLM(path, max_total_tokens=1024, max_context=256)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+        out = llm.generate([prompt], params)[0]
+    finally:
+        llm.close()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    assert float(logits.abs().max()) <= 2.0
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)
+    assert out.token_ids == hf_greedy(path, prompt, 6)
