@@ -91,6 +91,8 @@ def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, t.astype(np.float32))
     elif qtype == "F16":
         w.add_tensor(name, t.astype(np.float16))
+    elif qtype == "F64":  # a type gguf stores but does not de-quantize
+        w.add_tensor(name, t.astype(np.float64))
     else:
         q = gguf.GGMLQuantizationType[qtype]
         w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), q), raw_dtype=q)

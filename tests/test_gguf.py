@@ -10,11 +10,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf_files import PRESET, hf_greedy_gguf, llama_cpp_permute, write_llama_gguf
 
 from pdserve.llm import LLM
-from pdserve.model import gguf_convert, resolve
+from pdserve.model import gguf_convert, gguf_tensors, resolve
 from pdserve.sampling_params import SamplingParams
 
 NEW = 8
@@ -22,10 +21,10 @@ PROMPTS = [[5, 300, 17, 88, 410, 9], list(range(40, 71))]  # one spans several p
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-    w = torch.randn(4 * 16, 8)
-    permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 4))
-    assert not torch.equal(permuted, w)
-    assert torch.equal(gguf_convert._unpermute(permuted, 4), w)
+    w = np.random.default_rng(0).standard_normal((4 * 16, 8)).astype(np.float32)
+    permuted = llama_cpp_permute(w, 4)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(gguf_tensors.unpermute(permuted, 4), w)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +80,8 @@ def _rewrite_with(tmp_path: Path, **kw) -> Path:
 
 
 def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
-    path = _rewrite_with(tmp_path, odd_tensor=("blk.1.ffn_up.weight", "Q5_0"))
-    with pytest.raises(gguf_convert.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*Q5_0"):
+    path = _rewrite_with(tmp_path, odd_tensor=("blk.1.ffn_up.weight", "F64"))
+    with pytest.raises(gguf_convert.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*F64.*Q4_K"):
         gguf_convert.convert(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -116,8 +115,13 @@ def test_metadata_that_changes_the_computation_is_refused(key, value, words):
 def test_unsupported_tokenizers_are_refused_by_name():
     from pdserve.model.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 
-    with pytest.raises(GGUFTokenizerError, match="'llama'"):
+    with pytest.raises(GGUFTokenizerError, match="'t5'"):
+        build_tokenizer({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(GGUFTokenizerError, match="scores"):  # nothing to rank merges by
         build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    phi3 = {"general.architecture": "phi3", "tokenizer.ggml.model": "llama"}
+    with pytest.raises(GGUFTokenizerError, match="'phi3'"):
+        build_tokenizer(phi3 | {"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.scores": [0.0]})
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "deepseek-coder"}  # fmt: skip
     with pytest.raises(GGUFTokenizerError, match="'deepseek-coder'"):

@@ -19,8 +19,9 @@ from pdserve.model.attention_triton import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
+from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_state
+from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
 
@@ -91,7 +92,7 @@ class ModelRunner:
             cfg.attention_backend,
             self.kv_pool,
             self.req_pool.req_to_token,
-            self.arch.head_dim**-0.5,
+            self.arch.attention_scale,
             self.arch.layer_windows,
             native_dir=self.native_dir(),
         )
