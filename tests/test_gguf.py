@@ -4,7 +4,9 @@ types, tensors, architectures and tokenizers are refused by name."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -140,3 +142,21 @@ def test_gguf_dequantize_is_not_a_no_op():
     q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_0)
     back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_0)
     assert back.shape == a.shape and 0 < np.abs(back - a).max() < 0.5
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_tensor_count_and_time_on_a_tty_only(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q8_0")
+    n = len(gguf.GGUFReader(str(path)).tensors)
+    tty = _Tty()
+    gguf_convert.convert(path, tmp_path / "a", progress=tty)
+    last = tty.getvalue().rstrip("\n").split("\r")[-1]
+    assert re.fullmatch(rf"converting m\.gguf: {n}/{n} tensors, \d+\.\d s\x1b\[K", last), last
+    assert tty.getvalue().endswith("\n")
+    pipe = io.StringIO()  # not a terminal: a log file or CI gets nothing
+    gguf_convert.convert(path, tmp_path / "b", progress=pipe)
+    assert pipe.getvalue() == ""
