@@ -160,3 +160,24 @@ def test_progress_shows_tensor_count_and_time_on_a_tty_only(tmp_path):
     pipe = io.StringIO()  # not a terminal: a log file or CI gets nothing
     gguf_convert.convert(path, tmp_path / "b", progress=pipe)
     assert pipe.getvalue() == ""
+
+
+def test_an_architectures_value_fix_applies_to_every_slab(tmp_path, monkeypatch):
+    """gguf_arch.GGUFArch.value_fix (e.g. llama.cpp's `norm + 1`) reaches each row slab."""
+    import dataclasses
+
+    from gguf_files import write_random_gguf
+    from safetensors.numpy import load_file
+
+    from pdserve.model import gguf_arch
+
+    monkeypatch.setattr(gguf_tensors, "SLAB_FLOATS", 7 * 256)
+    path = write_random_gguf(tmp_path / "r.gguf", "Q4_K")
+    plain = load_file(str(gguf_convert.convert(path, tmp_path / "a") / "model.safetensors"))
+    fixed_llama = dataclasses.replace(
+        gguf_arch.ARCHES["llama"], value_fix=lambda name, w: w - 1 if "norm" in name else w * 2
+    )
+    monkeypatch.setitem(gguf_arch.ARCHES, "llama", fixed_llama)
+    fixed = load_file(str(gguf_convert.convert(path, tmp_path / "b") / "model.safetensors"))
+    for name, w in plain.items():
+        assert np.array_equal(fixed[name], w - 1 if "norm" in name else w * 2), name
