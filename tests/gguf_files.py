@@ -277,7 +277,9 @@ def _trained_pieces(gemma: bool) -> tuple[list[str], list[tuple[str, str]]]:
     return pieces, merges  # type: ignore[return-value]
 
 
-def write_sentencepiece_gguf(path: Path, arch: str = "llama", merges: bool = False) -> Path:
+def write_sentencepiece_gguf(
+    path: Path, arch: str = "llama", merges: bool = False, weights: bool = False
+) -> Path:
     """A metadata-only GGUF holding a small SentencePiece vocabulary laid out as llama.cpp
     writes one: Llama 2 style (<unk> <s> </s>, 256 byte pieces, scores, optional merges)
     or, for a Gemma architecture, Gemma style (<pad> <eos> <bos> <unk>, control and
@@ -320,6 +322,11 @@ def write_sentencepiece_gguf(path: Path, arch: str = "llama", merges: bool = Fal
     if gemma:
         w.add_pad_token_id(ids["<pad>"])
     w.add_add_bos_token(True)
+    if weights:  # a one-layer random Llama over this vocabulary, so the file converts
+        p = make.ModelPreset("LlamaForCausalLM", num_layers=1, hidden_size=64, num_heads=2,
+                             num_kv_heads=1, intermediate_size=128, vocab_size=len(tokens))  # fmt: skip
+        for hf, t in make.init_weights(p, seed=0).items():
+            w.add_tensor(gguf_name(hf), t.numpy().astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

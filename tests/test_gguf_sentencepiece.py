@@ -107,3 +107,22 @@ def test_gemma3_vocabulary_equals_transformers():
     for text in TEXTS:
         ids = ours.encode(text).ids
         assert _streamed(decode, ids) == decode(ids), text
+
+
+def test_converted_folder_tokenizes_like_transformers(tmp_path, monkeypatch):
+    """The served folder (tokenizer.json, tokenizer_config.json, config.json) as pdserve's
+    frontend reads it: prompts with BOS, special tokens, EOS ids."""
+    import transformers
+
+    from pdserve.model.resolve import resolve_model
+    from pdserve.server.tokenizer import Tokenizer
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf", "llama", weights=True)
+    ours = Tokenizer(resolve_model(str(path)).path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        ids = theirs(text)["input_ids"]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.eos_token_ids == [theirs.eos_token_id] and ours.bos_token == "<s>"
