@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from pdserve.model.gguf_tensors import GGUFError
+from pdserve.model.gguf_error import GGUFError
 from pdserve.model.gguf_tokenizer import GGUFTokenizerError
 from pdserve.model.resolve import DEFAULT_MODEL, resolve_model
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.model.gguf_arch import GLOBAL_TENSORS, GGUFArch
+from pdserve.model.gguf_error import GGUFError
 
 if TYPE_CHECKING:
     import gguf
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 SLAB_FLOATS = 1 << 22  # rows de-quantized at once: about 16 MB of float32
-
-
-class GGUFError(ValueError):
-    """A GGUF file pdserve cannot serve exactly; the message names what and why."""
 
 
 @cache
