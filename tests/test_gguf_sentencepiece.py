@@ -15,6 +15,7 @@ from gguf_files import write_sentencepiece_gguf
 
 from pdserve.model import gguf_convert, gguf_tokenizer, model_wheels
 from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.tokenizer import byte_piece_ids
 
 TEXTS = [
     "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space",
@@ -70,8 +71,8 @@ def test_small_vocabulary_equals_transformers(tmp_path, arch, merges):
     assert any(p.startswith("<0x") for p in pieces) and any("\u2581" in p for p in pieces)
 
 
-def _streamed(decode, ids: list[int]) -> str:
-    d = IncrementalDetokenizer(decode)
+def _streamed(decode, ids: list[int], held: frozenset[int]) -> str:
+    d = IncrementalDetokenizer(decode, held)
     return "".join(d.add([i]) for i in ids) + d.flush()
 
 
@@ -88,7 +89,7 @@ def test_detokenizer_streams_sentencepiece_one_token_at_a_time(tmp_path, arch):
 
     for text in TEXTS:
         ids = tok.encode(text).ids  # with BOS, as a prompt would be
-        assert _streamed(decode, ids) == decode(ids), text
+        assert _streamed(decode, ids, byte_piece_ids(tok)) == decode(ids), text
 
 
 def test_gemma3_vocabulary_equals_transformers():
@@ -106,7 +107,7 @@ def test_gemma3_vocabulary_equals_transformers():
 
     for text in TEXTS:
         ids = ours.encode(text).ids
-        assert _streamed(decode, ids) == decode(ids), text
+        assert _streamed(decode, ids, byte_piece_ids(ours)) == decode(ids), text
 
 
 def test_converted_folder_tokenizes_like_transformers(tmp_path, monkeypatch):
