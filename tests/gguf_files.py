@@ -224,11 +224,15 @@ def _random_tensor(
     return random_blocks(qtype, shape, rng, std)  # type: ignore[arg-type]
 
 
-def write_random_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
-    """A Llama GGUF of RANDOM_PRESET whose matrices are random `qtype` data."""
+def write_random_gguf(path: Path, qtype: str, seed: int = 0, rows: int | None = None) -> Path:
+    """A Llama GGUF of RANDOM_PRESET whose matrices are random `qtype` data; `rows` makes
+    the embedding and output matrices that tall (a large file; the tokenizer stays small)."""
     p = RANDOM_PRESET
     rng = np.random.default_rng(seed)
     shapes = {hf: tuple(t.shape) for hf, t in make.init_weights(p, seed=0).items()}
+    if rows is not None:
+        for hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            shapes[hf] = (rows, p.hidden_size)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(p.num_layers)
     w.add_context_length(p.max_position_embeddings)
@@ -238,7 +242,7 @@ def write_random_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
     w.add_head_count_kv(p.num_kv_heads)
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_norm_eps)
-    w.add_vocab_size(p.vocab_size)
+    w.add_vocab_size(rows or p.vocab_size)
     _tokenizer_metadata(w, p.vocab_size)
     for hf, shape in shapes.items():
         # large Q and K make attention peaked, so the tokens depend on the Q/K row order
