@@ -88,7 +88,7 @@ def gemma_style_tokenizer() -> Tokenizer:
     from pathlib import Path
 
     import gguf
-    from gguf_files import write_sentencepiece_gguf
+    from gguf_sp_files import write_sentencepiece_gguf
 
     from pdserve.model import gguf_convert, gguf_tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_files import write_sentencepiece_gguf
+from gguf_sp_files import write_sentencepiece_gguf
 
 from pdserve.model import gguf_convert, gguf_tokenizer, model_wheels
 from pdserve.server.detokenizer import IncrementalDetokenizer
