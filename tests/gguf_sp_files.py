@@ -35,7 +35,12 @@ def _trained_pieces(gemma: bool) -> tuple[list[str], list[tuple[str, str]]]:
 
 
 def write_sentencepiece_gguf(
-    path: Path, arch: str = "llama", merges: bool = False, weights: bool = False
+    path: Path,
+    arch: str = "llama",
+    merges: bool = False,
+    weights: bool = False,
+    add_bos: bool | None = True,  # None: the key absent
+    space_prefix: bool | None = None,
 ) -> Path:
     """A metadata-only GGUF holding a small SentencePiece vocabulary laid out as llama.cpp
     writes one: Llama 2 style (<unk> <s> </s>, 256 byte pieces, scores, optional merges)
@@ -78,7 +83,10 @@ def write_sentencepiece_gguf(
     w.add_unk_token_id(ids["<unk>"])
     if gemma:
         w.add_pad_token_id(ids["<pad>"])
-    w.add_add_bos_token(True)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    if space_prefix is not None:  # llama.cpp reads it; transformers does not
+        w.add_add_space_prefix(space_prefix)
     if weights:  # a one-layer random Llama over this vocabulary, so the file converts
         p = make.ModelPreset("LlamaForCausalLM", num_layers=1, hidden_size=64, num_heads=2,
                              num_kv_heads=1, intermediate_size=128, vocab_size=len(tokens))  # fmt: skip

@@ -48,7 +48,7 @@ def _assert_same(meta, ours, theirs) -> None:
                 ids, skip_special_tokens=skip
             ), (text, skip)
     cfg = gguf_convert.tokenizer_config(meta, 256)
-    assert cfg["add_bos_token"] is theirs.add_bos_token is True
+    assert cfg["add_bos_token"] is theirs.add_bos_token
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert cfg[name] == getattr(theirs, name), name
     mine, hf = json.loads(ours.to_str()), json.loads(theirs.backend_tokenizer.to_str())
@@ -60,10 +60,13 @@ def _assert_same(meta, ours, theirs) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch, merges", [("llama", True), ("llama", False), ("gemma3", False), ("gemma2", False)]
-)
-def test_small_vocabulary_equals_transformers(tmp_path, arch, merges):
-    path = write_sentencepiece_gguf(tmp_path / f"sp-{arch}.gguf", arch, merges=merges)
+    "arch, kw",
+    [("llama", {"merges": True}), ("llama", {}), ("gemma3", {}), ("gemma2", {}),
+     ("llama", {"add_bos": False, "space_prefix": False}),  # no BOS; a flag only llama.cpp reads
+     ("llama", {"add_bos": None})],  # no flag: a SentencePiece vocabulary adds BOS
+)  # fmt: skip
+def test_small_vocabulary_equals_transformers(tmp_path, arch, kw):
+    path = write_sentencepiece_gguf(tmp_path / f"sp-{arch}.gguf", arch, **kw)
     meta, ours, theirs = _both(path)
     _assert_same(meta, ours, theirs)
     # the vocabulary really is exercised: byte fallback and the space marker both occur
