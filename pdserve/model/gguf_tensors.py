@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-SLAB_FLOATS = 1 << 22  # rows de-quantized at once: about 16 MB of float32
+SLAB_FLOATS = 1 << 20  # rows de-quantized at once: about 4 MB of float32
 
 
 @cache
@@ -105,19 +105,17 @@ def tensor_values(
     t: gguf.ReaderTensor, arch: GGUFArch, heads: dict[str, int]
 ) -> Iterator[np.ndarray]:
     """The Hugging Face float32 values of `t`, in row slabs."""
-    kind = t.name.split(".")[-2]
-    whole = (arch.permute_qk and kind in heads) or arch.value_fix is not None
-    if not whole:
-        yield from _slabs(t)
-        return
     import numpy as np
 
-    w = np.concatenate(list(_slabs(t))) if len(hf_shape(t)) > 1 else next(_slabs(t))
-    if arch.permute_qk and kind in heads:
-        w = unpermute(w, heads[kind])
-    if arch.value_fix is not None:
-        w = np.asarray(arch.value_fix(t.name, w), np.float32)
-    yield w
+    kind = t.name.split(".")[-2]
+    slabs = _slabs(t)
+    if arch.permute_qk and kind in heads:  # rows move across slabs: permute the whole
+        whole = np.concatenate(list(slabs)) if len(hf_shape(t)) > 1 else next(slabs)
+        slabs = iter([unpermute(whole, heads[kind])])
+    for slab in slabs:
+        if arch.value_fix is not None:
+            slab = np.asarray(arch.value_fix(t.name, slab), np.float32)
+        yield slab
 
 
 def write_safetensors(
@@ -151,7 +149,7 @@ def write_safetensors(
         f.write(header)
         for i, t in enumerate(reader.tensors):
             for slab in tensor_values(t, arch, heads):
-                f.write(np.ascontiguousarray(slab, dtype="<f4").tobytes())
+                f.write(np.ascontiguousarray(slab, dtype="<f4").data)  # no copy
             on_tensor(i + 1, t.name)
         if f.tell() != 8 + len(header) + offset:
             raise GGUFError(f"{path}: wrote {f.tell()} bytes, expected {8 + len(header) + offset}")

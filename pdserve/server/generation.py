@@ -202,7 +202,7 @@ class Frontend:
 async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
     """Stream one sample. Raises EngineDead if the engine is gone at submission."""
     q = fe.client.submit(req)
-    detok = IncrementalDetokenizer(fe.tokenizer.decode)
+    detok = IncrementalDetokenizer(fe.tokenizer.decode, fe.tokenizer.byte_piece_ids)
     stop = StopMatcher(req.params.stop)
     clock = _Clock(fe.metrics)
     done = False
