@@ -29,7 +29,10 @@ class _Registry:
         "PDSERVE_CACHE_DIR", "where default models are made and cached (~/.cache/pdserve)"
     )
     API_KEY = EnvVar(
-        "PDSERVE_API_KEY", "bearer key required on generation endpoints (same as --api-key)"
+        "PDSERVE_API_KEY", "bearer key required on every HTTP route but /health (as --api-key)"
+    )
+    METRICS_PUBLIC = EnvVar(
+        "PDSERVE_METRICS_PUBLIC", "1: /metrics answers without the API key (as --metrics-public)"
     )
     CURVE_PUBLIC = EnvVar(
         "PDSERVE_CURVE_PUBLIC", "Z85 public key of the KV channel's CURVE keypair"
@@ -79,7 +82,6 @@ def engine_env(base: Mapping[str, str]) -> dict[str, str]:
     Why: an engine's threads are more than torch's. The decode's overlap scheduler runs
     its schedule thread beside the forward; the KV transfer has an I/O thread; `pdserve
     up` puts a prefill and a decode on the same cores. After the sampler's torch ops the
-    OpenMP threads spun on the cores those needed: in `benchmarks/decode_overlap.py` (16
-    requests, two threads) the next step's input ids took 0.39 ms to resolve instead of
-    0.03 (docs/benchmarks.md, twenty-seventh round)."""
+    OpenMP threads spun on the cores those needed, and the next step's input ids took
+    many times longer to resolve (`benchmarks/decode_overlap.py` shows it)."""
     return {"OMP_WAIT_POLICY": "PASSIVE", **base}

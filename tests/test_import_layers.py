@@ -1,4 +1,4 @@
-"""The packages form a one-way stack (DESIGN §1): each imports only those below it.
+"""The packages form a one-way stack (docs/architecture.md §1): each imports only those below it.
 (kernels/native/ has its own rules: the end of this file.)
 
     cli.py, llm.py, __init__.py                      top: may import anything

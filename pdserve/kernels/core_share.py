@@ -226,9 +226,8 @@ class HostCore:
 
     Why: with the forward on both cores of a 2-core machine, the schedule thread's
     ~1 ms of Python per step took the forward several times its own length (a forward
-    thread preempted mid-kernel stalls its peers): 64 requests, 54.9 -> 58.9 ms a step
-    for 1.07 ms of host work, and overlap on/off 0.90-1.05 (benchmarks/decode_overlap.py,
-    2026-12-03; with the claim 0.99-1.01, docs/benchmarks.md thirteenth round). One writer (the schedule thread); the
+    thread preempted mid-kernel stalls its peers), and overlap lost more than it hid
+    (benchmarks/decode_overlap.py). One writer (the schedule thread); the
     forward's reads may see a claim one kernel late, which costs a part, never a result.
     """
 

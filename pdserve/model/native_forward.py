@@ -30,6 +30,8 @@ from pdserve.model.ops import NativeOps
 def refusal(model: LlamaModel, attn: object) -> str | None:
     """Why `model` cannot run its decode natively (None: it can)."""
     a = model.arch
+    if type(model) is not LlamaModel:  # the C forward computes the Llama layer only
+        return f"{a.architecture}'s layer is not the native forward's (Llama's)"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
     if not isinstance(model.ops, NativeOps) or model.act is not F.silu:

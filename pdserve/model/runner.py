@@ -19,8 +19,9 @@ from pdserve.model.attention_triton import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
+from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_state
+from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
 
@@ -90,7 +91,7 @@ class ModelRunner:
             cfg.attention_backend,
             self.kv_pool,
             self.req_pool.req_to_token,
-            self.arch.head_dim**-0.5,
+            self.arch.attention_scale,
             self.arch.layer_windows,
             native_dir=self.native_dir(),
             kernel_threads=self.cores.kernel_threads,
@@ -123,10 +124,8 @@ class ModelRunner:
         preempted now and then, and its partner waits for it at the join. One thread
         alone pays little or nothing for it (the native linear is 5-10% slower than
         oneDNN at a prompt's rows, the native attention 1.5x faster than torch's fused
-        one). `pdserve up` on 2 cores: the machine 84-90% -> 91-95% busy, compare.py's
-        48-prompt workload 1.40-1.55x -> 1.25-1.83x vLLM's tok/s (four rounds of six
-        at 1.5x or more), the 64-stream one 1.31-1.54x -> 1.43-1.68x (docs/benchmarks.md,
-        eighteenth round)."""
+        one). Under `pdserve up` on 2 cores the machine is then busier, so more of it
+        goes to tokens (benchmarks/compare.py)."""
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return

@@ -1,4 +1,4 @@
-"""Decode engine: queues, admission, and the overlap loop (DESIGN §3).
+"""Decode engine: queues, admission, and the overlap loop (docs/architecture.md §3).
 
 Queues, in order:
 
@@ -227,8 +227,8 @@ class DecodeEngine:
         if not take:
             return []
         if self.overlap:
-            # NOTE: row-reuse race (DESIGN §3). A request that finished at step N still
-            # runs a redundant step N+1 on the forward stream, which reads
+            # NOTE: row-reuse race (docs/architecture.md §3). A request that finished at
+            # step N still runs a redundant step N+1 on the forward stream, which reads
             # req_to_token[row] and publishes its token into output_tokens[row]. Its row
             # was freed as soon as we saw it finish, so a request taken here may own that
             # row now. Wait for the forward stream before process_prebuilt writes the row,

@@ -15,20 +15,16 @@ writes it, while V is gathered; the next piece's K is gathered while V is on the
     libzmq I/O (decode)                    read K_i ─────────read V_i ──────────▶
     decode I/O thread                           verify, scatter K_i │ verify, scatter V_i
 
-(Sending K and V as one two-frame message serialised them: at 1k tokens one message
-is the whole transfer, and nothing overlapped. benchmarks/kv_transfer.py, two runs each
-taking turns: 1k 0.39/0.39 -> 0.41/0.43 of raw TCP, 8k 0.64/0.64 -> 0.77/0.75, 32k
-0.72/0.71 -> 0.80/0.76.)
+(K and V go as two messages: one two-frame message would serialise them, and at 1k
+tokens one message is the whole transfer, with nothing to overlap.)
 The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
 it goes back to the pool only when its tracker says libzmq is done. On a CPU pool whose
 request slots are whole pages (as the pool hands them out) the native kernel gathers
 page by page, layer after layer on the engine's kernel threads, and hashes each layer
 while it is still in the cache of the core that copied it (kernels/native/page_copy.py
 gather_runs); the kind's frame then carries runs [n], its layers' segments one after
-another (messages.py), and the checksum is the one in-place pieces have. Against torch's
-gather and xxhash after it, taking turns per transfer in one process pair (shuffled
-pages, docs/benchmarks.md, twenty-ninth round): 1k tokens 1.99 / 1.91 / 1.87 GB/s
-against 1.84 / 1.78 / 1.74, 8k 2.25 / 2.79 / 2.33 against 2.04 / 2.58 / 2.20.
+another (messages.py), and the checksum is the one in-place pieces have. That reads
+each byte from memory once, where torch's gather and a hash after it read it twice.
 
 In place: where a piece's slots lie in at most MAX_RUNS runs of consecutive slots (a
 prefill pool hands a request's pages out in ascending runs, kvcache/pools.py), each

@@ -19,7 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
-import random
+import secrets
 import threading
 import time
 import weakref
@@ -80,7 +80,7 @@ class KVReceiver:
         self.model = model  # identity.model_fingerprint(); sent in Ready
         self._next_hb = 0.0
         self._hb_seq = 0
-        self.decode_id = f"decode-{random.getrandbits(48):012x}"
+        self.decode_id = f"decode-{secrets.randbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
@@ -114,7 +114,9 @@ class KVReceiver:
         endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
         if slots.dtype != torch.int64 or slots.device != pool.k.device:
             slots = slots.to(pool.k.device, torch.int64)
-        x = Transfer(req, pool, slots, random.getrandbits(62) + 1, endpoint)
+        # NOTE: `secrets`, not `random`: the session proves a chunk belongs to this reservation,
+        # so a peer must not predict it from sessions it has seen (random's state is recoverable)
+        x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.kv_timeout_s
         with self._lock:
             self._xfers[req.room] = x

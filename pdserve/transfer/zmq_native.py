@@ -12,8 +12,8 @@ socket pyzmq made, through the functions of the libzmq pyzmq loaded; libzmq's I/
 counts a frame off in a `Pending` slot when it lets the frame go. A `Pending` is the
 tracker of the whole message (`done`, `wait`, as zmq.MessageTracker).
 
-Both ways were measured with benchmarks/kv_transfer.py (docs/benchmarks.md): this one
-moves more bytes per second and spends less CPU per byte, most at small transfers.
+So no thread wakes, and takes the GIL, once per frame: the prefill spends less CPU per
+byte sent (benchmarks/kv_transfer.py, against pyzmq's send).
 
 Where libzmq cannot be found as a library of its own (a pyzmq built with it inside the
 extension), or no C compiler is, `NativeSend.load` returns None and MsgSocket sends

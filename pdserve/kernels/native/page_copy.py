@@ -28,12 +28,12 @@ Split: as many as the engine's kernels may use (Split.threads: --num-threads, or
 share of a host's cores that kernels/core_share.py gives), as the KVReceiver and the
 KVSender do (a call that finds the threads busy with a forward runs on its own thread).
 The last chunk's hash and write are the tail of a transfer, after its last byte
-arrived. Hashing a block just before writing it, against hashing the whole chunk and
-then writing it: see docs/benchmarks.md (thirty-first round).
+arrived. A block is hashed just before it is written, while it is in L1, so the
+received bytes are read from memory once instead of twice (hash the chunk, then write).
 
-Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
-fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
-pool, measured on the per-page call this one replaced). A request's slots that are not
+Non-temporal stores where the CPU has them (page_copy.c says why): the pages written are
+not read again soon, so they need not displace the cache, which makes the write faster
+than numpy's fancy-index assignment. A request's slots that are not
 whole pages in prompt order (never the decode's allocator) go through numpy instead
 (transfer/staging.py). The decode's KVReceiver loads it at start-up (library.load: once per
 process), unless --disable-compile. The wrapper checks what
