@@ -19,10 +19,20 @@ class CacheConfig:
 
     page_size: int = 16
     max_total_tokens: int = 65536  # KV capacity in tokens (rounded up to pages)
-    max_context: int = 4096  # longest prompt + output of one request
+    # longest prompt + output of one request; 0: the model's own (max_position_embeddings,
+    # a GGUF's context_length), see context_length
+    max_context: int = 0
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "page_size", "max_total_tokens", "max_context")
+        _at_least(self, 1, "page_size", "max_total_tokens")
+        _at_least(self, 0, "max_context")
+
+    def context_length(self, model_max: int | None) -> int:
+        """The context served: `max_context` (the model's own when 0 or unknown), never
+        beyond the model's, nor beyond what the pool holds (one request must fit it)."""
+        pool = (self.num_pages - 1) * self.page_size
+        wanted = self.max_context or model_max or pool
+        return min(wanted, model_max or wanted, pool)
 
     @property
     def num_pages(self) -> int:

@@ -65,7 +65,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
     _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
-    _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
+    _flag(
+        g,
+        "--max-context",
+        CacheConfig,
+        "max_context",
+        "longest prompt + output of one request (0: the model's own, capped by the pool)",
+    )
     _flag(
         g,
         "--max-running-requests",
