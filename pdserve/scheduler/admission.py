@@ -40,14 +40,21 @@ def refusal(
 
 
 def admit_fifo(
-    queue: deque[Req], runner: ModelRunner, tokens: Callable[[Req], int]
+    queue: deque[Req],
+    runner: ModelRunner,
+    tokens: Callable[[Req], int],
+    headroom: Callable[[], int] = lambda: 0,
 ) -> Iterator[Req]:
     """Pop requests off the head of `queue` while a row and `tokens(req)` KV slots are
-    free; each popped request owns its row and pages. FIFO: when the head does not fit,
-    it waits for pages to come back and nothing overtakes it."""
+    free, leaving at least `headroom()` pages free; each popped request owns its row and
+    pages. FIFO: when the head does not fit, it waits for pages to come back and nothing
+    overtakes it."""
     rows, alloc = runner.req_pool, runner.kv_pool.allocator
     while queue and rows.free_rows:
-        pages = alloc.alloc(alloc.pages_for(tokens(queue[0])))
+        need = alloc.pages_for(tokens(queue[0]))
+        if need + headroom() > alloc.free_pages:
+            return
+        pages = alloc.alloc(need)
         if pages is None:
             return
         req = queue.popleft()
