@@ -22,6 +22,9 @@ class CacheConfig:
     # longest prompt + output of one request; 0: the model's own (max_position_embeddings,
     # a GGUF's context_length), see context_length
     max_context: int = 0
+    # the prefill keeps finished prompts' full KV pages for later prompts with the same
+    # prefix (kvcache/prefix_cache.py), evicting the least recently used under pressure
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "page_size", "max_total_tokens")

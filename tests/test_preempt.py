@@ -166,3 +166,8 @@ def test_metrics_export_preemption_and_the_running_peak() -> None:
     assert "pdserve:preemptions_total 7.0" in text
     assert "pdserve:num_running_reqs_peak 48.0" in text
     assert "pdserve:num_preempted_queue_reqs 2.0" in text
+    cache = {"prefix_cache_hit_tokens": 640, "prefix_cache_hit_rate": 0.5}
+    text = Metrics().render({**cache, "prefix_cache_evictions": 3}).decode()
+    assert "pdserve:prefix_cache_hit_tokens_total 640.0" in text
+    assert "pdserve:prefix_cache_hit_rate 0.5" in text
+    assert "pdserve:prefix_cache_evictions_total 3.0" in text

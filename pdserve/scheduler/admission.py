@@ -7,6 +7,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.runner import ModelRunner
 from pdserve.sampling_params import prompt_problem
 from pdserve.scheduler.request import Req
@@ -59,6 +60,29 @@ def admit_fifo(
             return
         req = queue.popleft()
         req.row, req.pages = rows.alloc() or 0, pages
+        yield req
+
+
+def admit_cached(queue: deque[Req], runner: ModelRunner, cache: PrefixCache) -> Iterator[Req]:
+    """admit_fifo for a prefill with a prefix cache: each popped request owns its row,
+    the cached pages of its longest cached prefix (referenced: `prefix_hit` tokens,
+    at least one prompt token left to compute, whose logits give the first token) and
+    new pages for the rest, made by evicting unreferenced cached pages if need be."""
+    rows, alloc = runner.req_pool, runner.kv_pool.allocator
+    while queue and rows.free_rows:
+        req = queue[0]
+        hit = cache.acquire(req.prompt_ids, req.prompt_len - 1)  # NOTE: before evict
+        need = alloc.pages_for(req.prompt_len) - len(hit)
+        if need > alloc.free_pages:
+            cache.evict(need - alloc.free_pages)
+        pages = alloc.alloc(need)
+        if pages is None:
+            cache.release(req.prompt_ids, hit)
+            return
+        queue.popleft()
+        cache.count(req.prompt_len, len(hit))
+        req.row, req.pages = rows.alloc() or 0, hit + pages
+        req.prefix_hit = len(hit) * alloc.page_size
         yield req
 
 

@@ -50,6 +50,7 @@ class Req:
     # how many prompt tokens are computed so far (advanced chunk by chunk)
     slots: torch.Tensor | None = None
     prefilled: int = 0
+    prefix_hit: int = 0  # prompt tokens whose KV the prefix cache held (page-aligned)
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0

@@ -17,6 +17,9 @@ are read from the latest `engine.stats()` snapshot at scrape time:
     pdserve:num_preempted_queue_reqs        preempted
     pdserve:preemptions_total               preemptions
     pdserve:recomputed_tokens_total         recomputed_tokens
+    pdserve:prefix_cache_hit_tokens_total   prefix_cache_hit_tokens (prefill)
+    pdserve:prefix_cache_hit_rate           prefix_cache_hit_rate (prefill)
+    pdserve:prefix_cache_evictions_total    prefix_cache_evictions (prefill)
 
 A key the engine does not report is exported as 0.
 """
@@ -45,10 +48,20 @@ _GAUGES = {
     "forward_busy_ratio": ("forward_busy_ratio", "Share of time the forward stream is busy"),
     "num_running_reqs_peak": ("running_peak", "Decode: the largest batch launched so far"),
     "num_preempted_queue_reqs": ("preempted", "Decode: preempted requests waiting to resume"),
+    "prefix_cache_hit_rate": (
+        "prefix_cache_hit_rate",
+        "Prefill: share of prompt tokens whose KV the prefix cache held",
+    ),
+    "prefix_cache_pages": ("prefix_cache_pages", "Prefill: KV pages held by the prefix cache"),
 }
 _COUNTERS = {
     "preemptions": ("preemptions", "Decode: running requests preempted (KV pool full)"),
     "recomputed_tokens": ("recomputed_tokens", "Decode: KV tokens recomputed to resume"),
+    "prefix_cache_hit_tokens": (
+        "prefix_cache_hit_tokens",
+        "Prefill: prompt tokens served from the prefix cache",
+    ),
+    "prefix_cache_evictions": ("prefix_cache_evictions", "Prefill: prefix-cache pages evicted"),
 }
 
 
