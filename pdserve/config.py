@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
-ROUTER_POLICIES = ("round_robin", "least_load")
+# cache_aware: prefills by the prompt prefixes routed to them before (router/policy.py)
+ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ class RouterConfig:
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "round_robin"  # round_robin | least_load
+    policy: str = "round_robin"  # config.ROUTER_POLICIES
     api_key: str | None = None  # required from clients and forwarded to workers
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 3600.0  # longest silence on a leg
