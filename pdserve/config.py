@@ -32,11 +32,13 @@ class CacheConfig:
         _at_least(self, 0, "max_context")
 
     def context_length(self, model_max: int | None) -> int:
-        """The context served: `max_context` (the model's own when 0 or unknown), never
-        beyond the model's, nor beyond what the pool holds (one request must fit it)."""
+        """The context served: `max_context` when set, never beyond the model's; else the
+        model's own, capped by what the pool holds (one request must fit it). A request
+        beyond a set context's pool is refused by its KV pages instead."""
+        if self.max_context:
+            return min(self.max_context, model_max or self.max_context)
         pool = (self.num_pages - 1) * self.page_size
-        wanted = self.max_context or model_max or pool
-        return min(wanted, model_max or wanted, pool)
+        return min(model_max or pool, pool)
 
     @property
     def num_pages(self) -> int:

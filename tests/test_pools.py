@@ -61,6 +61,7 @@ def test_context_length_defaults_to_the_model_capped_by_the_pool() -> None:
     assert pool.context_length(None) == 65536  # a model that names none: the pool
     assert CacheConfig(max_context=2048).context_length(8192) == 2048  # asked for less
     assert CacheConfig(max_context=16384).context_length(8192) == 8192  # never the model's beyond
+    assert CacheConfig(max_context=4096, max_total_tokens=64).context_length(8192) == 4096  # as set
     small = CacheConfig(page_size=16, max_total_tokens=1000)  # 63 pages of 16
     assert small.context_length(8192) == 1008
     with pytest.raises(ValueError, match="max_context"):
