@@ -58,6 +58,7 @@ def _check(cache: PrefixCache, alloc: PageAllocator, model: Model, live: dict) -
     assert free | cached | set(private) == set(range(1, NUM_PAGES)), "a page leaked"
     assert cache.referenced() == {p for p, n in model.refs.items() if n > 0}
     assert cache.pages == len(cached)
+    assert cache.evictable == sum(1 for p in cached if model.refs.get(p, 0) == 0)
 
 
 op = st.tuples(st.sampled_from(["start", "finish", "abandon", "evict"]), st.integers(0, 7))

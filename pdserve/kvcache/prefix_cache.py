@@ -18,6 +18,7 @@ that matches k pages computes from position k * page_size on, into its own pages
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class PrefixCache:
         self.hit_tokens = 0  # prompt tokens served from the cache
         self.query_tokens = 0  # prompt tokens looked up
         self.evictions = 0  # pages evicted
+        self._unreferenced = 0  # nodes with refs == 0 (evictable), kept as refs change
 
     def _chain(self, tokens: list[int]) -> list[_Node]:
         ps, parent, out = self.page_size, 0, []
@@ -62,6 +64,7 @@ class PrefixCache:
         nodes = self._chain(tokens[:limit])
         self._touch(nodes)
         for n in nodes:
+            self._unreferenced -= n.refs == 0
             n.refs += 1
         return [n.page for n in nodes]
 
@@ -78,7 +81,7 @@ class PrefixCache:
         for n in nodes:
             if n.refs <= 0:
                 raise ValueError(f"page {n.page} released more often than acquired")
-            n.refs -= 1
+            self._unref(n)
 
     def insert(self, tokens: list[int], pages: list[int], held: int) -> list[int]:
         """A request ends owning `pages` (KV of `tokens` in order); its first `held`
@@ -94,7 +97,7 @@ class PrefixCache:
             if i < held:
                 if node is None or node.page != page or node.refs <= 0:
                     raise ValueError(f"page {page} was not acquired from the cache")
-                node.refs -= 1
+                self._unref(node)
             elif node is None and len(block) == ps and parent >= 0:
                 node = self._add(parent, block, page)
             else:
@@ -105,7 +108,12 @@ class PrefixCache:
         self._touch(chain)
         return rest
 
+    def _unref(self, node: _Node) -> None:
+        node.refs -= 1
+        self._unreferenced += node.refs == 0
+
     def _add(self, parent: int, block: tuple[int, ...], page: int) -> _Node:
+        self._unreferenced += 1
         node = _Node(id=next(self._ids), key=(parent, block), page=page)
         self._nodes[node.key] = node
         self._by_id[node.id] = node
@@ -120,20 +128,22 @@ class PrefixCache:
     def evict(self, pages: int) -> int:
         """Return up to `pages` unreferenced leaf pages to the allocator, least
         recently used first; how many went back."""
+        heap = [(n.stamp, n.id) for n in self._nodes.values() if n.refs == 0 and n.children == 0]
+        heapq.heapify(heap)
         freed = 0
-        while freed < pages:
-            leaves = [n for n in self._nodes.values() if n.refs == 0 and n.children == 0]
-            if not leaves:
-                break
-            leaves.sort(key=lambda n: n.stamp)
-            for n in leaves[: pages - freed]:
-                self._drop(n)
-                freed += 1
+        while freed < pages and heap:
+            node = self._by_id[heapq.heappop(heap)[1]]
+            parent = self._by_id.get(node.key[0])
+            self._drop(node)
+            freed += 1
+            if parent is not None and parent.refs == 0 and parent.children == 0:
+                heapq.heappush(heap, (parent.stamp, parent.id))  # a leaf now
         return freed
 
     def _drop(self, node: _Node) -> None:
         del self._nodes[node.key]
         del self._by_id[node.id]
+        self._unreferenced -= 1  # only unreferenced nodes are dropped
         parent = node.key[0]
         if parent:
             self._by_id[parent].children -= 1
@@ -148,7 +158,7 @@ class PrefixCache:
     def evictable(self) -> int:
         """Pages eviction could give back now: the unreferenced ones. (An unreferenced
         page's descendants are unreferenced too: a request acquires whole chains.)"""
-        return sum(1 for n in self._nodes.values() if n.refs == 0)
+        return self._unreferenced
 
     def referenced(self) -> set[int]:
         return {n.page for n in self._nodes.values() if n.refs > 0}
