@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
-ROUTER_POLICIES = ("round_robin", "least_load")
+# cache_aware: prefills by the prompt prefixes routed to them before (router/policy.py)
+ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,25 @@ class CacheConfig:
 
     page_size: int = 16
     max_total_tokens: int = 65536  # KV capacity in tokens (rounded up to pages)
-    max_context: int = 4096  # longest prompt + output of one request
+    # longest prompt + output of one request; 0: the model's own (max_position_embeddings,
+    # a GGUF's context_length), see context_length
+    max_context: int = 0
+    # the prefill keeps finished prompts' full KV pages for later prompts with the same
+    # prefix (kvcache/prefix_cache.py), evicting the least recently used under pressure
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "page_size", "max_total_tokens", "max_context")
+        _at_least(self, 1, "page_size", "max_total_tokens")
+        _at_least(self, 0, "max_context")
+
+    def context_length(self, model_max: int | None) -> int:
+        """The context served: `max_context` when set, never beyond the model's; else the
+        model's own, capped by what the pool holds (one request must fit it). A request
+        beyond a set context's pool is refused by its KV pages instead."""
+        if self.max_context:
+            return min(self.max_context, model_max or self.max_context)
+        pool = (self.num_pages - 1) * self.page_size
+        return min(model_max or pool, pool)
 
     @property
     def num_pages(self) -> int:

@@ -73,7 +73,7 @@ class ModelRunner:
             )
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
-        self.max_context = min(cfg.cache.max_context, self.arch.max_position_embeddings)
+        self.max_context = cfg.cache.context_length(self.arch.max_position_embeddings)
         if model is None:
             state = load_state(cfg.model_path, self.dtype, self.device)
             model = MODEL_REGISTRY[self.arch.architecture](self.arch, state, self.max_context)
@@ -104,6 +104,13 @@ class ModelRunner:
             self.req_pool.total_rows,
             self.kv_pool.allocator.total_pages,
             cfg.cache.page_size,
+        )
+        log.info(
+            "context length %d (--max-context %s, the model's %d, the pool's %d tokens)",
+            self.max_context,
+            cfg.cache.max_context or "unset",
+            self.arch.max_position_embeddings,
+            (cfg.cache.num_pages - 1) * cfg.cache.page_size,
         )
 
     def native_dir(self) -> str | None:

@@ -41,7 +41,7 @@ class RouterConfig:
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "round_robin"  # round_robin | least_load
+    policy: str = "round_robin"  # config.ROUTER_POLICIES
     api_key: str | None = None  # required from clients (all but /health) and sent to workers
     metrics_public: bool = False  # True: /metrics answers without the key
     connect_timeout_s: float = 10.0

@@ -99,7 +99,7 @@ class PDProxy:
     ) -> Response:
         """Precondition: `body` is the client's parsed JSON object. With `request`
         None (the router's own probes) nobody watches for a client disconnect."""
-        prefill, decode = self.pool.pick_pair()
+        prefill, decode = self.pool.pick_pair(path, body)
         body = with_bootstrap(path, body, prefill)
         self.stats["requests_total"] += 1
         lease = self.pool.lease(prefill, decode)

@@ -23,11 +23,12 @@ import torch
 
 from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.protocol import EngineRequest, TokenEvent
-from pdserve.scheduler.admission import admit_fifo, refusal, request_seed
+from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.request import Req, State
 from pdserve.transfer.base import KVSink
@@ -45,6 +46,8 @@ class PrefillEngine:
         self.runner = runner
         runner.warm_up_prefill()  # builds the native elementwise ops before any step runs
         self.sink = sink
+        alloc = runner.kv_pool.allocator
+        self.cache = PrefixCache(alloc) if cfg.cache.prefix_cache else None
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt partly computed
         self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
@@ -96,8 +99,12 @@ class PrefillEngine:
             return True
         if not self.waiting or not self.runner.req_pool.free_rows:
             return False  # waiting only for transfers to release rows and pages
-        alloc = self.runner.kv_pool.allocator
-        return alloc.pages_for(self.waiting[0].prompt_len) <= alloc.free_pages
+        return self.runner.kv_pool.allocator.pages_for(self.waiting[0].prompt_len) <= self._free()
+
+    def _free(self) -> int:
+        """Pages admission can have: free ones and unreferenced cached ones."""
+        free = self.runner.kv_pool.allocator.free_pages
+        return free + (self.cache.evictable if self.cache is not None else 0)
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -128,8 +135,12 @@ class PrefillEngine:
 
     def _admit(self) -> None:
         table = self.runner.req_pool.req_to_token
-        for req in admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len):
-            req.state, req.prefilled = State.PREFILL, 0
+        if self.cache is None:
+            admitted = admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len)
+        else:
+            admitted = admit_cached(self.waiting, self.runner, self.cache)
+        for req in admitted:
+            req.state, req.prefilled = State.PREFILL, req.prefix_hit  # cached KV: computed
             slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
             req.slots = slots.to(self.runner.device)
             table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
@@ -179,7 +190,7 @@ class PrefillEngine:
         t0 = time.perf_counter()
         now = time.time()
         for req, start, _ in plan:
-            if start == 0:  # its first chunk computes now (the prefill queue ends here)
+            if start == req.prefix_hit:  # its first chunk computes now (the queue ends here)
                 req.stages["prefill_start"] = now
         batch = self._batch(plan)
         logits = self.runner.forward(batch)
@@ -197,7 +208,10 @@ class PrefillEngine:
         for req, start, end in plan:
             req.prefilled = end
             assert req.slots is not None  # set at admission
-            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, start, end)
+            # the decode receives the whole prompt's KV: a cached prefix goes with the
+            # first chunk computed after it
+            lo = 0 if start == req.prefix_hit else start
+            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, lo, end)
         for j, (_, req) in enumerate(finished):
             self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
         self.busy_s += time.perf_counter() - t0
@@ -250,8 +264,8 @@ class PrefillEngine:
             self.runner.req_pool.free(req.row)
             req.row = 0
         if req.pages:
-            self.runner.kv_pool.allocator.free(req.pages)
-            req.pages = []
+            pages, req.pages = req.pages, []
+            self.runner.kv_pool.allocator.free(self._uncached(req, pages))
         req.state = State.DONE
         ok = req.error is None and req.finish_reason is None
         self.events.append(
@@ -265,9 +279,25 @@ class PrefillEngine:
             )
         )
 
+    def _uncached(self, req: Req, pages: list[int]) -> list[int]:
+        """Hand a finished request's pages to the prefix cache; the ones it keeps not
+        (a partial last page, a prefix cached already, a prompt not computed whole)."""
+        if self.cache is None:
+            return pages
+        held = req.prefix_hit // self.runner.layout.page_size
+        if req.prefilled == req.prompt_len:  # every page's KV is computed
+            return self.cache.insert(req.prompt_ids, pages, held)
+        self.cache.release(req.prompt_ids, pages[:held])
+        return pages[held:]
+
     def stats(self) -> dict[str, float]:
+        cache = self.cache.stats() if self.cache is not None else {}
+        pools = pool_stats(self.runner)
+        pools["free_kv_pages"] = self._free()  # unreferenced cached pages count as free
+        pools["token_usage"] = 1 - pools["free_kv_pages"] / max(pools["total_kv_pages"], 1)
         return {
-            **pool_stats(self.runner),
+            **pools,
+            **cache,
             "running": len(self.prefilling),
             "queued": len(self.waiting),
             "holding": len(self.holding),

@@ -38,8 +38,8 @@ from pdserve.server.tokenizer import Tokenizer
 
 
 def max_context(spec: EngineSpec, tok: Tokenizer) -> int:
-    limit = spec.engine.cache.max_context
-    return min(limit, tok.max_position_embeddings or limit)
+    """The context the engine serves (ModelRunner.max_context, from the same config)."""
+    return spec.engine.cache.context_length(tok.max_position_embeddings)
 
 
 def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:

@@ -65,7 +65,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
     _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
-    _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
+    _flag(
+        g,
+        "--max-context",
+        CacheConfig,
+        "max_context",
+        "longest prompt + output of one request (0: the model's own, capped by the pool)",
+    )
     _flag(
         g,
         "--max-running-requests",
@@ -88,6 +94,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "max_queued_requests",
         "waiting requests before new ones are refused",
     )
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="prefill every prompt from its first token (no shared KV pages)")  # fmt: skip
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the decode loop without overlap (ablation/debugging; same tokens)")  # fmt: skip
     g.add_argument("--core-share", default="", metavar="PATH:SLOT:ENGINES",
@@ -243,7 +251,8 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         cuda_graph=not args.disable_cuda_graph,
         core_share=args.core_share, nice=args.nice,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                          max_context=args.max_context),
+                          max_context=args.max_context,
+                          prefix_cache=not args.disable_prefix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   max_queued_requests=args.max_queued_requests,
