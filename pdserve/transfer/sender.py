@@ -1,7 +1,15 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
-Per room:   (on_admit, Ready) in either order ─▶ push chunks ─▶ KVDone ─▶ Ack ─▶ released ok
+Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim ─▶ push chunks
+            ─▶ KVDone ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
+
+Every room is tied to a decode from the start: the decode announces a room when the
+request reaches it, and a room no decode announced within `bootstrap_timeout_s` fails
+(its request, queued or computing, ends with that reason). A room with a decode waits
+up to `ready_timeout_s` for the other side, but only while that decode heartbeats.
+What a peer can make this side keep is bounded: rooms per peer and in all, refusals
+remembered, text kept (peers.py), data endpoints (netaddr-checked, at most MAX_DATA_SOCKETS).
 
 Refusals go both ways: a room the prefill refused before the decode was known gets an
 Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
@@ -31,11 +39,21 @@ import zmq
 from pdserve.envs import cache_root
 from pdserve.kernels.page_copy import page_copy
 from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.netaddr import endpoint_problem
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
-from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
+from pdserve.transfer.messages import Abort, Ack, Announce, Claim, Decoder, Heartbeat, Ready
+from pdserve.transfer.peers import (
+    MAX_ROOMS,
+    DataSockets,
+    PeerClock,
+    PeerRooms,
+    Refusals,
+    ready_mismatch,
+    remote_text,
+    timeout_reason,
+)
 from pdserve.transfer.push import Piece, Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, Tracker, bind, make_socket
 from pdserve.transfer.zmq_native import native_send
@@ -57,6 +75,7 @@ class KVSender:
         *,
         ready_timeout_s: float = 30.0,
         ack_timeout_s: float = 30.0,
+        bootstrap_timeout_s: float = 10.0,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         model: str = "",
@@ -74,6 +93,8 @@ class KVSender:
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
+        # a room no decode announced fails after this (never later than ready_timeout_s)
+        self.bootstrap_timeout_s = min(bootstrap_timeout_s, ready_timeout_s)
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
         gather = page_copy(cache_root(), split=True) if native else None
@@ -85,6 +106,8 @@ class KVSender:
         self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
+        self._peer_rooms = PeerRooms()
+        self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send)  # endpoint -> PUSH
         self._seq = itertools.count()
         self._next_hb = 0.0
@@ -100,6 +123,9 @@ class KVSender:
         self._io.start()
 
     # ---- KVSink (engine thread) -------------------------------------------------
+    def on_queue(self, req: Ticket) -> None:
+        self._io.submit(lambda: self._queue(req))
+
     def on_admit(self, req: Ticket) -> None:
         self._io.submit(lambda: self._admit(req))
 
@@ -129,7 +155,8 @@ class KVSender:
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
-        return {"active_rooms": len(self._rooms), **self._pusher.pieces, **self._decoder.dropped}
+        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms}
+        return {**rooms, **self._pusher.pieces, **self._decoder.dropped}
 
     def active_rooms(self) -> set[int]:
         return set(self._rooms)
@@ -146,6 +173,18 @@ class KVSender:
         self._io.stop(kill=True)
 
     # ---- engine commands (I/O thread) ---------------------------------------------
+    def _queue(self, req: Ticket) -> None:
+        """A request of req.room arrived: wait for its decode (bootstrap timeout) and
+        claim the room if its Ready is here already."""
+        if not req.room or self._refused.get(req.room) is not None:
+            return  # refused: _admit reports it, or a room-only event already did
+        st = self._rooms.get(req.room)
+        if st is None:
+            st = self._rooms[req.room] = Room(req.room)
+            st.deadline = time.monotonic() + self.bootstrap_timeout_s
+        st.queued = True
+        self._claim(st)
+
     def _admit(self, req: Ticket) -> None:
         st = self._rooms.get(req.room)
         if st is not None and st.req is not None:
@@ -156,8 +195,10 @@ class KVSender:
             self._io.emit(SinkEvent(req.rid, False, refused))
             return
         st = st or self._rooms.setdefault(req.room, Room(req.room))
-        st.req = req
-        st.deadline = time.monotonic() + self.ready_timeout_s
+        st.req, st.queued = req, True
+        if st.peer or not st.deadline:  # (a room queued without a decode keeps its deadline)
+            wait = self.ready_timeout_s if st.peer else self.bootstrap_timeout_s
+            st.deadline = time.monotonic() + wait
         if st.ready is not None:
             self._check_ready(st)
 
@@ -230,8 +271,35 @@ class KVSender:
         self._peers.heard(peer)
         if isinstance(msg, Ready):
             self._on_ready(peer, msg)
+        elif isinstance(msg, Announce):
+            self._on_announce(peer, msg)
         elif isinstance(msg, Ack | Abort):
             self._on_ack_or_abort(msg)
+
+    def _on_announce(self, peer: bytes, msg: Announce) -> None:
+        """A decode has a request of msg.room: its heartbeat covers the room from now on."""
+        st = self._rooms.get(msg.room)
+        if st is None and self._refused.get(msg.room) is not None:
+            return  # its Ready gets the refusal
+        if st is None:
+            st = self._new_room(msg.room, peer)
+            if st is None:
+                return
+        elif not st.peer:
+            self._peer_rooms.set_peer(st, peer)
+            if st.ready is None:  # the other side may queue a while: the heartbeat covers it
+                st.deadline = time.monotonic() + self.ready_timeout_s
+
+    def _new_room(self, room: int, peer: bytes) -> Room | None:
+        """A room a decode opened (Announce, Ready) before this prefill had its request;
+        None past the caps (counted; its Ready is refused by name)."""
+        if self._peer_rooms.full(peer) or len(self._rooms) >= MAX_ROOMS:
+            self.refused_rooms += 1
+            return None
+        st = self._rooms[room] = Room(room)
+        self._peer_rooms.set_peer(st, peer)
+        st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_queue / on_admit
+        return st
 
     def _on_ready(self, peer: bytes, ready: Ready) -> None:
         st = self._rooms.get(ready.room)
@@ -244,11 +312,29 @@ class KVSender:
                 dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
                 self._ctrl.send(dup, to=peer)
             return
-        st = st or self._rooms.setdefault(ready.room, Room(ready.room))
-        st.ready, st.peer = ready, peer
+        why = endpoint_problem(ready.data_endpoint)
+        if st is None and not why:
+            st = self._new_room(ready.room, peer)
+            why = "" if st is not None else "too many rooms held for this decode"
+        if why or st is None:
+            reason = f"Ready refused: {why}"
+            self._ctrl.send(Abort(room=ready.room, session=ready.session, reason=reason), to=peer)
+            if st is not None:
+                self._fail(st, reason, notify=False)
+            return
+        if st.peer != peer:
+            self._peer_rooms.set_peer(st, peer)
+        st.ready = ready
         if st.req is None:
             st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_admit
         self._check_ready(st)
+
+    def _claim(self, st: Room) -> None:
+        """Tell the decode this prefill has the room's request, once (it frees its pages
+        if no prefill claims its Ready within its bootstrap timeout)."""
+        if st.queued and st.ready is not None and not st.claimed:
+            st.claimed = True
+            self._ctrl.send(Claim(room=st.room, session=st.ready.session), to=st.peer)
 
     def _check_ready(self, st: Room) -> None:
         assert st.ready is not None
@@ -256,6 +342,7 @@ class KVSender:
         if reason:
             self._fail(st, reason)
             return
+        self._claim(st)  # NOTE: before any KV: the decode's bootstrap timer stops here
         if st.req is not None:
             st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
         self._flush(st)
@@ -268,24 +355,29 @@ class KVSender:
         if st is None or st.ready is None or msg.session not in (0, st.ready.session):
             return  # stale
         if isinstance(msg, Abort):
-            self._fail(st, f"decode aborted: {msg.reason}", notify=False)
+            self._fail(st, f"decode aborted: {remote_text(msg.reason)}", notify=False)
         elif st.done_sent:
-            del self._rooms[st.room]
+            self._remove(st)
             if st.req is not None:
                 self._report(st, SinkEvent(st.req.rid, True))
 
     def _on_early_abort(self, msg: Abort, st: Room | None) -> None:
         """The decode refused a room before sending Ready (or before the prefill admitted
         it): drop what is held now, and refuse the room when the prefill gets to it."""
-        reason = f"decode refused: {msg.reason}"
+        reason = f"decode refused: {remote_text(msg.reason)}"
         if st is not None:
             self._fail(st, reason, notify=False)
             return
         self._refused.add(msg.room, reason)
         self._io.emit(SinkEvent("", False, reason, room=msg.room))  # a queued request
 
+    def _remove(self, st: Room) -> None:
+        if self._rooms.get(st.room) is st:
+            del self._rooms[st.room]
+        self._peer_rooms.drop(st)
+
     def _fail(self, st: Room, reason: str, notify: bool = True, tell_engine: bool = True) -> None:
-        self._rooms.pop(st.room, None)
+        self._remove(st)
         if notify and st.ready is not None:
             self._ctrl.send(
                 Abort(room=st.room, session=st.ready.session, reason=reason), to=st.peer
@@ -319,7 +411,8 @@ class KVSender:
             else:
                 self._held.append((trackers, event))
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
-            self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s))
+            boot = self.bootstrap_timeout_s
+            self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s, boot))
         self._fail_silent_peers(now)
         self._refused.expire(now)
         if now >= self._next_hb:
