@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 from conftest import hf_greedy, model_path
-from test_e2e_pd import free_port, pool_args, spawn, stop, wait_healthy
+from test_e2e_pd import free_port, spawn, stop, wait_healthy
 from test_e2e_sglang_router import wait_router, worker
 
 pytest.importorskip("sglang_router")
@@ -105,8 +105,10 @@ def test_decode_killed_behind_sglang_router_frees_the_prefill():
 
         results, killed, free_at = asyncio.run(_kill_under_load(url, prefill, decode, procs[1]))
         procs[1].wait(timeout=10)
-        print(f"prefill free {free_at - killed:.1f} s after the kill; statuses "
-              f"{sorted(st for st, _ in results)}, last at {max(t for _, t in results) - killed:.1f} s")
+        print(
+            f"prefill free {free_at - killed:.1f} s after the kill; statuses "
+            f"{sorted(st for st, _ in results)}, last at {max(t for _, t in results) - killed:.1f} s"
+        )
         late = [round(t - killed, 1) for _, t in results if t - killed > STATUS_WITHIN_S]
         assert not late, f"clients answered {late} s after the kill"
         assert free_at - killed <= FREE_WITHIN_S, (free_at - killed, _info(prefill))

@@ -46,6 +46,7 @@ from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Ack, Announce, Claim, Decoder, Heartbeat, Ready
 from pdserve.transfer.peers import (
     MAX_ROOMS,
+    MAX_ROOMS_PER_PEER,
     DataSockets,
     PeerClock,
     PeerRooms,
@@ -76,6 +77,7 @@ class KVSender:
         ready_timeout_s: float = 30.0,
         ack_timeout_s: float = 30.0,
         bootstrap_timeout_s: float = 10.0,
+        max_rooms_per_peer: int = MAX_ROOMS_PER_PEER,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         model: str = "",
@@ -106,7 +108,7 @@ class KVSender:
         self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
-        self._peer_rooms = PeerRooms()
+        self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send)  # endpoint -> PUSH
         self._seq = itertools.count()
