@@ -56,6 +56,7 @@ from pdserve.transfer.validate import (
     Transfer,
     check_chunk,
     check_done,
+    data_limits,
     segments,
     write_chunk,
 )
@@ -119,7 +120,7 @@ class KVReceiver:
         pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
         self.data_port = bind(pull, host, data_port)
         self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"
-        self._data = MsgSocket(pull, self._decoder)
+        self._data = MsgSocket(pull, self._decoder, limits=data_limits(layout))
         self._io.add_reader(pull, self._on_data)
         self._io.start()
 

@@ -44,7 +44,7 @@ from pdserve.transfer.checksum import (
     chunk_checksum,
     done_digest,
 )
-from pdserve.transfer.messages import KVChunk, KVDone
+from pdserve.transfer.messages import MAX_HEADER_BYTES, KVChunk, KVDone
 from pdserve.transfer.staging import (
     PageViews,
     pool_views,
@@ -52,6 +52,7 @@ from pdserve.transfer.staging import (
     scatter_rows,
     scatter_runs,
 )
+from pdserve.transfer.zmq_io import MAX_WIRE_FRAME_BYTES
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
 INT64_MAX = (1 << 63) - 1
@@ -117,6 +118,14 @@ class Paged:
     pages: np.ndarray  # int64, the request's pages in prompt order
     page_size: int
     writer: PageWriter | None = None  # into `kinds`, where the transfer was armed with one
+
+
+def data_limits(layout: KVLayout) -> tuple[int, int]:
+    """The most frames and bytes one message on the data socket may have: a header, then
+    a kind's (layer, run) frames for both kinds, each kind at most the largest frame the
+    wire takes (zmq_io.MAX_WIRE_FRAME_BYTES; a sender splits its pieces far below)."""
+    frames = 2 * layout.num_layers * MAX_RUNS
+    return 1 + frames, 2 * MAX_WIRE_FRAME_BYTES + MAX_HEADER_BYTES
 
 
 def check_chunk(

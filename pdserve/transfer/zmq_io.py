@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.netaddr import is_ipv6_endpoint, is_loopback
 from pdserve.transfer import stages
-from pdserve.transfer.messages import Decoder, Message, encode
+from pdserve.transfer.messages import MAX_HEADER_BYTES, Decoder, Message, encode
 from pdserve.transfer.zmq_native import Frames, NativeSend, Pending
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,10 @@ def _tracked(f: Frame) -> bool:
     return isinstance(f, zmq.Frame) and f.tracker is not None
 
 
+# A control message is one header frame; a KV message a header and its payload frames.
+CONTROL_LIMITS = (1, MAX_HEADER_BYTES)  # (frames, bytes) of one whole message
+
+
 class MsgSocket:
     """A socket that speaks `Message` headers followed by raw frames."""
 
@@ -126,9 +130,13 @@ class MsgSocket:
         decoder: Decoder,
         hook: SendHook | None = None,
         native: NativeSend | None = None,
+        limits: tuple[int, int] = CONTROL_LIMITS,
     ) -> None:
         """`native`: frames that are numpy arrays go through libzmq's C API (zmq_native.py),
-        unless a hook is set (fault injection sees and sends pyzmq frames)."""
+        unless a hook is set (fault injection sees and sends pyzmq frames). `limits`: the
+        most frames and bytes a whole message received may have (beyond: dropped as
+        oversized, and logged)."""
+        self.limits = limits
         self.sock = sock
         self.decoder = decoder
         self.hook = hook
@@ -182,6 +190,11 @@ class MsgSocket:
         peer = None
         if self.routed:
             peer, parts = parts[0].bytes, parts[1:]
+        if len(parts) > self.limits[0] or sum(len(p) for p in parts) > self.limits[1]:
+            self.decoder.dropped["oversized"] += 1
+            log.warning("dropped a message of %d frames, %d bytes from %r (limits %s)",
+                        len(parts), sum(len(p) for p in parts), peer, self.limits)  # fmt: skip
+            return peer, None, []
         if not parts:
             self.decoder.dropped["malformed"] += 1
             return peer, None, []
