@@ -9,6 +9,9 @@ are bounded in number, reused, and closed when idle or failed:
     idle `idle_s` with no room         closed, and forgotten (`prune`)
     a send that libzmq refuses         closed at once (no pipe: the peer refused us);
                                        the next send to that endpoint connects afresh
+
+`announced`: the rooms this decode announced to a prefill and holds no transfer for yet
+(waiting for pages); its heartbeats go to their prefills too.
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ class ControlSockets:
         self._used: dict[str, float] = {}  # endpoint -> last send or message
         self.last_seen: dict[str, float] = {}  # endpoint -> last message from the prefill
         self.refused = 0  # sends refused: too many endpoints, or no pipe to the peer
+        self.announced: dict[int, str] = {}  # room -> prefill endpoint, no transfer yet
+
+    def announce(self, room: int, endpoint: str, msg: Message) -> None:
+        self.announced[room] = endpoint
+        self.send(endpoint, msg)
+
+    def settle(self, room: int, endpoint: str) -> None:
+        """`room` no longer waits as announced (its transfer started, or it ended)."""
+        if self.announced.get(room) == endpoint:
+            del self.announced[room]
 
     def __len__(self) -> int:
         return len(self._socks)

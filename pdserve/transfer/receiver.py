@@ -47,7 +47,6 @@ from pdserve.transfer.messages import (
     Heartbeat,
     KVChunk,
     KVDone,
-    Message,
     Ready,
 )
 from pdserve.transfer.peers import remote_text
@@ -109,7 +108,6 @@ class KVReceiver:
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
-        self._announced: dict[int, str] = {}  # room -> prefill endpoint (I/O thread)
         self._io = IOThread("kv-receiver", tick_s=0.05)
         # prefill bootstrap endpoint -> DEALER (I/O thread)
         self._ctl = ControlSockets(self._io, self._decoder, curve, self._on_control, self._busy)
@@ -132,7 +130,7 @@ class KVReceiver:
         if endpoint is None or not req.room:
             return  # expect() refuses it, naming the field
         msg = Announce(room=req.room, decode_id=self.decode_id)
-        self._io.submit(lambda: self._announce(req.room, endpoint, msg))
+        self._io.submit(lambda: self._ctl.announce(req.room, endpoint, msg))
 
     def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         """Precondition: `slots` (len == req.prompt_len) are reserved for `req` in `pool`."""
@@ -223,20 +221,14 @@ class KVReceiver:
         """The prefill endpoints a transfer or an announced room still needs."""
         with self._lock:
             busy = {x.endpoint for x in self._xfers.values()}
-        return busy | set(self._announced.values())
-
-    def _announce(self, room: int, endpoint: str, msg: Message) -> None:
-        self._announced[room] = endpoint
-        self._ctl.send(endpoint, msg)
+        return busy | set(self._ctl.announced.values())
 
     def _withdraw(self, room: int, endpoint: str, abort: Abort) -> None:
-        if self._announced.get(room) == endpoint:
-            del self._announced[room]
+        self._ctl.settle(room, endpoint)
         self._ctl.send(endpoint, abort)
 
     def _send_ready(self, x: Transfer, ready: Ready) -> None:
-        if self._announced.get(x.req.room) == x.endpoint:
-            del self._announced[x.req.room]  # the transfer covers it now
+        self._ctl.settle(x.req.room, x.endpoint)  # the transfer covers it now
         if not self._ctl.send(x.endpoint, ready):
             self._fail(x, f"cannot reach prefill {x.endpoint}", notify=False)
             return
