@@ -153,3 +153,34 @@ def test_a_dead_io_thread_is_reported_to_the_engine() -> None:
             while time.monotonic() < deadline:
                 p.rx.poll()
                 time.sleep(0.01)
+
+
+def test_a_request_that_raises_in_the_engine_ends_alone(tmp_path) -> None:
+    """The schedule thread (the engine loop) answers a request whose add_request raised
+    with its error, and goes on; on the code before, the loop (and the engine) ended."""
+    from pdserve import protocol as P
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.scheduler.engine_proc import EngineLoop
+
+    class Raising:
+        publish = None
+
+        def add_request(self, req: object) -> None:
+            raise KeyError("injected")
+
+    ctx = zmq.Context()
+    to_engine, from_engine = P.ipc_paths(str(tmp_path))
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(from_engine)
+    ctx.socket(zmq.PUSH).bind(to_engine)
+    try:
+        loop = EngineLoop(Raising(), ctx, str(tmp_path))  # type: ignore[arg-type]
+        req = P.EngineRequest(rid="r1", input_ids=[1], params=SamplingParams(max_tokens=1))
+        loop._handle(P.GenerateReq(req=req))
+        assert pull.poll(2000)
+        msg = P.from_engine_decoder.decode(pull.recv())
+        assert isinstance(msg, P.Events)
+        [ev] = msg.events
+        assert ev.rid == "r1" and ev.finished and "injected" in (ev.error or "")
+    finally:
+        ctx.destroy(linger=0)
