@@ -96,3 +96,20 @@ def test_the_http_edge_names_the_bad_field() -> None:
     assert Bootstrap("prefill-0.svc", 8998, 5).for_sample(0, 1) == (5, "prefill-0.svc", 8998)
     assert Bootstrap("::1", 8998, 5).for_sample(0, 1) == (5, "::1", 8998)
     assert Bootstrap().for_sample(0, 1) == (0, None, None)
+
+
+def test_decodes_coming_and_going_keep_the_prefills_data_sockets_bounded() -> None:
+    """Each restarted decode has a new data endpoint: the prefill reuses a PUSH per
+    endpoint, and past its cap closes the least recently used one no room needs."""
+    from pdserve.transfer.receiver import KVReceiver
+
+    with pair() as p:
+        p.tx._data.max_sockets = 2
+        for i in range(4):  # four decodes, one after another, each on its own port
+            rx = KVReceiver(LAYOUT, kv_timeout_s=10, heartbeat_s=0.1, heartbeat_timeout_s=1.0)
+            try:
+                serves(type(p)(p.tx, rx), room=7000 + i)
+            finally:
+                rx.close()
+            assert len(p.tx._data) <= 2
+        serves(p)

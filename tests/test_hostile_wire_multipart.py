@@ -13,6 +13,7 @@ The attacker runs in its own process: its own send queue must not count in our R
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -108,3 +109,16 @@ def test_a_message_with_more_frames_than_the_protocol_sends_is_dropped() -> None
         finally:
             dealer.close()
         serves(p)
+
+
+def test_a_socket_bound_beyond_loopback_without_curve_warns(caplog) -> None:  # type: ignore[no-untyped-def]
+    def warned() -> bool:
+        return any("without CURVE" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.transfer.zmq_io"):
+        KVReceiver(LAYOUT, host="0.0.0.0").close()
+        assert warned()
+        caplog.clear()
+        KVReceiver(LAYOUT, host="0.0.0.0", curve=CurveKeys.generate()).close()
+        KVReceiver(LAYOUT).close()  # loopback
+        assert not warned()

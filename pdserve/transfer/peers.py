@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import zmq
 
@@ -112,7 +113,9 @@ class PeerRooms:
 
 
 class DataSockets:
-    """One PUSH per decode data endpoint (I/O thread only), at most `max_sockets`."""
+    """One PUSH per decode data endpoint (I/O thread only), reused, at most `max_sockets`:
+    a new endpoint beyond it closes the least recently used one no room needs (`busy`),
+    or fails the room that asked."""
 
     def __init__(
         self,
@@ -120,17 +123,24 @@ class DataSockets:
         curve: CurveKeys | None,
         hook: SendHook | None,
         native: NativeSend | None = None,
+        busy: Callable[[], set[str]] = set,
     ) -> None:
         self._decoder, self._curve, self._hook, self._native = decoder, curve, hook, native
-        self._socks: dict[str, MsgSocket] = {}
+        self._busy = busy
+        self._socks: dict[str, MsgSocket] = {}  # in order of last use, oldest first
         self.max_sockets = MAX_DATA_SOCKETS
+
+    def __len__(self) -> int:
+        return len(self._socks)
 
     def get(self, endpoint: str) -> MsgSocket:
         """The PUSH to `endpoint` (checked by netaddr.endpoint_problem), connected once;
         RuntimeError past max_sockets (the room that asked fails, naming it)."""
-        sock = self._socks.get(endpoint)
-        if sock is None:
-            if len(self._socks) >= self.max_sockets:
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            self._socks[endpoint] = sock  # most recently used: last
+        else:
+            if len(self._socks) >= self.max_sockets and not self._evict():
                 raise RuntimeError(f"pushing to {len(self._socks)} decode endpoints already")
             # NOTE: with CURVE the decode's data socket is a CURVE server using the same
             # keypair as the bootstrap server (one cluster keypair; see curve.py).
@@ -139,6 +149,13 @@ class DataSockets:
             connect(raw, endpoint)
             sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook, self._native)
         return sock
+
+    def _evict(self) -> bool:
+        busy = self._busy()
+        idle = next((e for e in self._socks if e not in busy), None)
+        if idle is not None:
+            self.drop(idle)
+        return idle is not None
 
     def drop(self, endpoint: str) -> None:
         """Close the PUSH to `endpoint` (no live room uses it), so KV queued for a dead

@@ -107,7 +107,7 @@ class KVSender(BootstrapChannel):
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
-        self._data = DataSockets(self._decoder, curve, fault_hook, send)  # endpoint -> PUSH
+        self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -257,6 +257,9 @@ class KVSender(BootstrapChannel):
         if st.done is not None and not st.done_sent:
             self._pusher.send_done(sock, st)
             st.deadline = time.monotonic() + self.ack_timeout_s
+
+    def _endpoints_in_use(self) -> set[str]:
+        return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
 
     def _drop_idle_endpoint(self, endpoint: str) -> None:
         if not any(s.ready and s.ready.data_endpoint == endpoint for s in self._rooms.values()):
