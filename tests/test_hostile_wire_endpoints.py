@@ -16,7 +16,7 @@ import zmq
 from hostile_wire import LAYOUT, N, pair, raw, send, serves
 
 from pdserve.transfer.base import KVTicket
-from pdserve.transfer.loopback import random_pool, reserve, wait_for
+from pdserve.transfer.loopback import random_pool, reserve, wait_for, wait_until
 from pdserve.transfer.messages import Abort, Decoder, Ready
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,6 +55,17 @@ def test_thousands_of_distinct_prefills_keep_the_control_sockets_bounded() -> No
         serves(p)
         stats = p.rx.stats()
         assert stats["control_sockets"] <= 256, stats
+
+
+def test_control_sockets_no_room_needs_are_closed_when_idle() -> None:
+    with pair() as p:
+        p.rx._ctl.idle_s = 0.2
+        for i in range(10):
+            p.rx.reject(KVTicket(f"r{i}", 1 + i, N, "127.0.0.1", 20000 + i), "gone")
+        assert wait_until(lambda: p.rx.stats()["control_sockets"] == 10, 2)
+        assert wait_until(lambda: p.rx.stats()["control_sockets"] == 0, 3)
+        assert not p.rx._ctl.last_seen
+        serves(p)
 
 
 def test_ready_naming_a_bad_data_endpoint_is_refused() -> None:
