@@ -124,3 +124,18 @@ def test_decodes_coming_and_going_keep_the_prefills_data_sockets_bounded() -> No
                 rx.close()
             assert len(p.tx._data) <= 2
         serves(p)
+
+
+def test_an_announced_request_refused_at_expect_frees_its_room_on_both_sides() -> None:
+    with pair() as p:
+        pool = random_pool(LAYOUT, 64, 1)
+        _, slots = reserve(pool, N, 1)
+        req = KVTicket("short", 61, N, "127.0.0.1", p.tx.bootstrap_port)
+        p.rx.announce(req)
+        assert wait_until(lambda: 61 in p.tx.active_rooms(), 2)
+        p.rx.expect(req, pool, slots[:-1])  # one slot short: refused before any Ready
+        [ev] = wait_for(p.rx.poll, 1, 2)
+        assert not ev.ok and "slots" in ev.reason
+        assert wait_until(lambda: not p.tx.active_rooms(), 2)
+        assert wait_until(lambda: not p.rx._ctl.announced, 2)
+        serves(p)

@@ -138,6 +138,11 @@ class KVReceiver:
         endpoint = _endpoint(req)
         if reason or endpoint is None:
             self._io.emit(SourceEvent(req.rid, False, reason=reason))
+            with self._lock:
+                live = req.room in self._xfers  # a duplicate: the live one keeps the room
+            if endpoint is not None and not live:  # its prefill must not wait for a Ready
+                abort = Abort(room=req.room, session=0, reason=reason)
+                self._io.submit(lambda: self._withdraw(req.room, endpoint, abort))
             return
         if slots.dtype != torch.int64 or slots.device != pool.k.device:
             slots = slots.to(pool.k.device, torch.int64)
