@@ -112,7 +112,7 @@ class ControlSockets:
             log.warning("control sockets: %d open, all in use; refusing %s", len(self), endpoint)
             return None
         curve = None if self._curve is None else self._curve.for_server(self._curve.public)
-        raw = make_socket(zmq.DEALER, curve)
+        raw = make_socket(zmq.DEALER, curve, never_block=True)
         try:
             connect(raw, endpoint)
         except zmq.ZMQError as e:

@@ -145,7 +145,7 @@ class DataSockets:
             # NOTE: with CURVE the decode's data socket is a CURVE server using the same
             # keypair as the bootstrap server (one cluster keypair; see curve.py).
             curve = None if self._curve is None else self._curve.for_server(self._curve.public)
-            raw = make_socket(zmq.PUSH, curve)
+            raw = make_socket(zmq.PUSH, curve, never_block=True)
             connect(raw, endpoint)
             sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook, self._native)
         return sock

@@ -64,17 +64,20 @@ RCV_HWM = 1000
 
 
 def make_socket(
-    kind: int, curve: CurveKeys | None = None, curve_server: bool = False
+    kind: int, curve: CurveKeys | None = None, curve_server: bool = False, never_block: bool = False
 ) -> zmq.Socket:
+    """`never_block`: a send with no pipe to a peer raises zmq.Again at once instead of
+    waiting for one (the transfer's outbound DEALER and PUSH sockets: see below)."""
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDBUF, _SOCK_BUF)
     sock.setsockopt(zmq.RCVBUF, _SOCK_BUF)
     sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the engine's own admission, not by drops
     sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-    # NOTE: a send never blocks the I/O thread: with no pipe to a peer (a DEALER or PUSH
-    # whose connection failed its CURVE handshake has none) it raises zmq.Again at once
-    sock.setsockopt(zmq.SNDTIMEO, 0)
+    if never_block:
+        # NOTE: a send never blocks the I/O thread: with no pipe to a peer (a DEALER or PUSH
+        # whose connection failed its CURVE handshake has none) it raises zmq.Again at once
+        sock.setsockopt(zmq.SNDTIMEO, 0)
     # A peer sending a larger frame is disconnected by ZeroMQ before we buffer it; every
     # legitimate frame (a header, or a KV frame of at most max_frame_bytes) is far below.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)
@@ -147,7 +150,7 @@ class MsgSocket:
         self, msg: Message, frames: Sequence[Frame] | Frames = (), to: bytes | None = None
     ) -> list[Tracker]:
         """Queue one message (never blocks: HWM is unlimited, and with no peer to take it
-        it raises zmq.Again: make_socket's SNDTIMEO). `frames` are sent zero-copy,
+        it raises zmq.Again: make_socket's never_block). `frames` are sent zero-copy,
         every one however small (pyzmq would copy those under its copy threshold, and
         report them done at once); the returned trackers say when libzmq no longer reads
         them: one per message sent natively, else one per frame. A frame may come already
