@@ -157,6 +157,11 @@ class TransferConfig:
     # A live peer heartbeats, so a dead one is found within heartbeat_timeout_s; these
     # two bound how long a *live but overloaded* peer may keep a request queued.
     ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
+    # Both sides: a room must be tied to the other side within this. The prefill frees a
+    # room no decode announced (the decode announces a request as soon as it arrives);
+    # the decode frees the pages of a Ready no prefill claimed. A live but slow other
+    # side is then covered by heartbeats and the two timeouts above.
+    bootstrap_timeout_s: float = 10.0
     kv_timeout_s: float = 300.0  # decode: wait this long for a request's KV
     heartbeat_s: float = 1.0  # heartbeat period, both ways (prefill <-> decode)
     heartbeat_timeout_s: float = 5.0  # either side fails the other's rooms after this silence

@@ -132,7 +132,7 @@ def test_repeated_preemption_yields_uninterrupted_tokens(
 
 
 def test_a_written_page_is_never_free_while_its_step_runs(tiny_model) -> None:
-    """The fence of DESIGN §9: each step's forward (held a moment, so the scheduler runs
+    """The fence of docs/architecture.md §9: each step's forward (held a moment, so the scheduler runs
     ahead) finds every page it writes still allocated, though requests are preempted
     and finish around it all the time."""
     seen: list[tuple[int, bool]] = []

@@ -28,6 +28,9 @@ class RecordingSink:
         self.pending: list[SinkEvent] = []
         self.stages: dict[str, dict] = {}
 
+    def on_queue(self, req: Req) -> None:
+        pass
+
     def on_admit(self, req: Req) -> None:
         pass
 

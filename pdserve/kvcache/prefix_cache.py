@@ -1,5 +1,5 @@
 """Prefix cache: full KV pages of finished prompts, shared by later prompts that begin
-with the same tokens (the prefill's; DESIGN §9).
+with the same tokens (the prefill's; docs/architecture.md §9).
 
     node key = (parent node id, the page's page_size token ids)   root parent id: 0
 

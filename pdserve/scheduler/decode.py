@@ -99,6 +99,7 @@ class DecodeEngine:
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
         self.prealloc.append(req)
+        self.source.announce(req)  # its prefill learns of this decode before any pages
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:

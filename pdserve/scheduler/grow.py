@@ -137,7 +137,7 @@ def preempt(eng: DecodeEngine, victim: Req) -> None:
         eng.running.remove(victim)
     eng.runner.req_pool.free(victim.row)  # the row fence guards its reuse (process_prebuilt)
     pages, victim.row, victim.pages = victim.pages, 0, []
-    # NOTE: deferred free (DESIGN §9). A recompute forward of it may still be queued on
+    # NOTE: deferred free (docs/architecture.md §9). A recompute forward of it may still be queued on
     # the forward stream and write these pages; they go back once the stream has passed
     # everything issued so far (settle), never while a launched step may write them.
     eng.deferred_pages.append((eng.forward_stream.record(), pages))

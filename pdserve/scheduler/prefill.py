@@ -70,6 +70,7 @@ class PrefillEngine:
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
         self.waiting.append(req)
+        self.sink.on_queue(req)  # a room no decode announces is dropped in seconds
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:

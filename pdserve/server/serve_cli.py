@@ -168,6 +168,9 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
         "ready_timeout_s",
         "prefill: seconds to wait for the decode's Ready",
     )
+    _flag(g, "--kv-bootstrap-timeout", TransferConfig, "bootstrap_timeout_s",
+          "seconds a room may wait for the other side to name it (decode announce, "
+          "prefill claim) before it is freed")  # fmt: skip
     _flag(
         g,
         "--kv-timeout",
@@ -268,6 +271,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         data_port=getattr(args, "data_port", 0),
         bootstrap_port=getattr(args, "bootstrap_port", _default(TransferConfig, "bootstrap_port")),
         ready_timeout_s=args.kv_ready_timeout,
+        bootstrap_timeout_s=args.kv_bootstrap_timeout,
         kv_timeout_s=args.kv_timeout,
         heartbeat_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,

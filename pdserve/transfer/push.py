@@ -102,7 +102,9 @@ class Room:
     room: int
     req: Ticket | None = None  # set by on_admit
     ready: Ready | None = None  # set when the decode's Ready arrives
-    peer: bytes = b""  # decode's identity on the bootstrap ROUTER
+    peer: bytes = b""  # decode's identity on the bootstrap ROUTER (its Announce or Ready)
+    queued: bool = False  # the prefill has a request of this room (on_queue or on_admit)
+    claimed: bool = False  # a Claim went to the decode (queued and its Ready known)
     pending: list[Piece] = field(default_factory=list)
     done: tuple[int, float] | None = None  # (first_token, first_logprob) from on_done
     stages: dict[str, float] = field(default_factory=dict)  # from on_done, for KVDone

@@ -45,7 +45,7 @@ from pdserve.transfer.checksum import (
     chunk_checksum,
     done_digest,
 )
-from pdserve.transfer.messages import KVChunk, KVDone
+from pdserve.transfer.messages import MAX_HEADER_BYTES, KVChunk, KVDone
 from pdserve.transfer.staging import (
     PageViews,
     pool_views,
@@ -53,8 +53,10 @@ from pdserve.transfer.staging import (
     scatter_rows,
     scatter_runs,
 )
+from pdserve.transfer.zmq_io import MAX_WIRE_FRAME_BYTES
 
 _KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(eq=False)
@@ -69,6 +71,7 @@ class Transfer:
     started: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
+    claimed: bool = False  # the prefill claimed the room (its Claim, or a chunk came)
     _cov: np.ndarray | None = field(init=False, default=None)
     _paged: Paged | None = field(init=False, default=None)
     _paged_known: bool = field(init=False, default=False)
@@ -116,6 +119,14 @@ class Paged:
     pages: np.ndarray  # int64, the request's pages in prompt order
     page_size: int
     writer: Writer | None = None  # into `kinds`, where the transfer was armed with one
+
+
+def data_limits(layout: KVLayout) -> tuple[int, int]:
+    """The most frames and bytes one message on the data socket may have: a header, then
+    a kind's (layer, run) frames for both kinds, each kind at most the largest frame the
+    wire takes (zmq_io.MAX_WIRE_FRAME_BYTES; a sender splits its pieces far below)."""
+    frames = 2 * layout.num_layers * MAX_RUNS
+    return 1 + frames, 2 * MAX_WIRE_FRAME_BYTES + MAX_HEADER_BYTES
 
 
 def check_chunk(
@@ -182,6 +193,8 @@ def _check_chunk(
     layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview], pages: PageIO
 ) -> str:
     n_layers, n_tok = layout.num_layers, x.req.prompt_len
+    if not 0 <= h.index <= INT64_MAX:  # NOTE: done_digest packs it as an int64
+        return f"chunk index {h.index} outside [0, {INT64_MAX}]"
     if not (0 <= h.layer_start < h.layer_end <= n_layers):
         return f"layer range [{h.layer_start}, {h.layer_end}) outside [0, {n_layers})"
     if not (0 <= h.tok_start < h.tok_end <= n_tok):
@@ -313,6 +326,8 @@ def land(device: torch.device) -> None:
 
 def check_done(x: Transfer, d: KVDone) -> str:
     """Why KVDone must be refused ("" if the transfer is complete and intact)."""
+    if not -INT64_MAX - 1 <= d.first_token <= INT64_MAX:  # NOTE: done_digest packs it
+        return f"first_token {d.first_token} outside int64"
     if d.prompt_len != x.req.prompt_len:
         return f"prompt_len {d.prompt_len} != reserved {x.req.prompt_len}"
     missing = x.cov.size - int(np.count_nonzero(x.cov))
