@@ -5,7 +5,7 @@ frame count nor its total size (ZMQ_MAXMSGSIZE is per frame; the high-water mark
 whole messages): an unfinished message whose frames keep coming is buffered unseen, with
 poll() reporting nothing. What bounds it is who may connect: with CURVE (ZAP), a peer
 without the cluster secret never gets past the handshake, so its frames are never read
-(docs/security-wire.md). A complete message with more frames or bytes than the protocol
+(docs/security.md, ZeroMQ ports). A complete message with more frames or bytes than the protocol
 ever sends is dropped unread, counted, and logged.
 
 The attacker runs in its own process: its own send queue must not count in our RSS.

@@ -58,7 +58,7 @@ MAX_WIRE_FRAME_BYTES = 64 << 20
 # frames of max_frame_bytes, so this bounds what a peer parks here at about
 # RCV_HWM * MAX_WIRE_FRAME_BYTES in theory, far less in practice (the sender's frames).
 # NOTE: libzmq counts whole messages here and checks MAXMSGSIZE per frame: neither bounds
-# ONE multipart message whose frames keep coming (docs/security-wire.md); CURVE does,
+# ONE multipart message whose frames keep coming (docs/security.md, ZeroMQ ports); CURVE does,
 # by letting only holders of the cluster secret connect.
 RCV_HWM = 1000
 
@@ -99,7 +99,7 @@ def bind(sock: zmq.Socket, host: str, port: int) -> int:
             "SECURITY: the KV transfer socket binds %s without CURVE: any process that "
             "reaches this port can send it messages (and hold its memory) and read the KV "
             "it is sent. Set --curve-secret-key-file (or PDSERVE_CURVE_PUBLIC/SECRET) on "
-            "every prefill and decode, or bind 127.0.0.1 (docs/security-wire.md)",
+            "every prefill and decode, or bind 127.0.0.1 (docs/security.md, ZeroMQ ports)",
             host,
         )
     if port == 0:
