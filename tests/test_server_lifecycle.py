@@ -14,6 +14,8 @@ import openai
 import pytest
 from fake_engine import ServerProc, free_port, make_model_dir
 
+from pdserve.server.serve_cli import ENGINE_DEATH_GRACE_S
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -89,6 +91,8 @@ def test_engine_death_fails_requests_fast_and_health_goes_503(model):
         r2 = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
         assert r2.status_code == 503
         assert httpx.get(s.url + "/health_generate").status_code == 503
+        # then the frontend exits non-zero, so a supervisor restarts the pair
+        assert s.proc.wait(ENGINE_DEATH_GRACE_S + 10) == 1
     finally:
         s.stop()
 

@@ -35,6 +35,7 @@ log = logging.getLogger("pdserve.engine_client")
 ENGINE_MODULE = "pdserve.scheduler.engine_proc"
 
 WATCH_S = 0.2  # how often the child's liveness is checked
+SHUTTING_DOWN = "server shutting down"  # the `error` of an engine we stopped ourselves
 
 
 class EngineDead(RuntimeError):
@@ -148,7 +149,7 @@ class EngineClient:
                 if not await _wait_exit(proc, 2.0):
                     proc.kill()
                     proc.wait()
-        self._fail("server shutting down")
+        self._fail(SHUTTING_DOWN)
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -226,7 +227,7 @@ class EngineClient:
     def _fail(self, message: str) -> None:
         """Mark the engine dead and end every in-flight request with `message`."""
         if self.error is None:
-            if message != "server shutting down":
+            if message != SHUTTING_DOWN:
                 log.error("%s", message)
             self.error = message
         for rid, q in self._queues.items():

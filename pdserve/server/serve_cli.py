@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import (
@@ -297,9 +299,34 @@ def run_server(role: str, args: argparse.Namespace) -> int:
         app = create_app(server, spec)  # reads the tokenizer
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
+    engine_died = _engine_died_since(app.state.frontend.client, ENGINE_DEATH_GRACE_S)
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
-          sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3)  # fmt: skip
+          sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3,
+          stop_when=engine_died)  # fmt: skip
+    if engine_died():
+        raise SystemExit(f"pdserve {role}: {app.state.frontend.client.error}")
     return 0
+
+
+# Seconds a frontend keeps answering 503 after its engine died (so in-flight clients and
+# health checks see why) before it exits non-zero, for a supervisor to restart the pair.
+ENGINE_DEATH_GRACE_S = 5.0
+
+
+def _engine_died_since(client: Any, grace_s: float) -> Callable[[], bool]:
+    """True once `client`'s engine has been dead (not stopped by us) for `grace_s`."""
+    from pdserve.server.engine_client import SHUTTING_DOWN
+
+    since: list[float] = []
+
+    def died() -> bool:
+        if client.error is None or client.error == SHUTTING_DOWN:
+            return False
+        if not since:
+            since.append(time.monotonic())
+        return time.monotonic() - since[0] >= grace_s
+
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:
