@@ -6,6 +6,9 @@ names it (`ServerProc` does that); the product never imports it. The fake echoes
 the exact expected output. It keeps row/page accounting like a real engine and
 counts what it saw (`added`, `aborted`, `finished`) in `stats()`.
 
+`stats()` also reports the numeric sampling parameters of the last request added
+(`last_temperature`, ...), so a test sees what reached the engine.
+
 Knobs (environment of the engine process):
     PDSERVE_FAKE_STEP_S   seconds one step() takes while requests run (default 0.002)
 A request with `seed == FAIL_SEED` ends with an engine error event.
@@ -31,6 +34,8 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.protocol import EngineRequest, TokenEvent
 
 FAIL_SEED = 4242
+# numeric sampling parameters the fake reports in stats() as last_<name> (what it was sent)
+LAST_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -63,9 +68,13 @@ class FakeEngine:
         self.running: dict[str, _Running] = {}
         self.out: list[TokenEvent] = []
         self.counts = {"added": 0, "aborted": 0, "finished": 0}
+        self.last_params: dict[str, float] = {}  # numeric SamplingParams of the last request
 
     def add_request(self, req: EngineRequest) -> None:
         self.counts["added"] += 1
+        p = req.params
+        self.last_params = {f"last_{k}": float(getattr(p, k)) for k in LAST_PARAMS
+                            if getattr(p, k) is not None}  # fmt: skip
         if req.params.seed == FAIL_SEED:
             self.out.append(TokenEvent(rid=req.rid, finished=True, error="fake engine failure"))
             return
@@ -131,6 +140,7 @@ class FakeEngine:
             "running": float(len(self.running)),
             "queued": float(len(self.queue)),
             **{k: float(v) for k, v in self.counts.items()},
+            **self.last_params,
         }
 
     def close(self) -> None:

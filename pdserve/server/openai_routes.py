@@ -1,19 +1,31 @@
-"""`/v1/completions` and `/v1/chat/completions` handlers (OpenAI wire format)."""
+"""`/v1/completions` and `/v1/chat/completions` handlers (OpenAI wire format).
+
+Each handler goes one way: parse the body (openai_api.py) -> a Job (prompt ids and
+SamplingParams) -> Frontend.start (generation.py) -> OpenAIFormatter (openai_format.py).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
-from pdserve.protocol import EngineRequest
+from pdserve.protocol import QUEUE_FULL
+from pdserve.server.chat_template import continue_final_message
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import Frontend, RequestError, collect, merge, run_sample
+from pdserve.server.generation import (
+    OVERLOADED_RETRY_AFTER_S,
+    Frontend,
+    Job,
+    RequestError,
+    SampleResult,
+    collect,
+)
 from pdserve.server.http_util import (
     check_api_key,
     error_response,
@@ -22,15 +34,26 @@ from pdserve.server.http_util import (
     stream_until_disconnect,
     until_disconnect,
 )
-from pdserve.server.openai_api import (
-    SSE_DONE,
-    ChatIn,
-    CompletionIn,
-    OpenAIFormatter,
-    sse,
-)
+from pdserve.server.openai_api import ChatIn, CompletionIn
+from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
+from pdserve.server.request_fields import Body, FieldRefused
 from pdserve.server.server_config import ServerConfig
 from pdserve.server.tokenizer import ChatTemplateError
+
+B = TypeVar("B", bound=Body)
+MAX_CHOICES = 256  # prompts × n of one request
+# names the chat template gets from the request itself, not from chat_template_kwargs
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def parse_body(model: type[B], data: Any, cfg: ServerConfig) -> B:
+    """The validated body; RequestError 400 naming a field refused (request_fields.py)."""
+    body = parse(model, data)
+    try:
+        body.check_fields(cfg.unknown_fields)
+    except FieldRefused as e:
+        raise RequestError(str(e), e.param) from e
+    return body
 
 
 def check_model(model: str | None, cfg: ServerConfig) -> None:
@@ -40,24 +63,41 @@ def check_model(model: str | None, cfg: ServerConfig) -> None:
                            f"{cfg.model_name!r}", "model", status=404)  # fmt: skip
 
 
-def completion_prompt_ids(fe: Frontend, prompt: Any) -> list[int]:
-    """A string, a list of token ids, or a batch of exactly one of those."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise RequestError("batched prompts are not supported; send one prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return fe.tokenizer.encode(prompt)
-    return list(prompt)
+def completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
+    """A string, a list of token ids, or a batch (a list) of those."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]  # fmt: skip
+    out = [fe.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+    if not out:
+        raise RequestError("the prompt is empty", "prompt")
+    return out
 
 
 def chat_prompt_ids(fe: Frontend, body: ChatIn) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs or {})
+    taken = sorted(kwargs.keys() & RESERVED_TEMPLATE_NAMES)
+    if taken:
+        raise RequestError(f"chat_template_kwargs may not set {taken[0]!r} (a request field "
+                           "sets it)", "chat_template_kwargs")  # fmt: skip
     try:
-        text = fe.tokenizer.apply_chat_template(messages)
+        text = fe.tokenizer.apply_chat_template(
+            messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, **kwargs
+        )
+        if body.continue_final_message:
+            text = continue_final_message(text, messages[-1]["content"] or "")
     except ChatTemplateError as e:
         raise RequestError(str(e), "messages") from e
     return fe.tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
+             wanted: int | None, logprobs: bool, stamps: dict[str, float]) -> Job:  # fmt: skip
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
+    # one max_tokens for the batch: the smallest any prompt allows when none is given
+    max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
+    return Job(prompts, body.params(max_tokens, logprobs), body.n, body.rid, body.bootstrap(),
+               stamps)  # fmt: skip
 
 
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
@@ -65,31 +105,24 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     async def completions(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
-        body = parse(CompletionIn, await read_json(request, cfg.max_body_bytes))
+        body = parse_body(CompletionIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
-        if body.echo:
-            raise RequestError("echo is not supported", "echo")
-        ids = completion_prompt_ids(fe, body.prompt)
-        max_tokens = fe.check_prompt(ids, body.max_tokens)
         logprobs = body.logprobs is not None
-        reqs = fe.build_requests(ids, body.params(max_tokens, logprobs), body.n, None,
-                                 body.bootstrap(), stamps)  # fmt: skip
-        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer)
-        return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, logprobs)
+        job = make_job(fe, body, completion_prompts(fe, body.prompt), body.max_tokens, logprobs,
+                       stamps)  # fmt: skip
+        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, job, logprobs)
+        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
-        body = parse(ChatIn, await read_json(request, cfg.max_body_bytes))
+        body = parse_body(ChatIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
-        ids = chat_prompt_ids(fe, body)
-        wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # fmt: skip
-        max_tokens = fe.check_prompt(ids, wanted)
-        reqs = fe.build_requests(ids, body.params(max_tokens, body.logprobs), body.n, None,
-                                 body.bootstrap(), stamps)  # fmt: skip
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer)
-        return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, body.logprobs)
+        job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
+                       stamps)  # fmt: skip
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs)
+        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -110,56 +143,46 @@ def stream_failure(e: Exception) -> str:
     return sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, 500))
 
 
-def engine_error_status(fe: Frontend) -> int:
-    return 503 if not fe.client.alive else 500
+def engine_error_status(fe: Frontend, error: str | None = None) -> int:
+    """503 for an engine that is gone or a full queue (the client may retry), else 500."""
+    return 503 if not fe.client.alive or error == QUEUE_FULL else 500
 
 
-async def respond(
-    request: Request,
-    fe: Frontend,
-    fmt: OpenAIFormatter,
-    reqs: list[EngineRequest],
-    stream: bool,
-    include_usage: bool,
-    logprobs: bool,
-) -> Response:
-    if not fe.client.alive:
-        return error_response(503, f"engine unavailable: {fe.client.error}")
-    fe.metrics.prompt_tokens.inc(len(reqs[0].input_ids) * len(reqs))
-    gen = merge([run_sample(fe, r, i) for i, r in enumerate(reqs)])
-    prompt_tokens = len(reqs[0].input_ids)
+def engine_error_response(fe: Frontend, error: str) -> Response:
+    status = engine_error_status(fe, error)
+    r = error_response(status, error)
+    if error == QUEUE_FULL:
+        r.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
+    return r
+
+
+async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter, job: Job,
+                  stream: bool, include_usage: bool) -> Response:  # fmt: skip
+    _, gen = fe.start(job)
     if stream:
-        chunks = _sse(fe, fmt, gen, prompt_tokens * len(reqs), include_usage, logprobs)
+        chunks = _sse(fe, fmt, gen, include_usage)
         return StreamingResponse(
             stream_until_disconnect(request, chunks), media_type="text/event-stream"
         )
-    results = await until_disconnect(request, collect(gen, len(reqs)))
+    results: list[SampleResult] = await until_disconnect(request, collect(gen, job.choices))
     failed = next((r for r in results if r.error), None)
     if failed is not None:
-        return error_response(engine_error_status(fe), failed.error or "engine error")
-    return JSONResponse(fmt.response(results, prompt_tokens, logprobs))
+        return engine_error_response(fe, failed.error or "engine error")
+    return JSONResponse(fmt.response(results))
 
 
 async def _sse(
-    fe: Frontend,
-    fmt: OpenAIFormatter,
-    gen: AsyncIterator[Any],
-    prompt_tokens: int,
-    include_usage: bool,
-    logprobs: bool,
+    fe: Frontend, fmt: OpenAIFormatter, gen: AsyncIterator[Any], include_usage: bool
 ) -> AsyncIterator[str]:
-    started: set[int] = set()
-    completion_tokens = 0
     try:
         async for d in gen:
             if d.error:
-                yield sse(error_body(d.error, "server_error", None, engine_error_status(fe)))
+                yield sse(error_body(d.error, "server_error", None, engine_error_status(fe, d.error)))  # fmt: skip
                 yield SSE_DONE
                 return
-            completion_tokens += len(d.token_ids)
-            if d.text or d.finished or (logprobs and d.token_ids) or d.index not in started:
-                yield sse(fmt.chunk(d, logprobs, first=d.index not in started))
-                started.add(d.index)
+            chunk = fmt.chunk(d)
+            if chunk is not None:
+                yield sse(chunk)
     except EngineDead as e:  # died between the liveness check and submission
         yield sse(error_body(str(e), "server_error", None, 503))
         yield SSE_DONE
@@ -171,5 +194,5 @@ async def _sse(
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
     if include_usage:
-        yield sse(fmt.usage_chunk(prompt_tokens, completion_tokens))
+        yield sse(fmt.usage_chunk())
     yield SSE_DONE
