@@ -31,7 +31,7 @@ import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.protocol import EngineRequest, TokenEvent
+from pdserve.protocol import QUEUE_FULL, EngineRequest, TokenEvent
 
 FAIL_SEED = 4242
 # numeric sampling parameters the fake reports in stats() as last_<name> (what it was sent)
@@ -65,6 +65,7 @@ class FakeEngine:
         self.free_pages = self.total_pages
         self.step_s = float(os.environ.get("PDSERVE_FAKE_STEP_S", "0.002"))
         self.queue: deque[EngineRequest] = deque()
+        self.max_queued = cfg.scheduler.max_queued_requests
         self.running: dict[str, _Running] = {}
         self.out: list[TokenEvent] = []
         self.counts = {"added": 0, "aborted": 0, "finished": 0}
@@ -77,6 +78,9 @@ class FakeEngine:
                             if getattr(p, k) is not None}  # fmt: skip
         if req.params.seed == FAIL_SEED:
             self.out.append(TokenEvent(rid=req.rid, finished=True, error="fake engine failure"))
+            return
+        if len(self.queue) >= self.max_queued:  # as the engines' admission refuses
+            self.out.append(TokenEvent(rid=req.rid, finished=True, error=QUEUE_FULL))
             return
         self.queue.append(req)
 

@@ -159,13 +159,31 @@ class ChatMessage(Body):
         return {k: v for k, v in out.items() if v is not None or k == "content"}
 
 
-class ChatIn(_OpenAIBody):
+class ChatTemplateControls(Body):
+    """The messages and how they are rendered (chat completions and /tokenize)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    # extensions (vLLM's and sglang's chat template controls)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        super().check_fields(unknown, where)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldRefused("continue_final_message and add_generation_prompt cannot both "
+                               "be true", "continue_final_message")  # fmt: skip
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise FieldRefused("continue_final_message needs a final assistant message",
+                               "continue_final_message")  # fmt: skip
+
+
+class ChatIn(ChatTemplateControls, _OpenAIBody):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -186,10 +204,7 @@ class ChatIn(_OpenAIBody):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    # extensions (vLLM's and sglang's chat template controls)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    # extensions known, not implemented
     documents: Any = None
     chat_template: Any = None
     echo: Any = None
@@ -224,12 +239,6 @@ class ChatIn(_OpenAIBody):
         if self.tools and self.tool_choice is None:
             raise FieldRefused('tool calls are not parsed by this server: send tools with '
                                'tool_choice "none"', "tools")  # fmt: skip
-        if self.continue_final_message and self.add_generation_prompt:
-            raise FieldRefused("continue_final_message and add_generation_prompt cannot both "
-                               "be true", "continue_final_message")  # fmt: skip
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise FieldRefused("continue_final_message needs a final assistant message",
-                               "continue_final_message")  # fmt: skip
 
     @property
     def max_output(self) -> int | None:

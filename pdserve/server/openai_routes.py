@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import QUEUE_FULL
-from pdserve.server.chat_template import continue_final_message
+from pdserve.server import tokenize_routes
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import (
     OVERLOADED_RETRY_AFTER_S,
@@ -29,65 +29,16 @@ from pdserve.server.generation import (
 from pdserve.server.http_util import (
     check_api_key,
     error_response,
-    parse,
     read_json,
     stream_until_disconnect,
     until_disconnect,
 )
 from pdserve.server.openai_api import ChatIn, CompletionIn
 from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
-from pdserve.server.request_fields import Body, FieldRefused
+from pdserve.server.openai_parse import chat_prompt_ids, check_model, completion_prompts, parse_body
 from pdserve.server.server_config import ServerConfig
-from pdserve.server.tokenizer import ChatTemplateError
 
-B = TypeVar("B", bound=Body)
 MAX_CHOICES = 256  # prompts × n of one request
-# names the chat template gets from the request itself, not from chat_template_kwargs
-RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
-
-
-def parse_body(model: type[B], data: Any, cfg: ServerConfig) -> B:
-    """The validated body; RequestError 400 naming a field refused (request_fields.py)."""
-    body = parse(model, data)
-    try:
-        body.check_fields(cfg.unknown_fields)
-    except FieldRefused as e:
-        raise RequestError(str(e), e.param) from e
-    return body
-
-
-def check_model(model: str | None, cfg: ServerConfig) -> None:
-    """A request naming a model must name ours (served name or path); 404 otherwise."""
-    if model is not None and model not in (cfg.model_name, cfg.model_path):
-        raise RequestError(f"model {model!r} does not exist; this server serves "
-                           f"{cfg.model_name!r}", "model", status=404)  # fmt: skip
-
-
-def completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
-    """A string, a list of token ids, or a batch (a list) of those."""
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]  # fmt: skip
-    out = [fe.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
-    if not out:
-        raise RequestError("the prompt is empty", "prompt")
-    return out
-
-
-def chat_prompt_ids(fe: Frontend, body: ChatIn) -> list[int]:
-    messages = [m.for_template() for m in body.messages]
-    kwargs = dict(body.chat_template_kwargs or {})
-    taken = sorted(kwargs.keys() & RESERVED_TEMPLATE_NAMES)
-    if taken:
-        raise RequestError(f"chat_template_kwargs may not set {taken[0]!r} (a request field "
-                           "sets it)", "chat_template_kwargs")  # fmt: skip
-    try:
-        text = fe.tokenizer.apply_chat_template(
-            messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, **kwargs
-        )
-        if body.continue_final_message:
-            text = continue_final_message(text, messages[-1]["content"] or "")
-    except ChatTemplateError as e:
-        raise RequestError(str(e), "messages") from e
-    return fe.tokenizer.encode(text, add_special_tokens=False)
 
 
 def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
@@ -123,6 +74,8 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
                        stamps)  # fmt: skip
         fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs)
         return await respond(request, fe, fmt, job, body.stream, body.include_usage)
+
+    tokenize_routes.register(app, fe, cfg)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
