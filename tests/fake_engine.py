@@ -7,7 +7,7 @@ the exact expected output. It keeps row/page accounting like a real engine and
 counts what it saw (`added`, `aborted`, `finished`) in `stats()`.
 
 `stats()` also reports the numeric sampling parameters of the last request added
-(`last_temperature`, ...), so a test sees what reached the engine.
+(`last_temperature`, ..., `last_logit_bias.<token id>`), so a test sees what reached the engine.
 
 Knobs (environment of the engine process):
     PDSERVE_FAKE_STEP_S   seconds one step() takes while requests run (default 0.002)
@@ -35,7 +35,8 @@ from pdserve.protocol import QUEUE_FULL, EngineRequest, TokenEvent
 
 FAIL_SEED = 4242
 # numeric sampling parameters the fake reports in stats() as last_<name> (what it was sent)
-LAST_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+LAST_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+               "frequency_penalty", "presence_penalty", "repetition_penalty")  # fmt: skip
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -76,6 +77,7 @@ class FakeEngine:
         p = req.params
         self.last_params = {f"last_{k}": float(getattr(p, k)) for k in LAST_PARAMS
                             if getattr(p, k) is not None}  # fmt: skip
+        self.last_params |= {f"last_logit_bias.{t}": b for t, b in p.logit_bias.items()}
         if req.params.seed == FAIL_SEED:
             self.out.append(TokenEvent(rid=req.rid, finished=True, error="fake engine failure"))
             return

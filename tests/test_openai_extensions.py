@@ -138,8 +138,10 @@ def test_text_parts_tools_and_tool_messages_reach_the_template(server):
         ({"messages": [{"role": "user", "content": "x", "colour": "red"}]}, "messages.0.colour"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
          "chat_template_kwargs"),
-        ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.2},
-         "repetition_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "min_tokens": 2}, "min_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, "guided_json"),
         ({"messages": [{"role": "user", "content": "x"}], "no_such_field": 1}, "no_such_field"),
         ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
@@ -153,21 +155,28 @@ def test_refused_by_name(server, body, param):
 
 
 def test_generate_sampling_params_refused_by_name(server):
-    body = {"text": "x", "sampling_params": {"frequency_penalty": 0.5}}
+    body = {"text": "x", "sampling_params": {"min_new_tokens": 3}}
     r = post(server, "/generate", body)
-    assert (
-        r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.frequency_penalty"
-    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.min_new_tokens"
     body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, "sglang_extra": 1}
     assert post(server, "/generate", body).status_code == 200  # top level: ignored (sglang-router)
 
 
 # ---- extensions that change the output ----------------------------------------------------
 def test_sampling_extensions_reach_the_engine(server):
-    body = {"prompt": "Hello", "max_tokens": 2, "top_k": 3, "min_p": 0.25}
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "top_k": 3,
+        "min_p": 0.25,
+        "repetition_penalty": 1.25,
+    }
     assert post(server, "/v1/completions", body).status_code == 200
     si = httpx.get(server.url + "/server_info").json()
-    assert (si["last_top_k"], si["last_min_p"]) == (3, 0.25)
+    assert (si["last_top_k"], si["last_min_p"], si["last_repetition_penalty"]) == (3, 0.25, 1.25)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2, "presence_penalty": 0.5}}
+    assert post(server, "/generate", body).status_code == 200
+    assert httpx.get(server.url + "/server_info").json()["last_presence_penalty"] == 0.5
 
 
 def test_stop_token_ids_and_ignore_eos(server, tok):

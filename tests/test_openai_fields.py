@@ -97,7 +97,7 @@ def same_as_baseline(r: Any, c: Ctx) -> None:
 
 def reaches_engine(name: str, want: float) -> Callable[[Any, Ctx], None]:
     def check(r: Any, c: Ctx) -> None:
-        c.baseline(r)  # the fake ignores sampling; the sampler tests cover its effect
+        c.baseline(r)  # the fake ignores sampling; tests/test_sampling.py covers its effect
         assert last(c.server, name) == want
 
     return check
@@ -142,9 +142,9 @@ def other_model(r: Any, c: Ctx) -> None:
 
 COMMON: dict[str, Case] = {
     "model": (MODEL, same_as_baseline),
-    "frequency_penalty": (0.5, REFUSED),
-    "presence_penalty": (0.5, REFUSED),
-    "logit_bias": ({"5": 10}, REFUSED),
+    "frequency_penalty": (0.5, reaches_engine("frequency_penalty", 0.5)),
+    "presence_penalty": (-0.5, reaches_engine("presence_penalty", -0.5)),
+    "logit_bias": ({"5": 10}, reaches_engine("logit_bias.5", 10)),
     "max_tokens": (3, max_tokens_3),
     "n": (2, n_choices),
     "seed": (7, reaches_engine("seed", 7)),

@@ -28,6 +28,7 @@ import torch
 
 from pdserve.kernels.stream import Event, Stream
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
+from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.scheduler.future_map import FutureMap
@@ -53,6 +54,16 @@ class StepResult:
     timing: dict[str, float] = field(
         default_factory=dict
     )  # forward-stream start/end (perf_counter)
+
+
+def penalty_state(req: Req, vocab: int, device: str) -> PenaltyState | None:
+    """The request's penalty state, made (on the schedule side, so every later step sees
+    the same one) at its first decode step from its prompt and the prefill's token."""
+    if req.penalties is None and req.params.penalized:
+        req.penalties = PenaltyState.new(req.params, req.prompt_ids, vocab, device)
+        assert req.penalties is not None
+        req.penalties.record(torch.tensor(req.first_token, device=device))
+    return req.penalties
 
 
 def slot_of(req: Req, pos: int, page_size: int) -> int:
@@ -105,13 +116,15 @@ def launch_step(
     )
     params = [r.params for r in reqs]
     req_seeds = [r.seed for r in reqs]
+    states = [penalty_state(r, runner.arch.vocab_size, runner.device) for r in reqs]
     argmax = runner.model.ops.argmax
 
     def forward() -> None:
         result.timing["start"] = time.perf_counter()
         batch.input_ids = future.resolve(batch.rows, batch.host_rows)
         logits = runner.forward(batch)
-        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax)
+        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax,
+                                  states=states)  # fmt: skip
         if hook is not None:
             hook(result)
         future.publish(batch.rows, tokens)

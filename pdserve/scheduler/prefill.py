@@ -24,6 +24,7 @@ import torch
 from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.protocol import EngineRequest, TokenEvent
@@ -198,6 +199,10 @@ class PrefillEngine:
                 [r.seed for r in reqs],
                 [0] * len(reqs),
                 logprobs=True,  # the first token's logprob travels with the KV
+                states=[
+                    PenaltyState.new(r.params, r.prompt_ids, logits.shape[-1], logits.device)
+                    for r in reqs
+                ],  # fmt: skip
             )
         for req, start, end in plan:
             req.prefilled = end

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.model.penalties import PenaltyState
 from pdserve.protocol import EDGE_STAMPS, EngineRequest
 from pdserve.sampling_params import SamplingParams
 
@@ -57,6 +58,9 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     # host-side count of decode steps launched; lets the scheduler place KV without tokens
     launched_steps: int = 0
+    # penalties' token history on the device (pdserve.model.penalties), made by the decode
+    # at the request's first step and updated by each step's sampler; kept across preemption
+    penalties: PenaltyState | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None

@@ -227,8 +227,11 @@ class Frontend:
         of the HTTP request."""
         try:
             params.validate(self.tokenizer.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        except ValueError as e:  # the message starts with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise RequestError(
+                str(e), name if name in SamplingParams.__struct_fields__ else None
+            ) from e
         if not params.ignore_eos:  # the model's end-of-sequence ids end a sample too
             eos = sorted(set(params.stop_token_ids + self.tokenizer.eos_token_ids))
             params = msgspec.structs.replace(params, stop_token_ids=eos)

@@ -19,16 +19,16 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.generation import RequestError
 
 log = logging.getLogger(__name__)
 
 
-class FieldRefused(ValueError):
-    """A field the server will not honour; `param` names it (the 400's `param`)."""
+class FieldRefused(RequestError):
+    """A field the server will not honour: a 400 whose `param` names it."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 class Body(BaseModel):
@@ -89,13 +89,7 @@ class SamplingKnobs(Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
-    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "frequency_penalty": (0.0, 0),
-        "presence_penalty": (0.0, 0),
-        "repetition_penalty": (1.0, 1),
-        "logit_bias": ({},),
-        "min_tokens": (0,),
-    }
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"min_tokens": (0,)}
 
     def params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         """The engine's SamplingParams (call check_fields first)."""
@@ -110,7 +104,22 @@ class SamplingKnobs(Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise FieldRefused(
+                    f"logit_bias keys are token ids, got {k!r}", "logit_bias"
+                ) from None
+        return out
 
 
 def as_list(stop: str | list[str] | None) -> list[str]:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.server.generation import Frontend, RequestError
 from pdserve.server.http_util import check_api_key, read_json
 from pdserve.server.openai_api import ChatTemplateControls
+from pdserve.server.openai_parse import chat_prompt_ids, check_model, parse_body
 from pdserve.server.request_fields import Body
 from pdserve.server.server_config import ServerConfig
 
@@ -40,9 +41,6 @@ class DetokenizeIn(Body):
 
 
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
-    # imported here: openai_routes registers these routes and provides the helpers
-    from pdserve.server.openai_routes import chat_prompt_ids, check_model, parse_body
-
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         check_api_key(request, cfg.api_key)
