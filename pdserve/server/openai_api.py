@@ -233,12 +233,21 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
 
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
-        if self.tool_choice not in (None, "none"):
-            raise FieldRefused(f"tool_choice {_short(self.tool_choice)} is not supported by "
-                               "this server (tool calls are not parsed)", "tool_choice")  # fmt: skip
-        if self.tools and self.tool_choice is None:
-            raise FieldRefused('tool calls are not parsed by this server: send tools with '
-                               'tool_choice "none"', "tools")  # fmt: skip
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto"):  # "required" / a named function
+            raise FieldRefused(f"tool_choice {_short(choice)} is not supported by this server "
+                               "(it needs a grammar to force a call)", "tool_choice")  # fmt: skip
+
+    def parse_tools(self, parser: str | None) -> bool:
+        """Whether the answer's tool calls are parsed: tools given and tool_choice "auto"
+        (its default with tools); RequestError 400 when the model has no parser."""
+        if not self.tools or self.tool_choice == "none":
+            return False
+        if parser is None:
+            raise FieldRefused("this model's chat template shows no tool-call format this "
+                               "server parses (see --tool-call-parser); send tool_choice "
+                               '"none" to pass the tools to the template only', "tools")  # fmt: skip
+        return True
 
     @property
     def max_output(self) -> int | None:

@@ -9,6 +9,12 @@ from typing import Any, Literal
 
 from pdserve.server.generation import Delta, Job, SampleResult, ttft_breakdown
 from pdserve.server.tokenizer import Tokenizer
+from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls
+
+
+def _unindexed(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as a message holds it (the stream's `index` is only for deltas)."""
+    return {k: v for k, v in call.items() if k != "index"}
 
 
 def sse(obj: object) -> str:
@@ -58,7 +64,7 @@ class OpenAIFormatter:
 
     def __init__(
         self, kind: Literal["completion", "chat"], model: str, tok: Tokenizer, job: Job,
-        logprobs: bool,
+        logprobs: bool, tools: bool = False,
     ) -> None:  # fmt: skip
         self.kind = kind
         self.model = model
@@ -70,6 +76,8 @@ class OpenAIFormatter:
         self._text_pos: dict[int, int] = {}  # per choice: characters streamed so far
         self._started: set[int] = set()  # choices whose first chunk went out
         self.completion_tokens = 0
+        self.tools = tools  # parse tool calls out of the chat answers (tool_calls.py)
+        self._calls: dict[int, ToolCallStream] = {}  # per choice, when streaming
 
     @property
     def _obj(self) -> str:
@@ -98,6 +106,12 @@ class OpenAIFormatter:
                 lp = completion_logprobs(self.tok, r.output_ids, r.logprobs, 0)
         else:
             c["message"] = {"role": "assistant", "content": r.text}
+            if self.tools:
+                content, calls = parse_tool_calls(r.text)
+                if calls:
+                    c["message"] = {"role": "assistant", "content": content.strip() or None,
+                                    "tool_calls": [_unindexed(x) for x in calls]}  # fmt: skip
+                    c["finish_reason"] = "tool_calls"
             if self.logprobs:
                 lp = chat_logprobs(self.tok, r.output_ids, r.logprobs)
         c["logprobs"] = lp
@@ -119,9 +133,9 @@ class OpenAIFormatter:
                 lp = completion_logprobs(self.tok, d.token_ids, d.logprobs, pos)
                 self._text_pos[d.index] = pos + len(d.text)
         else:
-            c["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": d.text} if d.text or not d.finished else {}
-            )
+            c["delta"] = self._delta(d, first)
+            if self.tools and d.finished and self._calls[d.index].calls:
+                c["finish_reason"] = "tool_calls"
             if self.logprobs:
                 lp = chat_logprobs(self.tok, d.token_ids, d.logprobs)
         c["logprobs"] = lp
@@ -129,6 +143,21 @@ class OpenAIFormatter:
         if d.finished and d.stages:  # a choice's final chunk (pdserve extension, read by bench)
             body["ttft_breakdown"] = ttft_breakdown(d.stages)
         return body
+
+    def _delta(self, d: Delta, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        text = d.text
+        calls: list[dict[str, Any]] = []
+        if self.tools:
+            stream = self._calls.setdefault(d.index, ToolCallStream())
+            text, calls = stream.feed(d.text)
+            if d.finished:
+                text += stream.flush()
+        if text or not (d.finished or calls):
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def usage_chunk(self) -> dict[str, Any]:
         body = self._envelope(self._obj, [])

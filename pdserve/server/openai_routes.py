@@ -37,6 +37,7 @@ from pdserve.server.openai_api import ChatIn, CompletionIn
 from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
 from pdserve.server.openai_parse import chat_prompt_ids, check_model, completion_prompts, parse_body
 from pdserve.server.server_config import ServerConfig
+from pdserve.server.tool_calls import parser_for_template
 
 MAX_CHOICES = 256  # prompts × n of one request
 
@@ -51,7 +52,16 @@ def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]]
                stamps)  # fmt: skip
 
 
+def tool_parser(fe: Frontend, cfg: ServerConfig) -> str | None:
+    if cfg.tool_call_parser != "auto":
+        return None if cfg.tool_call_parser == "none" else cfg.tool_call_parser
+    t = fe.tokenizer.chat_templates
+    return parser_for_template(t if isinstance(t, str) else "\n".join(t.values()))
+
+
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
+    parser = tool_parser(fe, cfg)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
@@ -70,9 +80,10 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         check_api_key(request, cfg.api_key)
         body = parse_body(ChatIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
+        tools = body.parse_tools(parser)
         job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
                        stamps)  # fmt: skip
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs)
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools)
         return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     tokenize_routes.register(app, fe, cfg)

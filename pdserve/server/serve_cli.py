@@ -21,6 +21,7 @@ from pdserve.config import (
 )
 from pdserve.envs import ENV
 from pdserve.server.server_config import UNKNOWN_FIELD_POLICIES, ServerConfig
+from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _default(cls: type, name: str) -> Any:
@@ -221,6 +222,10 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
                    "it) or log a warning and ignore it")  # fmt: skip
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template that replaces the model's")  # fmt: skip
+    g.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_CALL_PARSERS),
+                   default=ServerConfig.tool_call_parser,
+                   help="how tool calls are parsed from the output (auto: from the chat "
+                   "template)")  # fmt: skip
     g.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="answer CORS requests from these origins ('*': any); off by default")  # fmt: skip
 
@@ -275,7 +280,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
         unknown_fields=args.unknown_fields, chat_template=args.chat_template,
-        cors_origins=tuple(args.allowed_origins),
+        cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
 

@@ -25,7 +25,10 @@ class ServerConfig:
     # a request field the server does not know: "refuse" (400 naming it) or "warn" (logged)
     unknown_fields: str = "refuse"
     chat_template: str | None = None  # a Jinja file that replaces the model's chat template
-    cors_origins: tuple[str, ...] = ()  # origins allowed cross-origin ("*": any); none: no CORS
+    cors_origins: tuple[str, ...] = ()
+    # how tool calls are found in the output: a parser name (tool_calls.py), "auto" (from
+    # the chat template) or "none"
+    tool_call_parser: str = "auto"  # origins allowed cross-origin ("*": any); none: no CORS
 
     @property
     def model_name(self) -> str:
