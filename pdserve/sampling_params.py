@@ -30,6 +30,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    # an llguidance grammar (JSON text; pdserve.model.grammar) every output token must follow
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a user-facing message on invalid values."""
@@ -78,7 +80,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None
 
 
 def prompt_problem(

@@ -7,7 +7,7 @@ the exact expected output. It keeps row/page accounting like a real engine and
 counts what it saw (`added`, `aborted`, `finished`) in `stats()`.
 
 `stats()` also reports the numeric sampling parameters of the last request added
-(`last_temperature`, ..., `last_logit_bias.<token id>`), so a test sees what reached the engine.
+(`last_temperature`, ..., `last_logit_bias.<token id>`, `last_grammar` 1 or 0), so a test sees what reached the engine.
 
 Knobs (environment of the engine process):
     PDSERVE_FAKE_STEP_S   seconds one step() takes while requests run (default 0.002)
@@ -78,6 +78,7 @@ class FakeEngine:
         self.last_params = {f"last_{k}": float(getattr(p, k)) for k in LAST_PARAMS
                             if getattr(p, k) is not None}  # fmt: skip
         self.last_params |= {f"last_logit_bias.{t}": b for t, b in p.logit_bias.items()}
+        self.last_params["last_grammar"] = float(p.grammar is not None)
         if req.params.seed == FAIL_SEED:
             self.out.append(TokenEvent(rid=req.rid, finished=True, error="fake engine failure"))
             return

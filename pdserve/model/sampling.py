@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from pdserve.model.grammar import NextMask, apply_mask
 from pdserve.model.penalties import PenaltyState, adjust
 from pdserve.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ def sample(
     logprobs: bool | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     states: list[PenaltyState | None] | None = None,
+    masks: list[NextMask | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
 
@@ -39,6 +41,8 @@ def sample(
     pdserve.model.ops; torch's when None).
     `states[i]`: request i's penalty state (penalties.py), read for its penalties and
     given the sampled token; None for a request without penalties.
+    `masks[i]`: request i's grammar mask (grammar.py), waited for here, after the
+    forward (the caller advances the grammar with the sampled token).
     """
     picked = logits
     if any(p.adjusts_logits for p in params):
@@ -46,6 +50,9 @@ def sample(
         for i, p in enumerate(params):
             if p.adjusts_logits:
                 picked[i] = adjust(logits[i], p, states[i] if states else None)
+            m = masks[i] if masks else None
+            if m is not None:
+                apply_mask(picked[i], m.get())
     tokens = picked.argmax(dim=-1) if argmax is None else argmax(picked)
     for i, p in enumerate(params):
         if not p.greedy:

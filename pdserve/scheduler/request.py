@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.model.grammar import GrammarState
 from pdserve.model.penalties import PenaltyState
 from pdserve.protocol import EDGE_STAMPS, EngineRequest
 from pdserve.sampling_params import SamplingParams
@@ -61,6 +62,8 @@ class Req:
     # penalties' token history on the device (pdserve.model.penalties), made by the decode
     # at the request's first step and updated by each step's sampler; kept across preemption
     penalties: PenaltyState | None = None
+    # the structured-output matcher (pdserve.model.grammar), made and advanced the same way
+    grammar: GrammarState | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None

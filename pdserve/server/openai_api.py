@@ -51,13 +51,14 @@ class _OpenAIBody(SamplingKnobs):
     spaces_between_special_tokens: Any = None
     include_stop_str_in_output: Any = None
     priority: Any = None
+    # structured output (server/structured.py)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
-    guided_grammar: Any = None
     regex: Any = None
-    ebnf: Any = None
     json_schema: Any = None
+    guided_grammar: Any = None
+    ebnf: Any = None
     return_tokens_as_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
@@ -68,13 +69,8 @@ class _OpenAIBody(SamplingKnobs):
         "spaces_between_special_tokens": (True,),
         "include_stop_str_in_output": (False,),
         "priority": (0,),
-        "guided_json": (),
-        "guided_regex": (),
-        "guided_choice": (),
         "guided_grammar": (),
-        "regex": (),
         "ebnf": (),
-        "json_schema": (),
         "return_tokens_as_token_ids": (False,),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),
@@ -212,7 +208,6 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
         **_OpenAIBody.NOT_IMPLEMENTED,
         "top_logprobs": (0,),
         "parallel_tool_calls": (True,),
-        "response_format": ({"type": "text"},),
         "modalities": (["text"],),
         "service_tier": ("auto", "default"),
         "store": (False,),

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -37,6 +38,7 @@ from pdserve.server.openai_api import ChatIn, CompletionIn
 from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
 from pdserve.server.openai_parse import chat_prompt_ids, check_model, completion_prompts, parse_body
 from pdserve.server.server_config import ServerConfig
+from pdserve.server.structured import request_grammar
 from pdserve.server.tool_calls import parser_for_template
 
 MAX_CHOICES = 256  # prompts × n of one request
@@ -48,8 +50,11 @@ def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]]
         raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
     # one max_tokens for the batch: the smallest any prompt allows when none is given
     max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
-    return Job(prompts, body.params(max_tokens, logprobs), body.n, body.rid, body.bootstrap(),
-               stamps)  # fmt: skip
+    params = body.params(max_tokens, logprobs)
+    grammar = request_grammar(body)
+    if grammar is not None:
+        params = msgspec.structs.replace(params, grammar=grammar)
+    return Job(prompts, params, body.n, body.rid, body.bootstrap(), stamps)
 
 
 def tool_parser(fe: Frontend, cfg: ServerConfig) -> str | None:
