@@ -70,8 +70,20 @@ MAX = 120  # schema answers end well before (the grammar then allows only EOS)
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--grace-period",
-            "5", "--max-total-tokens", "4096"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--port",
+        str(port),
+        "--grace-period",
+        "5",
+        "--max-total-tokens",
+        "4096",
+        "--tool-call-parser",
+        "hermes",
+    ]  # fmt: skip (SmolLM2's template shows no format)
     proc = spawn(argv, "structured-up")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -128,3 +140,41 @@ def test_a_bad_schema_is_a_400_through_the_router(client) -> None:
                                        response_format={"type": "json_schema", "json_schema":
                                                         {"name": "x", "schema": {"type": "bogus"}}})  # fmt: skip
     assert e.value.param == "response_format.json_schema.schema"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call_parses(client, stream) -> None:
+    """tool_choice names a function: the grammar forces a well-formed call, and the
+    parser returns it as tool_calls; the tool's result goes back as a role-tool message."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    msgs = ask("What is the weather in Paris?")
+    kw = {"model": "smollm2", "tools": TOOLS, "tool_choice": choice, "max_tokens": MAX,
+          "temperature": 0, "parallel_tool_calls": False}  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    else:
+        r = client.chat.completions.create(messages=msgs, **kw)
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = calls
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]  # fmt: skip
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=10,
+                                       temperature=0, tools=TOOLS, tool_choice="none")  # fmt: skip
+    assert r.choices[0].message.content

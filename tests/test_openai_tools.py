@@ -13,6 +13,8 @@ import openai
 import pytest
 from fake_engine import ServerProc, make_model_dir
 
+from pdserve.server.structured import tool_grammar
+from pdserve.server.tokenizer import Tokenizer
 from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls, parser_for_template
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -114,7 +116,41 @@ def test_tool_choice_none_leaves_the_text(client) -> None:
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
 
 
-def test_required_is_refused_by_name(client) -> None:
+def test_forcing_an_unknown_tool_is_refused_by_name(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        ask(client, max_tokens=3, tool_choice="required")
+        ask(client, max_tokens=3, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
+
+
+# ---- tool_choice required / named: the grammar accepts calls and nothing else -------------
+TWO = [*TOOLS, {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}]  # fmt: skip
+
+
+def accepts(grammar: str, text: str, model) -> bool:  # type: ignore[no-untyped-def]
+    import llguidance
+
+    tok = llguidance.LLTokenizer((model / "tokenizer.json").read_text(), eos_token=0)
+    m = llguidance.LLMatcher(tok, grammar, log_level=0)
+    ids = Tokenizer(model).encode(text, add_special_tokens=False)
+    return m.consume_tokens(ids) and m.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_model_dir(tmp_path_factory.mktemp("m2"))
+
+
+def test_required_and_named_grammars(model_dir) -> None:
+    add = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    weather = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    required = tool_grammar(TWO, "required", None)
+    assert accepts(required, add, model_dir) and accepts(required, weather, model_dir)
+    assert accepts(required, add + "\n" + weather, model_dir)  # parallel calls
+    assert not accepts(required, "Sure! " + add, model_dir)  # a call, nothing else
+    assert not accepts(tool_grammar(TWO, "required", False), add + "\n" + add, model_dir)
+    named = tool_grammar(TWO, {"type": "function", "function": {"name": "add"}}, None)
+    assert accepts(named, add, model_dir) and not accepts(named, weather, model_dir)
+    bad = '<tool_call>\n{"name":"add","arguments":{"a":"x","b":2}}\n</tool_call>'
+    assert not accepts(named, bad, model_dir)  # the parameters' schema holds

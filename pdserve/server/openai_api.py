@@ -152,7 +152,10 @@ class ChatMessage(Body):
         out = {"role": role, "content": self.text(), "name": self.name,
                "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
                "reasoning_content": self.reasoning_content}  # fmt: skip
-        return {k: v for k, v in out.items() if v is not None or k == "content"}
+        # a null content (an assistant turn that only calls tools) is rendered as "", which
+        # every template reads; transformers would drop the key and many templates fail
+        out["content"] = out["content"] or ""
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class ChatTemplateControls(Body):
@@ -207,7 +210,6 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIBody.NOT_IMPLEMENTED,
         "top_logprobs": (0,),
-        "parallel_tool_calls": (True,),
         "modalities": (["text"],),
         "service_tier": ("auto", "default"),
         "store": (False,),
@@ -229,15 +231,24 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
         choice = self.tool_choice
-        if choice not in (None, "none", "auto"):  # "required" / a named function
-            raise FieldRefused(f"tool_choice {_short(choice)} is not supported by this server "
-                               "(it needs a grammar to force a call)", "tool_choice")  # fmt: skip
+        named = isinstance(choice, dict) and choice.get("type") == "function"
+        if choice not in (None, "none", "auto", "required") and not named:
+            raise FieldRefused(f"tool_choice {_short(choice)} is not supported by this "
+                               "server", "tool_choice")  # fmt: skip
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise FieldRefused("tool_choice needs tools", "tool_choice")
+        if self.parallel_tool_calls is False and choice in (None, "auto"):
+            raise FieldRefused("parallel_tool_calls false is only enforced with tool_choice "
+                               "required or a named function", "parallel_tool_calls")  # fmt: skip
 
     def parse_tools(self, parser: str | None) -> bool:
         """Whether the answer's tool calls are parsed: tools given and tool_choice "auto"
         (its default with tools); RequestError 400 when the model has no parser."""
         if not self.tools or self.tool_choice == "none":
             return False
+        if parser not in (None, "hermes") and self.tool_choice != "auto":
+            raise FieldRefused(f"tool_choice {_short(self.tool_choice)} is only forced for "
+                               "the hermes tool-call format", "tool_choice")  # fmt: skip
         if parser is None:
             raise FieldRefused("this model's chat template shows no tool-call format this "
                                "server parses (see --tool-call-parser); send tool_choice "

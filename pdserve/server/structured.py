@@ -103,8 +103,45 @@ def request_grammar(body: Any) -> str | None:
             asks.append((name, regex_grammar(value, name)))
     if getattr(body, "guided_choice", None) is not None:
         asks.append(("guided_choice", choice_grammar(body.guided_choice, "guided_choice")))
+    choice = getattr(body, "tool_choice", None)
+    if getattr(body, "tools", None) and choice not in (None, "none", "auto"):
+        asks.append(("tool_choice", tool_grammar(body.tools, choice, body.parallel_tool_calls)))
     if len(asks) > 1:
         raise FieldRefused(f"only one of {', '.join(a for a, _ in asks)} may be given", asks[1][0])
     if asks and getattr(body, "ignore_eos", False):
         raise FieldRefused("ignore_eos cannot be combined with structured output", "ignore_eos")
     return asks[0][1] if asks else None
+
+
+def _tool_schema(tool: Any) -> tuple[str, Any]:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise FieldRefused("each tool needs function.name", "tools")
+    params = fn.get("parameters") or {"type": "object"}
+    schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+              "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    return fn["name"], schema
+
+
+def tool_grammar(tools: list[Any], choice: Any, parallel: bool | None) -> str:
+    """`tool_choice` "required" (some tool) or {"type": "function", "function": {"name"}}
+    (that one) as a grammar of Hermes-style calls: `<tool_call>\n{json}\n</tool_call>`,
+    one, or several when parallel_tool_calls is not false."""
+    schemas = dict(_tool_schema(t) for t in tools)
+    if choice == "required":
+        schema: Any = {"anyOf": list(schemas.values())}
+    else:
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if name not in schemas:
+            raise FieldRefused(f"tool_choice names no tool of the request: {name!r}", "tool_choice")
+        schema = schemas[name]
+    schema = {**schema, "x-guidance": _JSON_OPTIONS}
+    block = '"<tool_call>\\n" call "\\n</tool_call>"'
+    repeat = "" if parallel is False else ' ("\\n" block)*'
+    lark = f"start: block{repeat}\nblock: {block}\ncall: %json {json.dumps(schema)}"
+    try:
+        return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
+    except FieldRefused:
+        raise
+    except Exception as e:
+        raise FieldRefused(f"tools: {e}", "tools") from None
