@@ -199,3 +199,27 @@ def test_penalized_greedy_equals_transformers_on_smollm2() -> None:
                 assert out.token_ids != unpenalized  # the penalties did change the answer
     finally:
         llm.close()
+
+
+def test_grammar_masks_each_step_with_overlap_on_and_off(tiny_model) -> None:
+    """A random model under a grammar whose allowed tokens change every step: a mask one
+    step stale (applied before the previous token was consumed) would let a token the
+    grammar refuses through, and the answer would not be the grammar's one string."""
+    from pdserve.server.structured import regex_grammar
+
+    grammar = regex_grammar("(abc ){3}xyz", "regex")
+    outs = []
+    for overlap_off in (False, True):
+        llm = LLM(tiny_model, max_total_tokens=2048, max_context=256, max_running_requests=4,
+                  disable_overlap=overlap_off)  # fmt: skip
+        try:
+            params = [SamplingParams(max_tokens=40, temperature=t, seed=9, grammar=grammar,
+                                     stop_token_ids=[0, 2]) for t in (0.0, 1.0)]  # fmt: skip
+            outs.append([llm.generate([[11, 12, 13]], p)[0] for p in params])
+        finally:
+            llm.close()
+    for run in outs:
+        for o in run:
+            assert llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) == "abc abc abc xyz"
+            assert o.token_ids[-1] in (0, 2)  # then the end: the grammar allows nothing else
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
