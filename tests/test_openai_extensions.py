@@ -163,6 +163,12 @@ def test_generate_sampling_params_refused_by_name(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.min_new_tokens"
     body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, "sglang_extra": 1}
     assert post(server, "/generate", body).status_code == 200  # top level: ignored (sglang-router)
+    body = {"text": "x", "sampling_params": {"regex": "a+"}}
+    assert post(server, "/generate", body).status_code == 200
+    assert httpx.get(server.url + "/server_info").json()["last_grammar"] == 1
+    body = {"text": "x", "sampling_params": {"json_schema": '{"type": "bogus"}'}}
+    r = post(server, "/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema"
 
 
 # ---- extensions that change the output ----------------------------------------------------

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,7 @@ from pdserve.server.openai_routes import (
 )
 from pdserve.server.request_fields import N_FIELD, FieldRefused, SamplingKnobs
 from pdserve.server.server_config import ServerConfig
+from pdserve.server.structured import request_grammar
 
 
 class NativeSampling(SamplingKnobs):
@@ -66,8 +68,6 @@ class NativeSampling(SamplingKnobs):
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingKnobs.NOT_IMPLEMENTED,
         "min_new_tokens": (0,),
-        "json_schema": (),
-        "regex": (),
         "ebnf": (),
         "structural_tag": (),
         "skip_special_tokens": (True,),
@@ -130,7 +130,9 @@ def _params(fe: Frontend, body: GenerateIn, ids: list[int], default_max: int) ->
     wanted = sp.max_new_tokens
     if wanted is None:
         wanted = min(default_max, fe.check_prompt(ids, None))
-    return sp.params(fe.check_prompt(ids, wanted), body.return_logprob)
+    params = sp.params(fe.check_prompt(ids, wanted), body.return_logprob)
+    grammar = request_grammar(sp)  # sglang's json_schema / regex
+    return params if grammar is None else msgspec.structs.replace(params, grammar=grammar)
 
 
 class _Native:
