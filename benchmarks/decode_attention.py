@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.kernels import cpu_native  # noqa: E402
+from pdserve.kernels.native import paged_decode  # noqa: E402
 from pdserve.model import decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
@@ -84,7 +84,7 @@ def measure(
     gather = median_ms(lambda: decode_attention.gathered(q, kc, vc, slots, hidden, 0.125), reps)
     row = {"batch": batch, "context": context, "pages": "shuffled" if shuffled else "in order"}
     row.update(gather_ms=gather, mbytes=nbytes / 1e6)
-    if isinstance(kernel, cpu_native.PagedDecode):
+    if isinstance(kernel, paged_decode.PagedDecode):
         native = median_ms(lambda: kernel(q, kc, vc, slots, bounds, 0.125), reps)
         row.update(native_ms=native, native_gbps=nbytes / native / 1e6)
         row.update(native_over_gather=native / gather)
@@ -107,7 +107,7 @@ def sequential_read(nbytes: int, reps: int, rotate_mb: int) -> tuple[float, floa
 def run(batches: list[int], contexts: list[int], reps: int, rotate_mb: int) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as cache:
-        kernel = cpu_native.paged_decode(Path(cache))
+        kernel = paged_decode.paged_decode(Path(cache))
         rows = [
             measure(kernel, batch, context, shuffled, reps, rotate_mb)
             for context in contexts

@@ -12,7 +12,7 @@ forward, sample, publish) and reports the share of each part:
     floor      the step's GEMMs alone (qkv, o, gate_up, down per layer, lm_head), every
                weight streamed once, the fastest of three measured side by side: torch.mm
                on [in, out]-contiguous copies, oneDNN's prepacked linear, and the model's
-               own projections (on CPU the native linear, kernels/cpu/linear_f32.c, after
+               own projections (on CPU the native linear, kernels/native/linear_f32.c, after
                the decode's warm-up; model/linear.py): what a step cannot beat without
                changing the arithmetic
     onednn/own the oneDNN floor over the model's own projections' floor (> 1: the native

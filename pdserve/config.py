@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
-ROUTER_POLICIES = ("round_robin", "least_load")
+# cache_aware: prefills by the prompt prefixes routed to them before (router/policy.py)
+ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,25 @@ class CacheConfig:
 
     page_size: int = 16
     max_total_tokens: int = 65536  # KV capacity in tokens (rounded up to pages)
-    max_context: int = 4096  # longest prompt + output of one request
+    # longest prompt + output of one request; 0: the model's own (max_position_embeddings,
+    # a GGUF's context_length), see context_length
+    max_context: int = 0
+    # the prefill keeps finished prompts' full KV pages for later prompts with the same
+    # prefix (kvcache/prefix_cache.py), evicting the least recently used under pressure
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "page_size", "max_total_tokens", "max_context")
+        _at_least(self, 1, "page_size", "max_total_tokens")
+        _at_least(self, 0, "max_context")
+
+    def context_length(self, model_max: int | None) -> int:
+        """The context served: `max_context` when set, never beyond the model's; else the
+        model's own, capped by what the pool holds (one request must fit it). A request
+        beyond a set context's pool is refused by its KV pages instead."""
+        if self.max_context:
+            return min(self.max_context, model_max or self.max_context)
+        pool = (self.num_pages - 1) * self.page_size
+        return min(model_max or pool, pool)
 
     @property
     def num_pages(self) -> int:
@@ -33,8 +49,9 @@ class CacheConfig:
         return -(-self.max_context // self.page_size)
 
 
-# On a 2-core CPU, 256 gave the best TTFT p50 with no loss of output tok/s against 2048
-# (benchmarks/compare.py, docs/benchmarks.md); on CUDA a step of 4096 tokens is still short.
+# On a 2-core CPU, 256 keeps TTFT p50 short at no loss of output tok/s: a larger budget
+# makes a burst's first step long, a smaller one streams the weights more often, costing
+# tok/s (benchmarks/compare.py); on CUDA a step of 4096 tokens is still short.
 PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 4096}
 
 
@@ -60,9 +77,8 @@ class SchedulerConfig:
     # when the decode steps aside: "always" while the prefill holds any prompt (a new
     # prompt computes on every core; the running streams wait for it), "burst" only while
     # it holds more prompts than the decode runs streams (never in a steady state: more
-    # tokens/s, first tokens later). On a 2-vCPU VM, 48 prompts against vLLM: "always"
-    # TTFT p50 473-535 ms at 1.55-1.74x vLLM's tokens/s, "burst" 889-1387 ms at
-    # 1.52-1.80x (docs/benchmarks.md, twelfth round; benchmarks/prefill_first.py)
+    # tokens/s, first tokens later). "always" is the default: on 2 vCPUs its first tokens
+    # come sooner at no loss of tokens/s (benchmarks/prefill_first.py)
     prefill_first: str = "always"
     # which admitted prompts a prefill step computes first: "shortest" (the fewest prompt
     # tokens left; a burst's median first token comes sooner, its longest prompts later)
@@ -132,7 +148,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """The prefill<->decode KV channel (DESIGN §5)."""
+    """The prefill<->decode KV channel (docs/architecture.md §5)."""
 
     host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
     bootstrap_port: int = 8998  # prefill side
@@ -141,6 +157,11 @@ class TransferConfig:
     # A live peer heartbeats, so a dead one is found within heartbeat_timeout_s; these
     # two bound how long a *live but overloaded* peer may keep a request queued.
     ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
+    # Both sides: a room must be tied to the other side within this. The prefill frees a
+    # room no decode announced (the decode announces a request as soon as it arrives);
+    # the decode frees the pages of a Ready no prefill claimed. A live but slow other
+    # side is then covered by heartbeats and the two timeouts above.
+    bootstrap_timeout_s: float = 10.0
     kv_timeout_s: float = 300.0  # decode: wait this long for a request's KV
     heartbeat_s: float = 1.0  # heartbeat period, both ways (prefill <-> decode)
     heartbeat_timeout_s: float = 5.0  # either side fails the other's rooms after this silence

@@ -90,8 +90,9 @@ class Pair:
             pool, alloc = eng.runner.req_pool, eng.runner.kv_pool.allocator
             if pool.free_rows != pool.total_rows:
                 out[f"{name} rows"] = pool.total_rows - pool.free_rows
-            if alloc.free_pages != alloc.total_pages:
-                out[f"{name} pages"] = alloc.total_pages - alloc.free_pages
+            free = eng.stats()["free_kv_pages"]  # a prefix cache's unreferenced pages are free
+            if free != alloc.total_pages:
+                out[f"{name} pages"] = alloc.total_pages - free
             if eng.has_unfinished():
                 out[f"{name} requests"] = list(eng.reqs)
         if self.sender.active_rooms():

@@ -91,6 +91,8 @@ def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, t.astype(np.float32))
     elif qtype == "F16":
         w.add_tensor(name, t.astype(np.float16))
+    elif qtype == "F64":  # a type gguf stores but does not de-quantize
+        w.add_tensor(name, t.astype(np.float64))
     else:
         q = gguf.GGMLQuantizationType[qtype]
         w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), q), raw_dtype=q)
@@ -152,3 +154,106 @@ def hf_greedy_gguf(path: Path, prompt: list[int], max_new_tokens: int) -> list[i
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return greedy_of(m, prompt, max_new_tokens)
+
+
+# Byte offsets of the float16 scale fields (d, and dmin where there is one) in one block of
+# each type, from gguf's de-quantizers; every other byte of a block is a bounded integer.
+_F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}  # fmt: skip
+RANDOM_PRESET = dataclasses.replace(  # rows of 256: every block size divides them
+    PRESET, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512
+)
+
+
+def _set_scales(blocks: np.ndarray, qtype: str, scale: np.ndarray) -> None:
+    """Write per-block scales (float) into `blocks` (n, type_size) in place."""
+    if qtype in _F16_FIELDS:
+        for off in _F16_FIELDS[qtype]:
+            blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    elif qtype == "IQ1_M":  # d is spread over the top nibbles of the last four uint16 words
+        bits = scale.astype(np.float16).view(np.uint16)
+        words = blocks[:, -8:].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[:, -8:] = words.view(np.uint8)
+    elif qtype == "MXFP4":  # an E8M0 exponent byte: 2**(e - 127) / 2
+        blocks[:, 0] = np.clip(np.round(np.log2(scale * 2) + 127), 1, 254).astype(np.uint8)
+    elif qtype == "NVFP4":  # four unsigned E4M3 bytes; the subnormal ones are m * 2**-10
+        m = np.clip(np.round(scale * 1024), 1, 7).astype(np.uint8)
+        blocks[:, :4] = m[:, None]
+    else:
+        raise ValueError(qtype)
+
+
+def random_blocks(
+    qtype: str, shape: tuple[int, int], rng: np.random.Generator, std: float = 0.05
+) -> np.ndarray:
+    """A (rows, bytes) array of random `qtype` blocks whose values have about `std`:
+    random bytes with finite scales are valid blocks."""
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    rows, cols = shape
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    unit = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    _set_scales(blocks, qtype, unit * (0.004 if qtype in ("MXFP4", "NVFP4") else 1.0))
+    if qtype not in ("MXFP4", "NVFP4"):  # scales act linearly: aim at `std`
+        got = float(gguf.quants.dequantize(blocks, q).std())
+        _set_scales(blocks, qtype, unit * (std / got))
+    values = gguf.quants.dequantize(blocks, q)
+    assert np.isfinite(values).all() and 0 < np.abs(values).max() < 10, qtype
+    return blocks.reshape(rows, cols // block * size)
+
+
+def _random_tensor(
+    shape: tuple[int, ...], qtype: str, rng: np.random.Generator, std: float
+) -> np.ndarray:
+    if len(shape) == 1:  # llama.cpp keeps norms in F32
+        return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    values = (std * rng.standard_normal(shape)).astype(np.float32)
+    if qtype == "F32":
+        return values
+    if qtype == "F16":
+        return values.astype(np.float16)
+    if qtype == "BF16":
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)
+    return random_blocks(qtype, shape, rng, std)  # type: ignore[arg-type]
+
+
+def write_random_gguf(path: Path, qtype: str, seed: int = 0, rows: int | None = None) -> Path:
+    """A Llama GGUF of RANDOM_PRESET whose matrices are random `qtype` data; `rows` makes
+    the embedding and output matrices that tall (a large file; the tokenizer stays small)."""
+    p = RANDOM_PRESET
+    rng = np.random.default_rng(seed)
+    shapes = {hf: tuple(t.shape) for hf, t in make.init_weights(p, seed=0).items()}
+    if rows is not None:
+        for hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            shapes[hf] = (rows, p.hidden_size)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(p.num_layers)
+    w.add_context_length(p.max_position_embeddings)
+    w.add_embedding_length(p.hidden_size)
+    w.add_feed_forward_length(p.intermediate_size)
+    w.add_head_count(p.num_heads)
+    w.add_head_count_kv(p.num_kv_heads)
+    w.add_rope_freq_base(p.rope_theta)
+    w.add_layer_norm_rms_eps(p.rms_norm_eps)
+    w.add_vocab_size(rows or p.vocab_size)
+    _tokenizer_metadata(w, p.vocab_size)
+    for hf, shape in shapes.items():
+        # large Q and K make attention peaked, so the tokens depend on the Q/K row order
+        std = 0.25 if ".q_proj." in hf or ".k_proj." in hf else 0.05
+        t = _random_tensor(shape, qtype, rng, std)
+        raw = (
+            None if len(shape) == 1 or qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
+        )
+        w.add_tensor(gguf_name(hf), t, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,4 @@
-"""The whole decode forward in one native call (kernels/cpu/decode_forward.c through
+"""The whole decode forward in one native call (kernels/native/decode_forward.c through
 model/native_forward.py) gives the per-call path's logits bit for bit, over batch sizes,
 thread counts, ragged contexts and sliding windows, for Llama, Qwen2 (q/k/v bias, tied
 head) and Qwen3 (q/k norms); it refuses out-of-range inputs before writing anything; an
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.runner import ModelRunner
@@ -23,7 +23,7 @@ from tests.conftest import hf_greedy, model_path
 
 
 def _runner(preset: str, monkeypatch) -> ModelRunner:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     monkeypatch.delenv("PDSERVE_PER_CALL_DECODE", raising=False)
@@ -136,7 +136,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(
 def test_an_engine_on_it_matches_transformers(monkeypatch, preset) -> None:
     from pdserve.llm import LLM
 
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     path = model_path(preset)
@@ -159,7 +159,7 @@ def test_a_model_it_does_not_cover_keeps_the_per_call_path_and_says_why(
 
     from pdserve.model import activations
 
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     monkeypatch.setitem(activations.ACTIVATIONS, "silu", F.gelu)  # not the native SiLU

@@ -1,4 +1,4 @@
-"""The native decode passes (kernels/cpu/decode_ops.c through model/ops.NativeOps) compute
+"""The native decode passes (kernels/native/decode_ops.c through model/ops.NativeOps) compute
 what the torch reference computes: norms with and without the residual add, silu * up,
 the in-place rotation of strided q/k heads, the pool write, and the greedy argmax with
 torch's tie and NaN rules. Bad calls raise instead of reading or writing out of bounds,
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_native, cpu_ops
+from pdserve.kernels.native import decode_ops, library
 from pdserve.model.ops import NativeOps, TorchOps
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.sampling_params import SamplingParams
@@ -21,9 +21,9 @@ from tests.conftest import hf_greedy
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory) -> NativeOps:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
-    k = cpu_ops.decode_ops(tmp_path_factory.mktemp("native"))
+    k = decode_ops.decode_ops(tmp_path_factory.mktemp("native"))
     assert k is not None  # plain C: builds wherever a compiler is
     return NativeOps(k)
 
@@ -171,7 +171,7 @@ def test_without_the_library_the_model_keeps_torch(monkeypatch, tiny_model, capl
     from pdserve.llm import LLM
 
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
-    monkeypatch.setattr(cpu_ops, "decode_ops", lambda cache_dir: None)
+    monkeypatch.setattr(decode_ops, "decode_ops", lambda *_: None)
     caplog.set_level(logging.WARNING)
     llm = LLM(str(tiny_model))
     try:
@@ -187,11 +187,11 @@ def test_without_the_library_the_model_keeps_torch(monkeypatch, tiny_model, capl
 def test_prompt_rows_in_chunks_give_the_one_call_bits(native, tmp_path) -> None:
     """From CHUNK_ROWS rows each pass runs in chunks of rows over the threads (range
     functions with row offsets); every pass gives exactly the bits of one whole call."""
-    lib = cpu_native.load("decode_ops", tmp_path)  # the one the fixture loaded
+    lib = library.load("decode_ops", tmp_path)  # the one the fixture loaded
     assert lib is not None
-    whole = NativeOps(cpu_ops.DecodeOps(lib))  # no split: one call
+    whole = NativeOps(decode_ops.DecodeOps(lib))  # no split: one call
     t, n, inter, heads, d = 203, 96, 80, 5, 32  # 203: chunks of 12, the last of 11
-    assert t >= cpu_ops.CHUNK_ROWS
+    assert t >= decode_ops.CHUNK_ROWS
     g = torch.Generator().manual_seed(9)
     h, delta = torch.randn(t, n, generator=g), torch.randn(t, n, generator=g)
     w = torch.randn(n, generator=g)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model) -> LLM:  # type: ignore[no-untyped-def]
-    return LLM(tiny_model, max_total_tokens=64)
+    return LLM(tiny_model, max_total_tokens=64, max_context=4096)  # a context beyond the pool
 
 
 def test_decode_refusal_is_an_error_result_not_a_hang(llm: LLM) -> None:

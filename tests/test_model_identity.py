@@ -106,6 +106,9 @@ class _LyingSource:
         self.first_token = first_token
         self.pending: list[SourceEvent] = []
 
+    def announce(self, req) -> None:  # type: ignore[no-untyped-def]
+        pass
+
     def expect(self, req, pool, slots) -> None:  # type: ignore[no-untyped-def]
         self.pending.append(SourceEvent(req.rid, True, first_token=self.first_token))
 

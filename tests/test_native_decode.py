@@ -1,4 +1,4 @@
-"""The native CPU decode attention (kernels/cpu/paged_decode.c): it reads the KV pool in
+"""The native CPU decode attention (kernels/native/paged_decode.c): it reads the KV pool in
 place and gives what the eager gather gives, and an engine with it produces the same
 greedy tokens as transformers. Without a C compiler the engine falls back to the gather."""
 
@@ -11,17 +11,17 @@ import shutil
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library, paged_decode, par
 from pdserve.model import decode_attention as da
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> cpu_native.PagedDecode:
-    if cpu_native.compiler() is None:
+def kernel(tmp_path_factory) -> paged_decode.PagedDecode:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
-    k = cpu_native.paged_decode(tmp_path_factory.mktemp("native"))
+    k = paged_decode.paged_decode(tmp_path_factory.mktemp("native"))
     assert k is not None
     return k
 
@@ -57,6 +57,7 @@ def _case(b: int, length: int, kh: int, h: int, d: int, window: int, seed: int):
         (4, 90, 2, 8, 64, 33),  # sliding window, the D = 64 path
         (2, 40, 1, 16, 128, 5),  # the D = 128 path, 16 query heads per group
         (3, 64, 1, 2, 16, 64),  # a window as long as the context
+        (2, 600, 1, 4, 256, 512),  # Gemma 3 270M's heads (D = 256) and sliding window
         (2, 45, 16, 128, 64, 0),  # 128 query heads: two row walks of 64 heads each
         (3, 300, 2, 8, 64, 0),  # long rows: the prefetch runs ahead of the walk
         (3, 50, 4, 8, 64, 0),  # groups of 2 and 1: the 8-lane walk on every CPU
@@ -91,26 +92,26 @@ def test_native_refuses_shapes_beyond_its_limits(kernel) -> None:
 
 
 def test_build_is_cached_and_keyed(tmp_path) -> None:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
-    a = cpu_native.build("paged_decode", tmp_path)
+    a = library.build("paged_decode", tmp_path)
     assert a is not None and a.exists()
     mtime = a.stat().st_mtime_ns
-    assert cpu_native.build("paged_decode", tmp_path) == a and a.stat().st_mtime_ns == mtime
+    assert library.build("paged_decode", tmp_path) == a and a.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp files left
 
 
 def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch) -> None:
     """The key covers the headers the sources include, not only the .c file."""
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     src = tmp_path / "src"
-    shutil.copytree(cpu_native.SRC_DIR, src)
-    monkeypatch.setattr(cpu_native, "SRC_DIR", src)
-    a = cpu_native.build("paged_decode", tmp_path)
+    shutil.copytree(library.SRC_DIR, src)
+    monkeypatch.setattr(library, "SRC_DIR", src)
+    a = library.build("paged_decode", tmp_path)
     header = src / "exp_poly.h"
     header.write_text(header.read_text() + "\n/* changed */\n")
-    b = cpu_native.build("paged_decode", tmp_path)
+    b = library.build("paged_decode", tmp_path)
     assert a is not None and b is not None and a != b and a.exists() and b.exists()
 
 
@@ -128,7 +129,7 @@ def _greedy(model, prompts, monkeypatch, native: str):
 
 
 def test_native_engine_greedy_tokens_match_transformers(monkeypatch, tiny_model) -> None:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     prompts = [[5, 9, 200, 31, 7], list(range(3, 40)), [11, 12]]
     got, native = _greedy(tiny_model, prompts, monkeypatch, "0")
@@ -140,7 +141,7 @@ def test_no_compiler_falls_back_to_gather(monkeypatch, tiny_model, tmp_path, cap
     monkeypatch.setenv("CC", "no-such-cc")
     monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built there
-    monkeypatch.setattr(cpu_native, "_loaded", {})
+    monkeypatch.setattr(library, "_loaded", {})
     caplog.set_level(logging.WARNING)
     prompts = [[5, 9, 200, 31, 7]]
     got, native = _greedy(tiny_model, prompts, monkeypatch, "0")
@@ -150,13 +151,13 @@ def test_no_compiler_falls_back_to_gather(monkeypatch, tiny_model, tmp_path, cap
 
 
 def test_unwritable_cache_dir_means_no_kernel_not_a_crash(tmp_path, monkeypatch, caplog) -> None:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    monkeypatch.setattr(cpu_native, "_loaded", {})
+    monkeypatch.setattr(library, "_loaded", {})
     caplog.set_level(logging.WARNING)
-    assert cpu_native.paged_decode(blocker) is None  # <blocker>/native cannot be made
+    assert paged_decode.paged_decode(blocker) is None  # <blocker>/native cannot be made
     assert "unavailable" in caplog.text
 
 
@@ -169,9 +170,9 @@ def test_avx512_and_8_lane_walks_agree(kernel, tmp_path, b, length, kh, h, d, wi
     the 4-heads-a-vector walk (attend_quad.h); built with -mno-avx512f the same source
     runs the 8-lane walk. Both give the gather's result to fp32 rounding (the sums run
     in different orders)."""
-    lib = cpu_native.build("paged_decode", tmp_path, ("-mno-avx512f",))
+    lib = library.build("paged_decode", tmp_path, ("-mno-avx512f",))
     assert lib is not None
-    narrow = cpu_native.PagedDecode(ctypes.CDLL(str(lib)), cpu_native.Split(tmp_path))
+    narrow = paged_decode.PagedDecode(ctypes.CDLL(str(lib)), par.Split(tmp_path))
     q, kc, vc, slots, hidden, bounds = _case(b, length, kh, h, d, window, seed=length + h)
     got, want = kernel(q, kc, vc, slots, bounds, 0.3), narrow(q, kc, vc, slots, bounds, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library
 from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
 from pdserve.model.attention import TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
@@ -70,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_extend_matches_fused_attention(tmp_path, windows, case, threads) -> None:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     reqs = CASES[case]
     (native, nb), (fused, fb) = _backends(tmp_path, windows, reqs)
@@ -92,7 +92,7 @@ def test_native_extend_matches_fused_attention(tmp_path, windows, case, threads)
 
 def test_a_window_changes_the_native_extend(tmp_path) -> None:
     """The windowed case above is not vacuous: the window narrows the keys it reads."""
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     reqs = CASES["a chunk over a prefix"]
     (full, fb), _ = _backends(tmp_path, (), reqs)
@@ -105,7 +105,7 @@ def test_a_window_changes_the_native_extend(tmp_path) -> None:
 def test_a_shape_the_kernel_does_not_take_stays_eager(tmp_path, caplog) -> None:
     """32 query heads over one KV head (groups over paged_decode.c's 16): warm_up keeps
     the eager path, says so, and an extend and a decode token still compute."""
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32", page_size=PAGE)
     pool = KVPool(layout, 16, "cpu")

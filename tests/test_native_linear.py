@@ -1,4 +1,4 @@
-"""The native fp32 linear (kernels/cpu/linear_f32.c): y = x @ W.T + b for any row count,
+"""The native fp32 linear (kernels/native/linear_f32.c): y = x @ W.T + b for any row count,
 any width (the last 16-column panel padded), with or without bias, split over threads
 with the same bits as one thread; a decode engine moves every projection to it and
 still produces transformers' greedy tokens. Where it cannot be built (no compiler, no
@@ -12,17 +12,17 @@ import logging
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library, linear_f32, par
 from pdserve.model.linear import Linear
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> cpu_native.LinearF32:
-    if cpu_native.compiler() is None:
+def kernel(tmp_path_factory) -> linear_f32.LinearF32:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
-    k = cpu_native.linear_f32(tmp_path_factory.mktemp("native"))
+    k = linear_f32.linear_f32(tmp_path_factory.mktemp("native"))
     if k is None:
         pytest.skip("linear_f32 not built here (needs x86-64 with AVX2 and FMA)")
     return k
@@ -93,9 +93,9 @@ def test_avx512_and_avx2_paths_give_the_same_bits(kernel, tmp_path, m) -> None:
     """The AVX-512 blocks (12 rows x two panels) add the same products in the same order
     as the AVX2 blocks (6 rows x one panel): the same W gives the same bits on either CPU.
     Panels 0-1 pair, panel 2 goes alone, panel 3 is padded (N = 60)."""
-    lib = cpu_native.build("linear_f32", tmp_path, ("-mno-avx512f",))
+    lib = library.build("linear_f32", tmp_path, ("-mno-avx512f",))
     assert lib is not None
-    avx2 = cpu_native.LinearF32(ctypes.CDLL(str(lib)), cpu_native.Split(tmp_path))
+    avx2 = linear_f32.LinearF32(ctypes.CDLL(str(lib)), par.Split(tmp_path))
     w, b = torch.randn(60, 70), torch.randn(60)
     x = torch.randn(m, 70)
     wide, packed = kernel.pack(w, b), avx2.pack(w, b)
@@ -142,7 +142,7 @@ def test_engine_moves_every_projection_and_matches_transformers(
 
 
 def test_without_the_kernel_projections_stay_on_onednn(monkeypatch, tiny_model, caplog) -> None:
-    monkeypatch.setattr(cpu_native, "linear_f32", lambda cache_dir: None)
+    monkeypatch.setattr(linear_f32, "linear_f32", lambda *_: None)
     caplog.set_level(logging.WARNING)
     got, natives = _greedy(tiny_model, [[5, 9, 200, 31, 7]], monkeypatch)
     assert not any(natives)

@@ -1,4 +1,4 @@
-"""The native kernels' thread pool (kernels/cpu/par.c): every index of [0, n) runs exactly
+"""The native kernels' thread pool (kernels/native/par.c): every index of [0, n) runs exactly
 once whatever the part count (fixed parts or chunks), concurrent callers and a forked
 child still get every part run, parts do reach the workers (the point of the pool), and
 with chunks a stalled worker's share of the rest goes to the thread that runs."""
@@ -11,14 +11,14 @@ import threading
 
 import pytest
 
-from pdserve.kernels import cpu_native
+from pdserve.kernels.native import library
 
 
 @pytest.fixture(scope="module")
 def par(tmp_path_factory) -> ctypes.CDLL:
-    if cpu_native.compiler() is None:
+    if library.compiler() is None:
         pytest.skip("no C compiler")
-    lib = cpu_native.load("par", tmp_path_factory.mktemp("native"))
+    lib = library.load("par", tmp_path_factory.mktemp("native"))
     if lib is None:
         pytest.skip("par.c not built here")
     lib.pd_par_run.restype = ctypes.c_int
@@ -132,7 +132,7 @@ def test_chunks_go_to_the_thread_that_runs(par, chunks) -> None:
 
 
 def _child(q: mp.Queue) -> None:  # forked: the parent's workers do not exist here
-    lib = cpu_native._loaded["par"]
+    lib = library._loaded["par"]
     assert lib is not None
     got, _ = _visits(lib, 1000, 2)
     q.put(got == [1] * 1000)

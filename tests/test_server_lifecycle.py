@@ -14,6 +14,8 @@ import openai
 import pytest
 from fake_engine import ServerProc, free_port, make_model_dir
 
+from pdserve.server.serve_cli import ENGINE_DEATH_GRACE_S
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -57,11 +59,14 @@ def test_prefill_role_with_api_key(model):
                                                 "bootstrap_port": boot,
                                                 "bootstrap_room": 12345})  # fmt: skip
         assert r.usage.completion_tokens == 1  # the prefill only makes the first token
-        info = httpx.get(s.url + "/server_info").json()
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.get(s.url + "/server_info").status_code == 401
+        info = httpx.get(s.url + "/server_info", headers=key).json()
         assert info["role"] == "prefill" and info["bootstrap_port"] == boot
         assert info["server_config"]["api_key"] is True  # never the key itself
         assert "sesame" not in json.dumps(info)
-        assert httpx.get(s.url + "/health_generate").status_code == 200
+        assert httpx.get(s.url + "/health_generate").status_code == 401
+        assert httpx.get(s.url + "/health_generate", headers=key).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()
@@ -86,6 +91,8 @@ def test_engine_death_fails_requests_fast_and_health_goes_503(model):
         r2 = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
         assert r2.status_code == 503
         assert httpx.get(s.url + "/health_generate").status_code == 503
+        # then the frontend exits non-zero, so a supervisor restarts the pair
+        assert s.proc.wait(ENGINE_DEATH_GRACE_S + 10) == 1
     finally:
         s.stop()
 

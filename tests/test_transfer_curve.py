@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import zmq
@@ -73,7 +75,10 @@ def test_client_knowing_only_the_server_key_is_refused() -> None:
             num_tokens=N,
             decode_id="x",
         )
-        intruder.send(encode(ready))
+        # NOTE: never blocks: once ZAP refused the connection the DEALER has no pipe, and
+        # a blocking send would wait forever (make_socket's SNDTIMEO 0 raises zmq.Again)
+        with contextlib.suppress(zmq.Again):
+            intruder.send(encode(ready), zmq.NOBLOCK)
         assert not wait_until(lambda: bool(tx.active_rooms()), 1.0)
     finally:
         intruder.close(linger=0)

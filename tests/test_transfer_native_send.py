@@ -140,7 +140,7 @@ def test_msg_socket_sends_natively_only_without_a_hook(native: NativeSend) -> No
             MsgSocket(hooked, Decoder(), hook=lambda tag, parts: [parts], native=native).native
             is None
         )
-        _, msg, got = MsgSocket(pull, Decoder()).recv()
+        _, msg, got = MsgSocket(pull, Decoder(), limits=(3, 1 << 20)).recv()
         assert msg == Heartbeat(sender="x", seq=1)
         assert [bytes(f.buffer) for f in got] == [f.tobytes() for f in frames]
         assert not native.takes([frames[0][::2]]) and not native.takes([b"bytes"])

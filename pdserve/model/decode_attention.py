@@ -6,7 +6,7 @@ Per request b, KV head g, query head j of the group:
     out[b, g, j] = sum_l softmax(scores[b])[l] * V[slots[b, l], g]
 
 Two implementations of it:
-- `native` (kernels/cpu/paged_decode.c, through kernels.cpu_native): reads K and V
+- `native` (kernels/native/paged_decode.c, through kernels.native): reads K and V
   through `slots` straight from the pool, each row once for all query heads of its
   group, with an online softmax; fp32; built with the machine's C compiler at the
   decode's start-up. Keys are the positions in [start, len) of `bounds(window)`.

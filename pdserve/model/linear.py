@@ -11,7 +11,7 @@ weight is laid out for it (benchmarks/decode_step.py measures the floor), so at 
 
 A CPU engine then moves every Linear to the native kernel (`use_native`, from
 ModelRunner.warm_up_decode / warm_up_prefill): W in 16-column panels,
-kernels/cpu/linear_f32.c, which streams the weights 1.1-1.9x faster than oneDNN for a
+kernels/native/linear_f32.c, which streams the weights 1.1-1.9x faster than oneDNN for a
 decode's few rows (benchmarks/decode_step.py); at a prompt's rows it is 5-10% slower on
 one thread, but its panels go to the threads in chunks, which a host shared with other
 processes needs more (ModelRunner.warm_up_prefill).
@@ -21,12 +21,13 @@ Either way y equals x @ W.T + b up to float rounding; the original W is not kept
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from pdserve.kernels.cpu_native import LinearF32
+    from pdserve.kernels.native.linear_f32 import LinearF32
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size works with it
 _BATCH_HINT = 64
@@ -44,7 +45,7 @@ def _onednn_ok(w: torch.Tensor) -> bool:
 class Linear:
     """y = x @ W.T + b for x [T, in] -> [T, out]."""
 
-    __slots__ = ("bias", "in_features", "native", "onednn", "out_features", "weight")
+    __slots__ = ("_apply", "bias", "in_features", "native", "onednn", "out_features", "weight")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """`w`: [out, in] as in the checkpoint; `bias`: [out] or None."""
@@ -56,6 +57,10 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _BATCH_HINT)
         else:
             self.weight = w.t().contiguous()  # [in, out]
+        # how y is computed, chosen with the weight's layout (here, or use_native)
+        self._apply: Callable[[torch.Tensor], torch.Tensor] = (
+            self._by_onednn if self.onednn else self._by_mm
+        )
 
     def use_native(self, kernel: LinearF32) -> None:
         """Repack W (and b) for `kernel`; a no-op when it is on already or W is not fp32."""
@@ -63,13 +68,19 @@ class Linear:
             return
         w = self.weight.to_dense() if self.onednn else self.weight.t()  # [out, in]
         self.weight, self.bias = kernel.pack(w, self.bias)
-        self.native, self.onednn = kernel, False
+        self.native, self.onednn, self._apply = kernel, False, self._by_kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native(x, self.weight, self.bias, self.out_features)
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self._apply(x)
+
+    def _by_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.native is not None  # use_native
+        return self.native(x, self.weight, self.bias, self.out_features)
+
+    def _by_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _by_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)

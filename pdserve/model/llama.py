@@ -194,12 +194,3 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
 def _must(t: torch.Tensor | None) -> torch.Tensor:
     assert t is not None
     return t
-
-
-# Hugging Face architecture name -> model class (all share the Llama layout)
-MODEL_REGISTRY: dict[str, type[LlamaModel]] = {
-    "LlamaForCausalLM": LlamaModel,
-    "MistralForCausalLM": LlamaModel,
-    "Qwen2ForCausalLM": LlamaModel,
-    "Qwen3ForCausalLM": LlamaModel,
-}

@@ -2,7 +2,7 @@
 
     TorchOps    torch ops, any device and dtype: the reference (what transformers computes,
                 in the same order); every engine starts with it
-    NativeOps   kernels/cpu/decode_ops.c, one call per pass; CPU engines turn it on at
+    NativeOps   kernels/native/decode_ops.c, one call per pass; CPU engines turn it on at
                 start-up (ModelRunner.warm_up_decode / warm_up_prefill) for fp32 models:
                 at a decode's few rows each torch op costs more in dispatch than in
                 arithmetic (decode step 1.49 -> 1.22x its matmul floor at batch 8), and a
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu_ops import DecodeOps
+from pdserve.kernels.native.decode_ops import DecodeOps
 from pdserve.model.rope import rotate
 
 Tables = tuple[torch.Tensor, torch.Tensor]

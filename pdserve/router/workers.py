@@ -6,9 +6,11 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.config import ROUTER_POLICIES
+from pdserve.router.policy import CacheAware, prefix_key
 
 POLICIES = ROUTER_POLICIES
 
@@ -39,13 +41,17 @@ class Selector:
     workers: list[Worker]
     policy: str = "round_robin"
     _turn: Iterator[int] = field(default_factory=itertools.count)
+    cache: CacheAware | None = None  # cache_aware prefills (router/policy.py)
 
-    def pick(self) -> Worker:
+    def pick(self, key: str | None = None) -> Worker:
+        """`key`: the request's prefix key (policy.prefix_key), for cache_aware."""
         n = len(self.workers)
         start = next(self._turn) % n
         ordered = [self.workers[(start + i) % n] for i in range(n)]
         candidates = [w for w in ordered if w.healthy] or ordered
-        if self.policy == "least_load":
+        if self.cache is not None:
+            return self.cache.pick(candidates, key)
+        if self.policy in ("least_load", "cache_aware"):
             return min(candidates, key=lambda w: w.in_flight)  # min keeps the first of ties
         return candidates[0]
 
@@ -65,14 +71,18 @@ class WorkerPool:
             raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
         p = [Worker(_norm(u), "prefill", b) for u, b in prefills]
         d = [Worker(_norm(u), "decode") for u in decodes]
-        return cls(Selector(p, policy), Selector(d, policy))
+        cache = CacheAware() if policy == "cache_aware" else None
+        return cls(Selector(p, policy, cache=cache), Selector(d, policy))
 
     @property
     def all(self) -> list[Worker]:
         return self.prefill.workers + self.decode.workers
 
-    def pick_pair(self) -> tuple[Worker, Worker]:
-        return self.prefill.pick(), self.decode.pick()
+    def pick_pair(
+        self, path: str = "", body: dict[str, Any] | None = None
+    ) -> tuple[Worker, Worker]:
+        key = prefix_key(path, body) if self.prefill.cache is not None and body else None
+        return self.prefill.pick(key), self.decode.pick()
 
     @contextmanager
     def lease(self, *workers: Worker) -> Iterator[None]:

@@ -7,6 +7,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import QUEUE_FULL
 from pdserve.sampling_params import prompt_problem
@@ -41,18 +42,48 @@ def refusal(
 
 
 def admit_fifo(
-    queue: deque[Req], runner: ModelRunner, tokens: Callable[[Req], int]
+    queue: deque[Req],
+    runner: ModelRunner,
+    tokens: Callable[[Req], int],
+    headroom: Callable[[], int] = lambda: 0,
 ) -> Iterator[Req]:
     """Pop requests off the head of `queue` while a row and `tokens(req)` KV slots are
-    free; each popped request owns its row and pages. FIFO: when the head does not fit,
-    it waits for pages to come back and nothing overtakes it."""
+    free, leaving at least `headroom()` pages free; each popped request owns its row and
+    pages. FIFO: when the head does not fit, it waits for pages to come back and nothing
+    overtakes it."""
     rows, alloc = runner.req_pool, runner.kv_pool.allocator
     while queue and rows.free_rows:
-        pages = alloc.alloc(alloc.pages_for(tokens(queue[0])))
+        need = alloc.pages_for(tokens(queue[0]))
+        if need + headroom() > alloc.free_pages:
+            return
+        pages = alloc.alloc(need)
         if pages is None:
             return
         req = queue.popleft()
         req.row, req.pages = rows.alloc() or 0, pages
+        yield req
+
+
+def admit_cached(queue: deque[Req], runner: ModelRunner, cache: PrefixCache) -> Iterator[Req]:
+    """admit_fifo for a prefill with a prefix cache: each popped request owns its row,
+    the cached pages of its longest cached prefix (referenced: `prefix_hit` tokens,
+    at least one prompt token left to compute, whose logits give the first token) and
+    new pages for the rest, made by evicting unreferenced cached pages if need be."""
+    rows, alloc = runner.req_pool, runner.kv_pool.allocator
+    while queue and rows.free_rows:
+        req = queue[0]
+        hit = cache.acquire(req.prompt_ids, req.prompt_len - 1)  # NOTE: before evict
+        need = alloc.pages_for(req.prompt_len) - len(hit)
+        if need > alloc.free_pages:
+            cache.evict(need - alloc.free_pages)
+        pages = alloc.alloc(need)
+        if pages is None:
+            cache.release(req.prompt_ids, hit)
+            return
+        queue.popleft()
+        cache.count(req.prompt_len, len(hit))
+        req.row, req.pages = rows.alloc() or 0, hit + pages
+        req.prefix_hit = len(hit) * alloc.page_size
         yield req
 
 

@@ -1,4 +1,4 @@
-"""Decode engine: queues, admission, and the overlap loop (DESIGN §3).
+"""Decode engine: queues, admission, and the overlap loop (docs/architecture.md §3).
 
 Queues, in order:
 
@@ -6,9 +6,12 @@ Queues, in order:
     transfer --(KV + first token arrived)-------------> prebuilt
     prebuilt --(process_prebuilt, behind the fence)---> running --> done
 
-Admission policy: a request reserves pages for prompt + max_tokens (+1 slot for
-the redundant overlap step, see Req.reserved_tokens) up front, so a running
-request can always finish and nothing is ever retracted. A request that could
+    running --(pool empty: preempted, scheduler/grow.py)--> preempted
+    preempted --(row + pages, ahead of new admissions)--> prebuilt (KV recomputed here)
+
+Admission policy: a request takes pages for its prompt and its first step's slot;
+a running one takes each next page just before the step that writes it
+(scheduler/grow.py: growth, preemption, resume by recompute). A request that could
 never fit (longer than the context, more pages than the pool has) is refused at
 once; otherwise it waits in prealloc, FIFO, for rows and pages to come back.
 Beyond `max_queued_requests` waiting requests, new ones are refused.
@@ -25,8 +28,10 @@ from contextlib import contextmanager
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.kvcache.pools import slots_of
+from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest, TokenEvent
+from pdserve.scheduler import grow
 from pdserve.scheduler.admission import admit_fifo, arrival_problem, refusal, request_seed
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
@@ -55,9 +60,15 @@ class DecodeEngine:
         self.transfer: dict[str, Req] = {}
         self.prebuilt: deque[Req] = deque()
         self.running: list[Req] = []
+        self.preempted: deque[Req] = deque()  # oldest admitted first (scheduler/grow.py)
         self.reqs: dict[str, Req] = {}  # every live request by rid
         self.in_flight: StepResult | None = None
         self.deferred_pages: list[tuple[Event, list[int]]] = []
+        self.kept_inputs: list[tuple[Event, ForwardBatch]] = []  # recompute forwards' inputs
+        self.admitted = 0  # admissions so far: the next request's admit_seq
+        self.preemptions = 0
+        self.recomputed_tokens = 0
+        self.running_peak = 0  # the largest batch launched
         self.events: list[TokenEvent] = []
         # Set by the engine process: sends events now, from inside step(), on the thread
         # that calls step(). Without it events wait for step() to return.
@@ -72,7 +83,9 @@ class DecodeEngine:
         self.transfer_totals = TransferTotals()
         # Overlap on CPU: this thread claims a core of the forward's while it computes
         # beside it, and gives it back while it blocks (_blocked; core_share.HostCore).
-        self._host = runner.host_core if self.overlap and runner.device.startswith("cpu") else None
+        self._host = (
+            runner.cores.host_core if self.overlap and runner.device.startswith("cpu") else None
+        )
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -86,6 +99,7 @@ class DecodeEngine:
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
         self.prealloc.append(req)
+        self.source.announce(req)  # its prefill learns of this decode before any pages
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:
@@ -124,9 +138,9 @@ class DecodeEngine:
         (with yield_always) or more prompts than this decode runs streams (a burst), skip
         this step (new requests are still admitted and their first tokens emitted), for
         at most max_yield_s in a row; then one step runs regardless."""
-        share = self.runner.core_share
+        cores = self.runner.cores
         floor = 0 if self.yield_always else len(self.running)
-        if share is None or self.max_yield_s <= 0 or share.peer_backlog() <= floor:
+        if self.max_yield_s <= 0 or cores.peer_backlog() <= floor:
             self._yield_since = None
             return False
         now = time.monotonic()
@@ -135,7 +149,7 @@ class DecodeEngine:
         if now - self._yield_since >= self.max_yield_s:
             self._yield_since = None
             return False
-        share.yield_now()  # idle at once (after the in-flight forward's end) to peers
+        cores.yield_now()  # idle at once (after the in-flight forward's end) to peers
         with self._blocked():
             time.sleep(YIELD_POLL_S)
         return True
@@ -161,10 +175,15 @@ class DecodeEngine:
         return bool(self.reqs) or self.in_flight is not None or bool(self.deferred_pages)
 
     def _admissible(self) -> bool:
-        if not self.prealloc or not self.runner.req_pool.free_rows:
+        if self.preempted:
+            head, tokens = self.preempted[0], grow.resume_tokens
+        elif self.prealloc:
+            head, tokens = self.prealloc[0], grow.admit_tokens
+        else:
             return False
         alloc = self.runner.kv_pool.allocator
-        return alloc.pages_for(self.prealloc[0].reserved_tokens) <= alloc.free_pages
+        need = alloc.pages_for(tokens(head)) + grow.headroom(self)
+        return bool(self.runner.req_pool.free_rows) and need <= alloc.free_pages
 
     # ---- 1. receive: prealloc -> transfer, transfer -> prebuilt -------------------
     def receive(self) -> None:
@@ -174,7 +193,16 @@ class DecodeEngine:
         self._receive()
 
     def _admit(self) -> None:
-        for req in admit_fifo(self.prealloc, self.runner, lambda r: r.reserved_tokens):
+        room = lambda: grow.headroom(self)  # noqa: E731
+        resumed = list(admit_fifo(self.preempted, self.runner, grow.resume_tokens, room))
+        for req in reversed(resumed):  # first in the prebuilt queue, oldest first
+            req.state = State.PREBUILT
+            self.prebuilt.appendleft(req)
+        if self.preempted:
+            return  # resumes go first: new requests would take the pages they wait for
+        for req in admit_fifo(self.prealloc, self.runner, grow.admit_tokens, room):
+            self.admitted += 1
+            req.admit_seq = self.admitted
             req.state = State.TRANSFER
             req.stages["reserved"] = time.time()
             self.transfer[req.rid] = req
@@ -218,15 +246,22 @@ class DecodeEngine:
         # one more would be a redundant forward of its row. It stays in `running` until
         # that token is processed. Only requests that end on a token (stop, EOS) still
         # run a redundant step, unknown until their tokens reach the host.
-        return [r for r in self.running if r.launched_steps + 1 < r.params.max_tokens]
+        batch = [r for r in self.running if r.launched_steps + 1 < r.params.max_tokens]
+        # NOTE: growth and the fences. Each request of the batch gets the page its step
+        # writes here, before launch. A redundant step writes its slot too (kv_need counts
+        # every launched step), so it always lands in the request's own pages, and those
+        # return to the pool only behind a forward-stream event (_free, grow.preempt).
+        batch = grow.grow(self, batch)
+        self.running_peak = max(self.running_peak, len(batch))
+        return batch
 
     def get_new_prebuilt_batch(self, room: int) -> list[Req]:
         take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
         if not take:
             return []
         if self.overlap:
-            # NOTE: row-reuse race (DESIGN §3). A request that finished at step N still
-            # runs a redundant step N+1 on the forward stream, which reads
+            # NOTE: row-reuse race (docs/architecture.md §3). A request that finished at
+            # step N still runs a redundant step N+1 on the forward stream, which reads
             # req_to_token[row] and publishes its token into output_tokens[row]. Its row
             # was freed as soon as we saw it finish, so a request taken here may own that
             # row now. Wait for the forward stream before process_prebuilt writes the row,
@@ -242,10 +277,12 @@ class DecodeEngine:
         table = self.runner.req_pool.req_to_token
         ps = self.runner.layout.page_size
         for req in reqs:
-            slots = slots_of(req.pages, req.reserved_tokens, ps)
+            slots = slots_of(req.pages, len(req.pages) * ps, ps)
             table[req.row, : len(slots)] = slots.to(device=table.device, dtype=table.dtype)
-            self.future.stash(req.row, req.first_token)
+            # the next input: the prefill's first token, or a resumed request's last output
+            self.future.stash(req.row, req.output_ids[-1])
             req.state = State.RUNNING
+        grow.recompute(self, [r for r in reqs if r.resume])
 
     # ---- 3. launch -------------------------------------------------------------------
     def _launch(self, reqs: list[Req]) -> StepResult:
@@ -319,6 +356,8 @@ class DecodeEngine:
             self.source.cancel(req, detail or req.error or "aborted")
         elif was == State.PREBUILT:
             self.prebuilt.remove(req)
+        elif was == State.PREEMPTED:
+            self.preempted.remove(req)
         self._free(req, in_batch=was == State.RUNNING)
         if event is None:
             event = TokenEvent(rid=req.rid)
@@ -355,6 +394,7 @@ class DecodeEngine:
             else:
                 keep.append((event, pages))
         self.deferred_pages = keep
+        self.kept_inputs = grow.release_inputs(self.kept_inputs)
 
     def _emit_error(self, req: Req, message: str) -> None:
         req.error = message

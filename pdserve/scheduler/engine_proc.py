@@ -107,13 +107,23 @@ class EngineLoop:
 
     def _handle(self, msg: P.ToEngine) -> None:
         if isinstance(msg, P.GenerateReq):
-            self.engine.add_request(msg.req)
+            self._add(msg.req)
         elif isinstance(msg, P.Abort):
             self.engine.abort(msg.rid, msg.reason)
         elif isinstance(msg, P.StatsReq):
             self.send(P.Stats(nonce=msg.nonce, stats=dict(self.engine.stats())))
         elif isinstance(msg, P.Shutdown):
             self.stopping = True
+
+    def _add(self, req: P.EngineRequest) -> None:
+        """One request in; one that raises is answered with its error, and the loop goes
+        on (a bad request must not end every other one)."""
+        try:
+            self.engine.add_request(req)
+        except Exception as e:
+            log.exception("request %s refused by an internal error", req.rid)
+            error = f"internal error: {type(e).__name__}: {e}"
+            self.publish([TokenEvent(rid=req.rid, finished=True, error=error)])
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -58,8 +58,12 @@ def decode_stats(eng: Any) -> dict[str, float]:
     return {
         **pool_stats(eng.runner),
         "running": len([r for r in eng.running if not r.finished]),
-        "queued": len(eng.prealloc) + len(eng.transfer) + len(eng.prebuilt),
+        "running_peak": eng.running_peak,
+        "queued": len(eng.prealloc) + len(eng.transfer) + len(eng.prebuilt) + len(eng.preempted),
         "prealloc": len(eng.prealloc),
+        "preempted": len(eng.preempted),
+        "preemptions": eng.preemptions,
+        "recomputed_tokens": eng.recomputed_tokens,
         "transfer": len(eng.transfer),
         "prebuilt": len(eng.prebuilt),
         "forward_busy_ratio": busy_ratio(eng.busy_s, eng.started),

@@ -23,13 +23,14 @@ import torch
 
 from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
 from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.protocol import EngineRequest, TokenEvent
-from pdserve.scheduler.admission import admit_fifo, refusal, request_seed
+from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.request import Req, State
 from pdserve.transfer.base import KVSink
@@ -47,6 +48,8 @@ class PrefillEngine:
         self.runner = runner
         runner.warm_up_prefill()  # builds the native elementwise ops before any step runs
         self.sink = sink
+        alloc = runner.kv_pool.allocator
+        self.cache = PrefixCache(alloc) if cfg.cache.prefix_cache else None
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt partly computed
         self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
@@ -69,6 +72,7 @@ class PrefillEngine:
         self.reqs[req.rid] = req
         req.seed = request_seed(er.params.seed)
         self.waiting.append(req)
+        self.sink.on_queue(req)  # a room no decode announces is dropped in seconds
 
     def _refusal(self, req: Req) -> str | None:
         if req.rid in self.reqs:
@@ -98,8 +102,12 @@ class PrefillEngine:
             return True
         if not self.waiting or not self.runner.req_pool.free_rows:
             return False  # waiting only for transfers to release rows and pages
-        alloc = self.runner.kv_pool.allocator
-        return alloc.pages_for(self.waiting[0].prompt_len) <= alloc.free_pages
+        return self.runner.kv_pool.allocator.pages_for(self.waiting[0].prompt_len) <= self._free()
+
+    def _free(self) -> int:
+        """Pages admission can have: free ones and unreferenced cached ones."""
+        free = self.runner.kv_pool.allocator.free_pages
+        return free + (self.cache.evictable if self.cache is not None else 0)
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -109,13 +117,11 @@ class PrefillEngine:
         self._poll_sink()
         self._admit()
         chunk = self._plan_chunk()
-        share = self.runner.core_share
-        if share is not None:  # a decode on this host may step aside for it (prefill first)
-            share.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
+        cores = self.runner.cores  # a decode on this host may step aside for it (prefill first)
+        cores.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
         if chunk:
             self._run(chunk)
-            if share is not None:
-                share.set_backlog(len(self.prefilling) + len(self.waiting))
+            cores.set_backlog(len(self.prefilling) + len(self.waiting))
         events, self.events = self.events, []
         return events
 
@@ -132,8 +138,12 @@ class PrefillEngine:
 
     def _admit(self) -> None:
         table = self.runner.req_pool.req_to_token
-        for req in admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len):
-            req.state, req.prefilled = State.PREFILL, 0
+        if self.cache is None:
+            admitted = admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len)
+        else:
+            admitted = admit_cached(self.waiting, self.runner, self.cache)
+        for req in admitted:
+            req.state, req.prefilled = State.PREFILL, req.prefix_hit  # cached KV: computed
             slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
             req.slots = slots.to(self.runner.device)
             table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
@@ -147,11 +157,8 @@ class PrefillEngine:
         the next step rather than filling the room with a piece: the piece would lengthen
         this step, delaying the first tokens of the prompts it completes, while that
         prompt completes in the next step either way. Pieces go only to prompts longer
-        than a step, and to the first prompt of a step. `--quick`'s workload under
-        `pdserve up`, 18 bench runs a side taking turns, twice: TTFT p50 121.0 / 122.6 ms
-        against 126.8 / 126.1, tokens/s 444 / 435 against 441 / 431; 48 prompts of
-        128-384 tokens: tokens/s unchanged, TTFT p50 182-199 against 195-198 ms, p90
-        1421-1461 against 1285-1333 (docs/benchmarks.md, fifteenth round)."""
+        than a step, and to the first prompt of a step. This shortens TTFT p50 at the same
+        tokens/s; the longest prompts of a burst wait a step longer (a longer TTFT p90)."""
         budget = whole = self._budget()
         plan: list[tuple[Req, int, int]] = []
         for req in prefill_order(self.prefilling, self.cfg.scheduler, time.time()):
@@ -186,7 +193,7 @@ class PrefillEngine:
         t0 = time.perf_counter()
         now = time.time()
         for req, start, _ in plan:
-            if start == 0:  # its first chunk computes now (the prefill queue ends here)
+            if start == req.prefix_hit:  # its first chunk computes now (the queue ends here)
                 req.stages["prefill_start"] = now
         batch = self._batch(plan)
         logits = self.runner.forward(batch)
@@ -206,7 +213,10 @@ class PrefillEngine:
         for req, start, end in plan:
             req.prefilled = end
             assert req.slots is not None  # set at admission
-            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, start, end)
+            # the decode receives the whole prompt's KV: a cached prefix goes with the
+            # first chunk computed after it
+            lo = 0 if start == req.prefix_hit else start
+            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, lo, end)
         for j, (_, req) in enumerate(finished):
             self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
         self.busy_s += time.perf_counter() - t0
@@ -271,8 +281,8 @@ class PrefillEngine:
             self.runner.req_pool.free(req.row)
             req.row = 0
         if req.pages:
-            self.runner.kv_pool.allocator.free(req.pages)
-            req.pages = []
+            pages, req.pages = req.pages, []
+            self.runner.kv_pool.allocator.free(self._uncached(req, pages))
         req.state = State.DONE
         ok = req.error is None and req.finish_reason is None
         self.events.append(
@@ -286,9 +296,25 @@ class PrefillEngine:
             )
         )
 
+    def _uncached(self, req: Req, pages: list[int]) -> list[int]:
+        """Hand a finished request's pages to the prefix cache; the ones it keeps not
+        (a partial last page, a prefix cached already, a prompt not computed whole)."""
+        if self.cache is None:
+            return pages
+        held = req.prefix_hit // self.runner.layout.page_size
+        if req.prefilled == req.prompt_len:  # every page's KV is computed
+            return self.cache.insert(req.prompt_ids, pages, held)
+        self.cache.release(req.prompt_ids, pages[:held])
+        return pages[held:]
+
     def stats(self) -> dict[str, float]:
+        cache = self.cache.stats() if self.cache is not None else {}
+        pools = pool_stats(self.runner)
+        pools["free_kv_pages"] = self._free()  # unreferenced cached pages count as free
+        pools["token_usage"] = 1 - pools["free_kv_pages"] / max(pools["total_kv_pages"], 1)
         return {
-            **pool_stats(self.runner),
+            **pools,
+            **cache,
             "running": len(self.prefilling),
             "queued": len(self.waiting),
             "holding": len(self.holding),

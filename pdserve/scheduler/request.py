@@ -26,6 +26,7 @@ class State(enum.Enum):
     TRANSFER = "transfer"  # row and pages reserved, waiting for the prefill's KV
     PREBUILT = "prebuilt"  # KV arrived with the first token
     RUNNING = "running"
+    PREEMPTED = "preempted"  # pages taken back; waits to resume by recompute (scheduler/grow.py)
     # prefill side (it queues in PREALLOC too)
     PREFILL = "prefill"  # row and prompt pages reserved, prompt chunks being computed
     HOLDING = "holding"  # prompt done, first token sampled; KV kept until the decode has it
@@ -51,6 +52,7 @@ class Req:
     # how many prompt tokens are computed so far (advanced chunk by chunk)
     slots: torch.Tensor | None = None
     prefilled: int = 0
+    prefix_hit: int = 0  # prompt tokens whose KV the prefix cache held (page-aligned)
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0
@@ -64,6 +66,11 @@ class Req:
     penalties: PenaltyState | None = None
     # the structured-output matcher (pdserve.model.grammar), made and advanced the same way
     grammar: GrammarState | None = None
+    # decode side, filled by the scheduler: admission order (kept across preemptions: the
+    # victim policy's age), times preempted, and whether its KV comes from a recompute
+    admit_seq: int = 0
+    preemptions: int = 0
+    resume: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
@@ -91,9 +98,15 @@ class Req:
 
     @property
     def reserved_tokens(self) -> int:
-        """KV slots reserved at admission: the prompt, every output token, and the
-        one redundant step that runs after the request finished (overlap)."""
+        """KV slots of the longest run: the prompt and every output token but the last
+        (output 0 comes from the prefill; a step writes the KV of its input token). A
+        request must fit the pool whole, though it takes pages as it goes (`kv_need`)."""
         return self.prompt_len + self.params.max_tokens
+
+    @property
+    def kv_need(self) -> int:
+        """KV slots the next launched step needs: those so far and the one it writes."""
+        return self.prompt_len + self.launched_steps + 1
 
     @property
     def kv_len(self) -> int:

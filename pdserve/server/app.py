@@ -1,6 +1,6 @@
 """The FastAPI app of a prefill or decode frontend.
 
-Endpoints (DESIGN §6): generation routes live in native_api / openai_routes;
+Endpoints (docs/architecture.md §6): generation routes live in native_api / openai_routes;
 this module adds health, info, metrics and abort, error handling, and the
 lifespan that starts and stops the engine process.
 
@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.edge.auth import RequireKey
 from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
@@ -38,8 +39,8 @@ from pdserve.server.tokenizer import Tokenizer
 
 
 def max_context(spec: EngineSpec, tok: Tokenizer) -> int:
-    limit = spec.engine.cache.max_context
-    return min(limit, tok.max_position_embeddings or limit)
+    """The context the engine serves (ModelRunner.max_context, from the same config)."""
+    return spec.engine.cache.context_length(tok.max_position_embeddings)
 
 
 def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
@@ -60,6 +61,9 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
 
     app = FastAPI(title=f"pdserve {cfg.role}", lifespan=lifespan)
     app.state.frontend = fe
+    # the key on every route but /health (and /metrics with metrics_public)
+    app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
+    # added last, so outermost: a browser's preflight (no key) is answered before the key check
     if cfg.cors_origins:  # opt-in: browsers may call the API from these origins
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
                            allow_methods=["*"], allow_headers=["*"])  # fmt: skip
@@ -175,8 +179,8 @@ def _add_info_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig, spec: Engine
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid:
             raise RequestError("rid (a string) is required", "rid")
-        # a request with n > 1 runs as rid-0, rid-1, ...: abort all of them
-        samples = [r for r in fe.client.in_flight_rids() if r.startswith(rid + "-")]
-        for r in [rid, *samples]:
+        # exactly this request, or the n > 1 samples submitted under it (never a prefix)
+        rids = fe.client.rids_of(rid)
+        for r in rids or [rid]:
             fe.client.abort(r, "aborted by /abort_request")
-        return JSONResponse({"success": True, "rid": rid})
+        return JSONResponse({"success": True, "rid": rid, "aborted": rids})

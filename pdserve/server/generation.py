@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pdserve.netaddr import bootstrap_problem
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams, prompt_problem
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -60,11 +61,19 @@ class Bootstrap:
             r = room[i]
         else:
             r = 0 if room is None else (room + i) & ROOM_MASK
-        return r, _pick(self.host, i), _pick(self.port, i)
+        return r, *_checked(_pick(self.host, i), _pick(self.port, i))
 
 
 def _pick(v, i: int):  # type: ignore[no-untyped-def]
     return v[i] if isinstance(v, list) else v
+
+
+def _checked(host: str | None, port: int | None) -> tuple[str | None, int | None]:
+    """A 400 naming the field for an address the decode must never connect to."""
+    bad = bootstrap_problem(host, port)
+    if bad is not None:
+        raise RequestError(bad[1], bad[0])
+    return host, port
 
 
 def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
@@ -245,14 +254,15 @@ class Frontend:
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
                                      bootstrap_host=host, bootstrap_port=port,
-                                     received_at=time.time(), stamps=dict(stamps or {})))  # fmt: skip
+                                     received_at=time.time(), stamps=dict(stamps or {}),
+                                     group=base if n > 1 else None))  # fmt: skip
         return out
 
 
 async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
     """Stream one sample. Raises EngineDead if the engine is gone at submission."""
     q = fe.client.submit(req)
-    detok = IncrementalDetokenizer(fe.tokenizer.decode)
+    detok = IncrementalDetokenizer(fe.tokenizer.decode, fe.tokenizer.byte_piece_ids)
     stop = StopMatcher(req.params.stop)
     clock = _Clock(fe.metrics)
     done = False

@@ -13,6 +13,13 @@ are read from the latest `engine.stats()` snapshot at scrape time:
     pdserve:kv_transfer_seconds (summary)   kv_transfer_seconds_sum, kv_transfer_seconds_count
     pdserve:kv_transfer_bytes_total         kv_transfer_bytes
     pdserve:transfer_failed_total           transfer_failed
+    pdserve:num_running_reqs_peak           running_peak
+    pdserve:num_preempted_queue_reqs        preempted
+    pdserve:preemptions_total               preemptions
+    pdserve:recomputed_tokens_total         recomputed_tokens
+    pdserve:prefix_cache_hit_tokens_total   prefix_cache_hit_tokens (prefill)
+    pdserve:prefix_cache_hit_rate           prefix_cache_hit_rate (prefill)
+    pdserve:prefix_cache_evictions_total    prefix_cache_evictions (prefill)
 
 A key the engine does not report is exported as 0.
 """
@@ -39,6 +46,22 @@ _GAUGES = {
     "num_prealloc_queue_reqs": ("prealloc", "Decode: requests waiting for a row and KV"),
     "num_transfer_queue_reqs": ("transfer", "Decode: requests waiting for their KV"),
     "forward_busy_ratio": ("forward_busy_ratio", "Share of time the forward stream is busy"),
+    "num_running_reqs_peak": ("running_peak", "Decode: the largest batch launched so far"),
+    "num_preempted_queue_reqs": ("preempted", "Decode: preempted requests waiting to resume"),
+    "prefix_cache_hit_rate": (
+        "prefix_cache_hit_rate",
+        "Prefill: share of prompt tokens whose KV the prefix cache held",
+    ),
+    "prefix_cache_pages": ("prefix_cache_pages", "Prefill: KV pages held by the prefix cache"),
+}
+_COUNTERS = {
+    "preemptions": ("preemptions", "Decode: running requests preempted (KV pool full)"),
+    "recomputed_tokens": ("recomputed_tokens", "Decode: KV tokens recomputed to resume"),
+    "prefix_cache_hit_tokens": (
+        "prefix_cache_hit_tokens",
+        "Prefill: prompt tokens served from the prefix cache",
+    ),
+    "prefix_cache_evictions": ("prefix_cache_evictions", "Prefill: prefix-cache pages evicted"),
 }
 
 
@@ -70,6 +93,8 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "pdserve:transfer_failed", "Failed KV transfers", s.get("transfer_failed", 0.0)
         )
+        for name, (key, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(f"pdserve:{name}", doc, s.get(key, 0.0))
 
 
 class Metrics:

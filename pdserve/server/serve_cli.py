@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import (
@@ -66,7 +68,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
     _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
-    _flag(g, "--max-context", CacheConfig, "max_context", "longest prompt + output of one request")
+    _flag(
+        g,
+        "--max-context",
+        CacheConfig,
+        "max_context",
+        "longest prompt + output of one request (0: the model's own, capped by the pool)",
+    )
     _flag(
         g,
         "--max-running-requests",
@@ -89,6 +97,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "max_queued_requests",
         "waiting requests before new ones are refused",
     )
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="prefill every prompt from its first token (no shared KV pages)")  # fmt: skip
     g.add_argument("--disable-overlap", action="store_true",
                    help="run the decode loop without overlap (ablation/debugging; same tokens)")  # fmt: skip
     g.add_argument("--core-share", default="", metavar="PATH:SLOT:ENGINES",
@@ -150,6 +160,10 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
             "bootstrap_port",
             "port of the bootstrap socket decodes connect to",
         )
+    if role == "decode":
+        _flag(g, "--data-port", TransferConfig, "data_port",
+              "port the KV data socket binds (0: a free one; fixed where a firewall or a "
+              "NetworkPolicy names it)")  # fmt: skip
     _flag(
         g,
         "--kv-ready-timeout",
@@ -157,6 +171,9 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
         "ready_timeout_s",
         "prefill: seconds to wait for the decode's Ready",
     )
+    _flag(g, "--kv-bootstrap-timeout", TransferConfig, "bootstrap_timeout_s",
+          "seconds a room may wait for the other side to name it (decode announce, "
+          "prefill claim) before it is freed")  # fmt: skip
     _flag(
         g,
         "--kv-timeout",
@@ -199,7 +216,12 @@ def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"bearer key for generation endpoints (or env {ENV.API_KEY.name})",
+        help=f"bearer key required on every route but /health (or env {ENV.API_KEY.name})",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
     _flag(p, "--max-body-bytes", ServerConfig, "max_body_bytes", "larger request bodies get 413")
     _flag(
@@ -252,7 +274,8 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         cuda_graph=not args.disable_cuda_graph,
         core_share=args.core_share, nice=args.nice,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                          max_context=args.max_context),
+                          max_context=args.max_context,
+                          prefix_cache=not args.disable_prefix_cache),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   max_queued_requests=args.max_queued_requests,
@@ -268,6 +291,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         data_port=getattr(args, "data_port", 0),
         bootstrap_port=getattr(args, "bootstrap_port", _default(TransferConfig, "bootstrap_port")),
         ready_timeout_s=args.kv_ready_timeout,
+        bootstrap_timeout_s=args.kv_bootstrap_timeout,
         kv_timeout_s=args.kv_timeout,
         heartbeat_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -276,7 +300,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     server = ServerConfig(
         role=role, model_path=model, host=args.host, port=args.port,
         served_model_name=args.served_model_name or resolved.name,
-        api_key=args.api_key or ENV.API_KEY.get(),
+        api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
         unknown_fields=args.unknown_fields, chat_template=args.chat_template,
@@ -295,9 +319,34 @@ def run_server(role: str, args: argparse.Namespace) -> int:
         app = create_app(server, spec)  # reads the tokenizer
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
+    engine_died = _engine_died_since(app.state.frontend.client, ENGINE_DEATH_GRACE_S)
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
-          sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3)  # fmt: skip
+          sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3,
+          stop_when=engine_died)  # fmt: skip
+    if engine_died():
+        raise SystemExit(f"pdserve {role}: {app.state.frontend.client.error}")
     return 0
+
+
+# Seconds a frontend keeps answering 503 after its engine died (so in-flight clients and
+# health checks see why) before it exits non-zero, for a supervisor to restart the pair.
+ENGINE_DEATH_GRACE_S = 5.0
+
+
+def _engine_died_since(client: Any, grace_s: float) -> Callable[[], bool]:
+    """True once `client`'s engine has been dead (not stopped by us) for `grace_s`."""
+    from pdserve.server.engine_client import SHUTTING_DOWN
+
+    since: list[float] = []
+
+    def died() -> bool:
+        if client.error is None or client.error == SHUTTING_DOWN:
+            return False
+        if not since:
+            since.append(time.monotonic())
+        return time.monotonic() - since[0] >= grace_s
+
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:

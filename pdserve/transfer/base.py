@@ -4,8 +4,9 @@ The prefill engine talks to a `KVSink`; the decode engine to a `KVSource`.
 Two implementations exist: an in-process handoff (offline `LLM`, unit tests)
 and the ZeroMQ transfer in `pdserve.transfer` (the real PD path).
 
-Prefill side, per request:    on_chunk* -> on_done | on_abort,   then poll() says release
-Decode side,  per request:    expect -> poll() says done(first_token) | failed(reason)
+Prefill side, per request:    on_queue -> on_admit -> on_chunk* -> on_done | on_abort,
+                               then poll() says release
+Decode side,  per request:    announce -> expect -> poll() says done(first_token) | failed(reason)
                                cancel() at any time (client gone, timeout)
 """
 
@@ -97,6 +98,11 @@ class SourceEvent(msgspec.Struct, frozen=True):
 
 
 class KVSink(Protocol):
+    def on_queue(self, req: Ticket) -> None:
+        """A prefill request arrived (queued: no row, no pages yet). Its room is known to
+        the sink from now on: a room no decode claims within the bootstrap timeout is
+        reported (a room-only SinkEvent) and its request dropped."""
+
     def on_admit(self, req: Ticket) -> None:
         """A prefill request was admitted (row and pages owned by the prefill). Its
         room is now known to the sink; the decode's Ready may arrive before or after."""
@@ -131,6 +137,10 @@ class KVSink(Protocol):
 
 
 class KVSource(Protocol):
+    def announce(self, req: Ticket) -> None:
+        """`req` arrived (queued: no row, no pages yet): tell its prefill now, so a decode
+        that dies before it reserves anything does not leave the prefill holding the room."""
+
     def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         """Row and pages are reserved: KV of prompt position i goes to `slots[i]`
         (len(slots) == req.prompt_len). Start the transfer (send Ready)."""

@@ -80,6 +80,9 @@ class _Sink:
         self.h = h
         self.where: dict[str, tuple[KVPool, torch.Tensor]] = {}  # rid -> prefill pool, slots
 
+    def on_queue(self, req: Ticket) -> None:
+        pass  # one process: no decode to wait for
+
     def on_admit(self, req: Ticket) -> None:
         reason = self.h.cancelled_rooms.pop(req.room, None)
         if reason is not None:
@@ -127,6 +130,9 @@ class _Sink:
 class _Source:
     def __init__(self, h: InProcessHandoff) -> None:
         self.h = h
+
+    def announce(self, req: Ticket) -> None:
+        pass  # one process: nothing to tell
 
     def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         reason = self.h.failed_rooms.pop(req.room, None)

@@ -8,6 +8,12 @@ about every `tick_s`: after the first turn that ends tick_s or more after the la
 for its timers (a sender's tick with 4,000 rooms took 0.22 ms here), and a thread that
 messages trickle into turns once per message.
 Events for the engine go through `emit` and come out of `drain` (thread-safe).
+
+No exception kills the thread: a failing work item, message handler or tick is logged
+and the thread goes on (the handlers fail only the room they were handling). Should
+the thread die anyway, `drain` raises TransferDead from then on, so the engine's step
+fails and its process exits (its frontend's /health turns 503) instead of serving with
+no transfer.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ log = logging.getLogger(__name__)
 SLICE_S = 0.05
 
 
+class TransferDead(RuntimeError):
+    """The transfer's I/O thread died: no transfer finishes or times out any more."""
+
+
 class IOThread:
     def __init__(self, name: str, tick_s: float) -> None:
         self.tick_ms = max(1, int(tick_s * 1000))
@@ -42,6 +52,7 @@ class IOThread:
         self._poller.register(self._rfd, zmq.POLLIN)
         self._stop = threading.Event()
         self._killed = False
+        self.died: str | None = None  # why the thread ended while not told to stop
         self.on_tick: Callable[[], None] = lambda: None
         self.on_exit: Callable[[bool], None] = lambda killed: None
         self._next_tick = 0.0  # time.monotonic() when on_tick fires next
@@ -54,6 +65,11 @@ class IOThread:
         """I/O thread only: call `fn` while `sock` has messages."""
         self._readers[sock] = fn
         self._poller.register(sock, zmq.POLLIN)
+
+    def remove_reader(self, sock: zmq.Socket) -> None:
+        """I/O thread only: stop watching `sock` (before it is closed)."""
+        if self._readers.pop(sock, None) is not None:
+            self._poller.unregister(sock)
 
     def submit(self, fn: Callable[[], object]) -> None:
         self._work.put(fn)
@@ -68,6 +84,8 @@ class IOThread:
         self._events.put(event)
 
     def drain(self) -> list:
+        if self.died is not None:
+            raise TransferDead(f"transfer I/O thread {self._thread.name} died: {self.died}")
         out = []
         while True:
             try:
@@ -102,14 +120,19 @@ class IOThread:
                 ready = dict(self._poller.poll(0 if busy else self._ms_to_tick()))
                 self._run_work(woken=self._rfd in ready)
                 for sock, fn in list(self._readers.items()):
-                    if ready.get(sock) and not self._stop.is_set():
+                    # NOTE: a handler may have closed a socket polled readable this turn
+                    if ready.get(sock) and sock in self._readers and not self._stop.is_set():
                         self._drain_socket(sock, fn)
                 if not self._stop.is_set():
                     self._maybe_tick()
-        except Exception:
+        except BaseException as e:
+            self.died = repr(e)
             log.exception("transfer I/O thread crashed")
         finally:
-            self.on_exit(self._killed)
+            try:
+                self.on_exit(self._killed)
+            except Exception:
+                log.exception("transfer I/O thread's exit failed")
 
     def _ms_to_tick(self) -> int:
         return max(0, min(self.tick_ms, math.ceil((self._next_tick - time.monotonic()) * 1e3)))
@@ -118,7 +141,10 @@ class IOThread:
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + self.tick_ms / 1000
-            self.on_tick()
+            try:
+                self.on_tick()
+            except Exception:  # timers and heartbeats must go on for every other room
+                log.exception("transfer tick failed")
 
     # NOTE: the two below run on most turns, mostly on a core whose caches were taken
     # while the thread slept (several times slower here): no exception raised where
@@ -148,6 +174,8 @@ class IOThread:
         while more and time.monotonic() < end:
             try:
                 fn()
-            except Exception:
+            except Exception:  # one bad message fails its room at most, never the thread
                 log.exception("transfer message handler failed")
+            if sock.closed:  # the handler closed it (a failed or idle peer's socket)
+                return
             more = bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)

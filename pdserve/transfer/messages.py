@@ -1,8 +1,8 @@
 """Wire messages of the prefill <-> decode KV transfer (typed msgspec msgpack structs).
 
-Channels (DESIGN §5):
-    control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort, Heartbeat
-             prefill ROUTER ──▶ decode DEALER:                    Abort, Heartbeat
+Channels (docs/architecture.md §5):
+    control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Announce, Ready, Ack, Abort, Heartbeat
+             prefill ROUTER ──▶ decode DEALER:                    Claim, Abort, Heartbeat
     data     prefill PUSH   ──▶ decode PULL (data_endpoint):      KVChunk + raw frames, KVDone
 
 A multipart message is [header] or [KVChunk header, payload frame(s)].
@@ -23,6 +23,8 @@ before writing it.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
@@ -30,31 +32,57 @@ from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 # re-exported: the checksums of these messages
 __all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 
-# 5: block hashes (4: runs packed in one frame, 3: KVChunk.runs, 2: XXH3-64, 1: crc32)
-PROTOCOL_VERSION = 5
+# 6: Announce, Claim, bounded fields (5: block hashes, 4: runs packed in one frame, 3: KVChunk.runs,
+# 2: XXH3-64, 1: crc32)
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
+
+# Fields whose values go back on the wire, into reasons or into dicts: a header with one
+# out of these bounds is dropped as malformed (counted), so no handler sees it.
+Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # 63-bit bootstrap_room
+Session = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=512)]  # fingerprints, ids
+Endpoint = Annotated[str, msgspec.Meta(max_length=300)]  # "tcp://" + a DNS name + port
 
 
 class _Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
+class Announce(_Msg, tag="announce", kw_only=True, frozen=True):
+    """Decode -> prefill: a request of `room` reached this decode (no pages yet). From
+    now on the decode's heartbeat covers the room: a prefill holding it for a decode
+    that dies frees it in seconds, not at its Ready timeout."""
+
+    room: Room
+    decode_id: Name
+
+
 class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     """Decode -> prefill: slots for `room` are reserved; push KV to `data_endpoint`."""
 
-    room: int
-    rid: str = ""
-    session: int  # random per expect(); echoed in every chunk so stale messages are refused
-    data_endpoint: str
-    layout: str  # KVLayout.fingerprint()
+    room: Room
+    rid: Name = ""
+    session: Session  # random per expect(); echoed in every chunk so stale ones are refused
+    data_endpoint: Endpoint  # netaddr.endpoint_problem checks it before any connect
+    layout: Name  # KVLayout.fingerprint()
     num_tokens: int
-    decode_id: str
-    model: str = ""  # scheduler.identity.model_fingerprint(): what the decode serves
+    decode_id: Name
+    model: Name = ""  # scheduler.identity.model_fingerprint(): what the decode serves
+
+
+class Claim(_Msg, tag="claim", kw_only=True, frozen=True):
+    """Prefill -> decode: this prefill has a request of `room` (queued or computing) and
+    the decode's Ready for it. A decode whose Ready no prefill claims within its bootstrap
+    timeout frees the pages it reserved (a peer that only heartbeats holds nothing)."""
+
+    room: Room
+    session: Session
 
 
 class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
-    room: int
-    session: int
+    room: Room
+    session: Session
     index: int
     layer_start: int
     layer_end: int
@@ -69,8 +97,8 @@ class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
 
 
 class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
-    room: int
-    session: int
+    room: Room
+    session: Session
     first_token: int
     first_logprob: float
     prompt_len: int
@@ -82,22 +110,22 @@ class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
 
 
 class Ack(_Msg, tag="ack", kw_only=True, frozen=True):
-    room: int
-    session: int
+    room: Room
+    session: Session
 
 
 class Abort(_Msg, tag="abort", kw_only=True, frozen=True):
-    room: int
-    session: int = 0  # 0: any session of the room
-    reason: str
+    room: Room
+    session: Session = 0  # 0: any session of the room
+    reason: str  # the sender's text: cut (peers.remote_text) wherever it is kept
 
 
 class Heartbeat(_Msg, tag="hb", kw_only=True, frozen=True):
-    sender: str
+    sender: Name
     seq: int
 
 
-Message = Ready | KVChunk | KVDone | Ack | Abort | Heartbeat
+Message = Announce | Ready | Claim | KVChunk | KVDone | Ack | Abort | Heartbeat
 
 _ENCODER = msgspec.msgpack.Encoder()
 

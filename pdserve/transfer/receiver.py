@@ -1,10 +1,11 @@
 """Decode side of the KV transfer: a `KVSource` that receives KV over ZeroMQ.
 
-Per request:  expect ─▶ Ready ─▶ KVChunk* (validated, then written) ─▶ KVDone ─▶ ok + Ack
+Per request:  announce ─▶ expect ─▶ Ready ─▶ KVChunk* (validated, then written) ─▶ KVDone ─▶ ok + Ack
               anything wrong, a timeout, a silent prefill or an Abort ─▶ failed (+ Abort)
 Refused before expect (reject) ─▶ Abort(room, session 0) so the prefill drops it too.
-Every `heartbeat_s` the receiver sends a Heartbeat to each prefill it has transfers
-with, so a prefill finds a dead decode in seconds.
+Every `heartbeat_s` the receiver sends a Heartbeat to each prefill it has transfers or
+announced rooms with, so a prefill finds a dead decode in seconds. The prefill endpoint
+comes from the request: checked first (netaddr), its socket bounded (control.py).
 
 Invariants:
 - The I/O thread writes into a request's slots only while holding that transfer's
@@ -19,31 +20,49 @@ Invariants:
 
 from __future__ import annotations
 
-import random
+import logging
+import secrets
 import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import PageWriter, page_copy
+from pdserve.kernels.page_io import Writer, page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
+from pdserve.netaddr import tcp_endpoint
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
+from pdserve.transfer.control import ControlSockets
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, KVChunk, KVDone, Ready
+from pdserve.transfer.messages import (
+    Abort,
+    Ack,
+    Announce,
+    Claim,
+    Decoder,
+    Heartbeat,
+    KVChunk,
+    KVDone,
+    Ready,
+)
+from pdserve.transfer.peers import remote_text
 from pdserve.transfer.staging import PageViews, PoolPages
 from pdserve.transfer.validate import (
     Transfer,
     check_chunk,
     check_done,
+    data_limits,
     segments,
     write_chunk,
 )
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
+
+log = logging.getLogger(__name__)
 
 
 class KVReceiver:
@@ -57,39 +76,44 @@ class KVReceiver:
         data_port: int = 0,
         advertise_host: str | None = None,
         kv_timeout_s: float = 60.0,
+        bootstrap_timeout_s: float = 10.0,
         heartbeat_timeout_s: float = 5.0,
         heartbeat_s: float = 1.0,
         model: str = "",
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
-        """`native_scatter`: write whole pages with the native scatter, and hash chunks
-        from C, on as many threads as the engine's kernels use (kernels/page_copy.py),
-        built (once per machine, about a second) and loaded here at start-up, never
-        inside a transfer; None where no C compiler is. False: numpy's assignment and
-        Python's xxhash (--disable-compile)."""
+        """`native_scatter`: write whole pages and hash chunks in C, on as many threads
+        as the engine's kernels use, `kernel_threads` (kernels/core_share.Cores; None:
+        torch's thread count), built (once per machine, about a second) and loaded here
+        at start-up, never inside a transfer; False, or no C compiler: numpy and
+        Python's xxhash (--disable-compile). Either is the page I/O of
+        kernels/page_io.py, chosen here once."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
-        self._page_copy = page_copy(cache_root(), split=True) if native_scatter else None
+        self._pages = page_io(cache_root() if native_scatter else None, kernel_threads)
         self.kv_timeout_s = kv_timeout_s
+        # a Ready no prefill claims within this fails (a peer that only heartbeats)
+        self.bootstrap_timeout_s = bootstrap_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint(); sent in Ready
         self._next_hb = 0.0
         self._hb_seq = 0
-        self.decode_id = f"decode-{random.getrandbits(48):012x}"
+        self.decode_id = f"decode-{secrets.randbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
         # pool -> (the views a writer was made for, the writer): KVReceiver._writer
-        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, PageWriter | None]]
+        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, Writer]]
         self._writers = weakref.WeakKeyDictionary()
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
-        self._ctrl: dict[str, MsgSocket] = {}  # prefill bootstrap endpoint -> DEALER
-        self._last_seen: dict[str, float] = {}  # prefill endpoint -> last message time
         self._io = IOThread("kv-receiver", tick_s=0.05)
+        # prefill bootstrap endpoint -> DEALER (I/O thread)
+        self._ctl = ControlSockets(self._io, self._decoder, curve, self._on_control, self._busy)
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
         if curve is not None:
@@ -97,21 +121,37 @@ class KVReceiver:
         pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
         self.data_port = bind(pull, host, data_port)
         self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"
-        self._data = MsgSocket(pull, self._decoder)
+        self._data = MsgSocket(pull, self._decoder, limits=data_limits(layout))
         self._io.add_reader(pull, self._on_data)
         self._io.start()
 
     # ---- KVSource (engine thread) -----------------------------------------------------
+    def announce(self, req: Ticket) -> None:
+        """`req` reached the decode (no pages yet): tell its prefill now, so this decode's
+        heartbeat covers the room from the start (messages.Announce)."""
+        endpoint = _endpoint(req)
+        if endpoint is None or not req.room:
+            return  # expect() refuses it, naming the field
+        msg = Announce(room=req.room, decode_id=self.decode_id)
+        self._io.submit(lambda: self._ctl.announce(req.room, endpoint, msg))
+
     def expect(self, req: Ticket, pool: KVPool, slots: torch.Tensor) -> None:
         """Precondition: `slots` (len == req.prompt_len) are reserved for `req` in `pool`."""
         reason = self._refuse_reason(req, pool, slots)
-        if reason:
+        endpoint = _endpoint(req)
+        if reason or endpoint is None:
             self._io.emit(SourceEvent(req.rid, False, reason=reason))
+            with self._lock:
+                live = req.room in self._xfers  # a duplicate: the live one keeps the room
+            if endpoint is not None and not live:  # its prefill must not wait for a Ready
+                abort = Abort(room=req.room, session=0, reason=reason)
+                self._io.submit(lambda: self._withdraw(req.room, endpoint, abort))
             return
-        endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
         if slots.dtype != torch.int64 or slots.device != pool.k.device:
             slots = slots.to(pool.k.device, torch.int64)
-        x = Transfer(req, pool, slots, random.getrandbits(62) + 1, endpoint)
+        # NOTE: `secrets`, not `random`: the session proves a chunk belongs to this reservation,
+        # so a peer must not predict it from sessions it has seen (random's state is recoverable)
+        x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.kv_timeout_s
         with self._lock:
             self._xfers[req.room] = x
@@ -137,15 +177,15 @@ class KVReceiver:
         with x.lock:
             x.open = False
         abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
-        self._io.submit(lambda: self._control(x.endpoint).send(abort))
+        self._io.submit(lambda: self._ctl.send(x.endpoint, abort))
 
     def reject(self, req: Ticket, reason: str) -> None:
         """Tell `req`'s prefill that this decode refused the room (no Ready was sent)."""
-        if not req.room or not req.bootstrap_host or not req.bootstrap_port:
+        endpoint = _endpoint(req)
+        if not req.room or endpoint is None:
             return
-        endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
         abort = Abort(room=req.room, session=0, reason=reason)
-        self._io.submit(lambda: self._control(endpoint).send(abort))
+        self._io.submit(lambda: self._withdraw(req.room, endpoint, abort))
 
     def poll(self) -> list[SourceEvent]:
         return self._io.drain()
@@ -158,7 +198,8 @@ class KVReceiver:
     def stats(self) -> dict[str, int]:
         """Counters of refused and dropped messages, and the active transfers."""
         with self._lock:
-            return {"active_rooms": len(self._xfers), **self._decoder.dropped, **self.counters}
+            counts = {"active_rooms": len(self._xfers), **self._decoder.dropped, **self.counters}
+        return {**counts, "control_sockets": len(self._ctl), "control_refused": self._ctl.refused}
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -176,41 +217,47 @@ class KVReceiver:
             return f"pool layout {pool.layout.fingerprint()} != receiver layout {self._fingerprint}"
         if len(slots) != req.prompt_len or req.prompt_len == 0:
             return f"reserved {len(slots)} slots for a prompt of {req.prompt_len} tokens"
-        if not req.bootstrap_host or not req.bootstrap_port:
-            return "request has no bootstrap address"
+        try:
+            tcp_endpoint(req.bootstrap_host, req.bootstrap_port)
+        except ValueError as e:
+            return f"request has no valid bootstrap address: {e}"
         with self._lock:
             if req.room in self._xfers:
                 return f"duplicate active room {req.room}"
         return ""
 
     # ---- I/O thread -------------------------------------------------------------------
-    def _control(self, endpoint: str) -> MsgSocket:
-        sock = self._ctrl.get(endpoint)
-        if sock is None:
-            curve = None if self._curve is None else self._curve.for_server(self._curve.public)
-            raw = make_socket(zmq.DEALER, curve)
-            raw.connect(endpoint)
-            sock = self._ctrl[endpoint] = MsgSocket(raw, self._decoder)
-            self._io.add_reader(raw, lambda: self._on_control(endpoint, sock))
-        return sock
+    def _busy(self) -> set[str]:
+        """The prefill endpoints a transfer or an announced room still needs."""
+        with self._lock:
+            busy = {x.endpoint for x in self._xfers.values()}
+        return busy | set(self._ctl.announced.values())
+
+    def _withdraw(self, room: int, endpoint: str, abort: Abort) -> None:
+        self._ctl.settle(room, endpoint)
+        self._ctl.send(endpoint, abort)
 
     def _send_ready(self, x: Transfer, ready: Ready) -> None:
-        self._control(x.endpoint).send(ready)
+        self._ctl.settle(x.req.room, x.endpoint)  # the transfer covers it now
+        if not self._ctl.send(x.endpoint, ready):
+            self._fail(x, f"cannot reach prefill {x.endpoint}", notify=False)
+            return
         # NOTE: off the transfer's path, while the Ready is on its way
         views = self._pool_pages.of(x.pool)
         x.arm(views, self._writer(x.pool, views))
 
-    def _writer(self, pool: KVPool, views: PageViews) -> PageWriter | None:
-        """The native writer into `pool`'s pages `views`, made once per pool (about a
-        transfer's arming again, the first time) and reused while its views are the same."""
+    def _writer(self, pool: KVPool, views: PageViews) -> Writer | None:
+        """The writer into `pool`'s pages `views` (None: not a CPU pool of pages), made
+        once per pool (about a transfer's arming again, the first time) and reused while
+        its views are the same."""
         k, v = views
-        if self._page_copy is None or k is None or v is None:
+        if k is None or v is None:
             return None
         hit = self._writers.get(pool)
         if hit is None or hit[0] is not views:
             hit = self._writers[pool] = (
                 views,
-                self._page_copy.writer((k, v), pool.layout.page_size),
+                self._pages.writer((k, v), pool.layout.page_size),
             )
         return hit[1]
 
@@ -237,14 +284,15 @@ class KVReceiver:
         x = self._lookup(hdr.room, hdr.session)
         if x is None:
             return
-        self._last_seen[x.endpoint] = time.monotonic()
+        self._ctl.heard(x.endpoint)
+        x.claimed = True
         bufs = segments(self.layout, hdr, [f.buffer for f in frames])
-        reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
+        reason = check_chunk(self.layout, x, hdr, bufs, self._pages)
         try:
             with x.lock:
                 if not reason and x.open:  # NOTE: cancel() may have closed it since the lookup
                     # "" unless a block failed its hash as it was about to be written
-                    reason = write_chunk(x, hdr, bufs, self._page_copy)
+                    reason = write_chunk(x, hdr, bufs, self._pages)
         except Exception as e:  # fail closed: partially written KV is never reported ok
             self._fail(x, f"internal error while writing KV: {e!r}")
             return
@@ -266,19 +314,23 @@ class KVReceiver:
             # NOTE: the Ack first: sent after the report, it reached the prefill together
             # with the engine's next Ready, which then waited for it (traced, 1k tokens
             # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)
-            self._control(x.endpoint).send(Ack(room=done.room, session=done.session))
+            self._ctl.send(x.endpoint, Ack(room=done.room, session=done.session))
             self._io.emit(ok)
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
         _, msg, _ = sock.recv(block=False)
         if msg is None:
             return
-        self._last_seen[endpoint] = time.monotonic()
-        if isinstance(msg, Abort):
+        self._ctl.heard(endpoint)
+        if isinstance(msg, Abort | Claim):
             with self._lock:
                 x = self._xfers.get(msg.room)
-            if x is not None and x.endpoint == endpoint and msg.session in (0, x.session):
-                self._fail(x, f"prefill aborted: {msg.reason}", notify=False)
+            if x is None or x.endpoint != endpoint or msg.session not in (0, x.session):
+                return  # another prefill's room, or a stale session
+            if isinstance(msg, Claim):
+                x.claimed = True
+            else:
+                self._fail(x, f"prefill aborted: {remote_text(msg.reason)}", notify=False)
         elif not isinstance(msg, Heartbeat):
             self._count("unexpected_message")
 
@@ -296,29 +348,48 @@ class KVReceiver:
             return
         self._io.emit(SourceEvent(x.req.rid, False, reason=reason))
         if notify:
-            self._control(x.endpoint).send(Abort(room=x.req.room, session=x.session, reason=reason))
+            self._ctl.send(x.endpoint, Abort(room=x.req.room, session=x.session, reason=reason))
 
     def _tick(self) -> None:
         now = time.monotonic()
         with self._lock:
             xfers = list(self._xfers.values())
         for x in xfers:
-            silent = now - max(x.started, self._last_seen.get(x.endpoint, 0.0))
-            if now > x.deadline:
-                self._fail(x, f"KV transfer timed out after {self.kv_timeout_s}s")
-            elif silent > self.heartbeat_timeout_s:
-                self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
+            try:
+                self._check_timers(x, now)
+            except Exception as e:  # fail this transfer, never the others' timers
+                log.exception("transfer timer of room %d failed", x.req.room)
+                self._fail(x, f"internal error: {e!r}", notify=False)
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_s
-            self._heartbeat({x.endpoint for x in xfers})
+            self._heartbeat(self._busy())
+            self._ctl.prune(now)
+
+    def _check_timers(self, x: Transfer, now: float) -> None:
+        silent = now - max(x.started, self._ctl.last_seen.get(x.endpoint, 0.0))
+        if now > x.deadline:
+            self._fail(x, f"KV transfer timed out after {self.kv_timeout_s}s")
+        elif not x.claimed and now - x.started > self.bootstrap_timeout_s:
+            self._fail(x, f"prefill {x.endpoint} did not claim room {x.req.room} within "
+                          f"{self.bootstrap_timeout_s}s (it has no request of that room)")  # fmt: skip
+        elif silent > self.heartbeat_timeout_s:
+            self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
 
     def _heartbeat(self, endpoints: set[str]) -> None:
-        """I/O thread: tell each prefill with a live transfer that this decode is alive."""
+        """I/O thread: tell each prefill with a live transfer or an announced room that
+        this decode is alive."""
         self._hb_seq += 1
         for endpoint in endpoints:
-            self._control(endpoint).send(Heartbeat(sender=self.decode_id, seq=self._hb_seq))
+            self._ctl.send(endpoint, Heartbeat(sender=self.decode_id, seq=self._hb_seq))
 
     def _on_exit(self, killed: bool) -> None:
         self._data.close()
-        for sock in self._ctrl.values():
-            sock.close()
+        self._ctl.close_all()
+
+
+def _endpoint(req: Ticket) -> str | None:
+    """The prefill endpoint `req` names, None where it names none or a bad one."""
+    try:
+        return tcp_endpoint(req.bootstrap_host, req.bootstrap_port)
+    except ValueError:
+        return None

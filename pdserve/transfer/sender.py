@@ -1,7 +1,15 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
-Per room:   (on_admit, Ready) in either order ─▶ push chunks ─▶ KVDone ─▶ Ack ─▶ released ok
+Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim ─▶ push chunks
+            ─▶ KVDone ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
+
+Every room is tied to a decode from the start: the decode announces a room when the
+request reaches it, and a room no decode announced within `bootstrap_timeout_s` fails
+(its request, queued or computing, ends with that reason). A room with a decode waits
+up to `ready_timeout_s` for the other side, but only while that decode heartbeats.
+What a peer can make this side keep is bounded: rooms per peer and in all, refusals
+remembered, text kept (peers.py), data endpoints (netaddr-checked, at most MAX_DATA_SOCKETS).
 
 Refusals go both ways: a room the prefill refused before the decode was known gets an
 Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
@@ -23,19 +31,28 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_copy import page_copy
+from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
+from pdserve.transfer.bootstrap import BootstrapChannel
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Ack, Decoder, Heartbeat, Ready
-from pdserve.transfer.peers import DataSockets, PeerClock, Refusals, ready_mismatch, timeout_reason
+from pdserve.transfer.messages import Abort, Decoder, Heartbeat
+from pdserve.transfer.peers import (
+    MAX_ROOMS_PER_PEER,
+    DataSockets,
+    PeerClock,
+    PeerRooms,
+    Refusals,
+    timeout_reason,
+)
 from pdserve.transfer.push import Piece, Pusher, Room, phase
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, Tracker, bind, make_socket
 from pdserve.transfer.zmq_native import native_send
@@ -45,7 +62,7 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 8 << 20  # per payload frame; larger on_chunk ranges are split
 
 
-class KVSender:
+class KVSender(BootstrapChannel):
     """`KVSink` over ZeroMQ. Methods other than the constructor are called from one
     engine thread; all socket work happens on a background I/O thread."""
 
@@ -57,6 +74,8 @@ class KVSender:
         *,
         ready_timeout_s: float = 30.0,
         ack_timeout_s: float = 30.0,
+        bootstrap_timeout_s: float = 10.0,
+        max_rooms_per_peer: int = MAX_ROOMS_PER_PEER,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         model: str = "",
@@ -64,28 +83,34 @@ class KVSender:
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         native: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
         """`native`: gather and hash pieces whose pages are scattered over the pool with
-        the native kernel (kernels/page_copy.py), and send KV frames through libzmq's C API
+        the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
         (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
         torch's index_select, Python's xxhash and pyzmq's zero-copy send
-        (--disable-compile)."""
+        (--disable-compile). `kernel_threads`: the engine's (kernels/core_share.Cores),
+        else torch's thread count."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
+        # a room no decode announced fails after this (never later than ready_timeout_s)
+        self.bootstrap_timeout_s = min(bootstrap_timeout_s, ready_timeout_s)
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        gather = page_copy(cache_root(), split=True) if native else None
+        pages = page_io(cache_root() if native else None, kernel_threads)  # chosen once
         send = native_send(cache_root()) if native else None
-        self._pusher = Pusher(layout, max_frame_bytes, gather, native_send=send is not None)
+        self._pusher = Pusher(layout, max_frame_bytes, pages, native_send=send is not None)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
         self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
-        self._data = DataSockets(self._decoder, curve, fault_hook, send)  # endpoint -> PUSH
+        self._peer_rooms = PeerRooms(max_rooms_per_peer)
+        self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
+        self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -100,6 +125,9 @@ class KVSender:
         self._io.start()
 
     # ---- KVSink (engine thread) -------------------------------------------------
+    def on_queue(self, req: Ticket) -> None:
+        self._io.submit(lambda: self._queue(req))
+
     def on_admit(self, req: Ticket) -> None:
         self._io.submit(lambda: self._admit(req))
 
@@ -129,7 +157,8 @@ class KVSender:
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
-        return {"active_rooms": len(self._rooms), **self._pusher.pieces, **self._decoder.dropped}
+        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms}
+        return {**rooms, **self._pusher.pieces, **self._decoder.dropped}
 
     def active_rooms(self) -> set[int]:
         return set(self._rooms)
@@ -146,6 +175,18 @@ class KVSender:
         self._io.stop(kill=True)
 
     # ---- engine commands (I/O thread) ---------------------------------------------
+    def _queue(self, req: Ticket) -> None:
+        """A request of req.room arrived: wait for its decode (bootstrap timeout) and
+        claim the room if its Ready is here already."""
+        if not req.room or self._refused.get(req.room) is not None:
+            return  # refused: _admit reports it, or a room-only event already did
+        st = self._rooms.get(req.room)
+        if st is None:
+            st = self._rooms[req.room] = Room(req.room)
+            st.deadline = time.monotonic() + self.bootstrap_timeout_s
+        st.queued = True
+        self._claim(st)
+
     def _admit(self, req: Ticket) -> None:
         st = self._rooms.get(req.room)
         if st is not None and st.req is not None:
@@ -156,8 +197,10 @@ class KVSender:
             self._io.emit(SinkEvent(req.rid, False, refused))
             return
         st = st or self._rooms.setdefault(req.room, Room(req.room))
-        st.req = req
-        st.deadline = time.monotonic() + self.ready_timeout_s
+        st.req, st.queued = req, True
+        if st.peer or not st.deadline:  # (a room queued without a decode keeps its deadline)
+            wait = self.ready_timeout_s if st.peer else self.bootstrap_timeout_s
+            st.deadline = time.monotonic() + wait
         if st.ready is not None:
             self._check_ready(st)
 
@@ -218,74 +261,20 @@ class KVSender:
             self._pusher.send_done(sock, st)
             st.deadline = time.monotonic() + self.ack_timeout_s
 
+    def _endpoints_in_use(self) -> set[str]:
+        return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
+
     def _drop_idle_endpoint(self, endpoint: str) -> None:
         if not any(s.ready and s.ready.data_endpoint == endpoint for s in self._rooms.values()):
             self._data.drop(endpoint)
 
-    # ---- control channel (I/O thread) -----------------------------------------------
-    def _on_control(self) -> None:
-        peer, msg, _ = self._ctrl.recv(block=False)
-        if peer is None or msg is None:
-            return
-        self._peers.heard(peer)
-        if isinstance(msg, Ready):
-            self._on_ready(peer, msg)
-        elif isinstance(msg, Ack | Abort):
-            self._on_ack_or_abort(msg)
-
-    def _on_ready(self, peer: bytes, ready: Ready) -> None:
-        st = self._rooms.get(ready.room)
-        refused = self._refused.get(ready.room)
-        if st is None and refused is not None:  # failed before the decode was known
-            self._ctrl.send(Abort(room=ready.room, session=ready.session, reason=refused), to=peer)
-            return
-        if st is not None and st.ready is not None:
-            if st.ready.session != ready.session:  # a second decode claims an active room
-                dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
-                self._ctrl.send(dup, to=peer)
-            return
-        st = st or self._rooms.setdefault(ready.room, Room(ready.room))
-        st.ready, st.peer = ready, peer
-        if st.req is None:
-            st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_admit
-        self._check_ready(st)
-
-    def _check_ready(self, st: Room) -> None:
-        assert st.ready is not None
-        reason = ready_mismatch(st, self.fingerprint, self.model)
-        if reason:
-            self._fail(st, reason)
-            return
-        if st.req is not None:
-            st.deadline = float("inf")  # both sides known: the ack timeout starts at KVDone
-        self._flush(st)
-
-    def _on_ack_or_abort(self, msg: Ack | Abort) -> None:
-        st = self._rooms.get(msg.room)
-        if isinstance(msg, Abort) and msg.session == 0 and (st is None or st.ready is None):
-            self._on_early_abort(msg, st)
-            return
-        if st is None or st.ready is None or msg.session not in (0, st.ready.session):
-            return  # stale
-        if isinstance(msg, Abort):
-            self._fail(st, f"decode aborted: {msg.reason}", notify=False)
-        elif st.done_sent:
+    def _remove(self, st: Room) -> None:
+        if self._rooms.get(st.room) is st:
             del self._rooms[st.room]
-            if st.req is not None:
-                self._report(st, SinkEvent(st.req.rid, True))
-
-    def _on_early_abort(self, msg: Abort, st: Room | None) -> None:
-        """The decode refused a room before sending Ready (or before the prefill admitted
-        it): drop what is held now, and refuse the room when the prefill gets to it."""
-        reason = f"decode refused: {msg.reason}"
-        if st is not None:
-            self._fail(st, reason, notify=False)
-            return
-        self._refused.add(msg.room, reason)
-        self._io.emit(SinkEvent("", False, reason, room=msg.room))  # a queued request
+        self._peer_rooms.drop(st)
 
     def _fail(self, st: Room, reason: str, notify: bool = True, tell_engine: bool = True) -> None:
-        self._rooms.pop(st.room, None)
+        self._remove(st)
         if notify and st.ready is not None:
             self._ctrl.send(
                 Abort(room=st.room, session=st.ready.session, reason=reason), to=st.peer
@@ -318,8 +307,13 @@ class KVSender:
                 self._io.emit(event)
             else:
                 self._held.append((trackers, event))
+        boot = self.bootstrap_timeout_s
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
-            self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s))
+            try:
+                self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s, boot))
+            except Exception:  # this room's failure must not stop every other room's timer
+                log.exception("timeout of room %d failed", st.room)
+                self._remove(st)
         self._fail_silent_peers(now)
         self._refused.expire(now)
         if now >= self._next_hb:

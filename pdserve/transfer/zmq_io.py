@@ -7,15 +7,19 @@ duplicate, reorder, truncate or corrupt whole multipart messages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from pdserve.netaddr import is_ipv6_endpoint, is_loopback
 from pdserve.transfer import stages
-from pdserve.transfer.messages import Decoder, Message, encode
+from pdserve.transfer.messages import MAX_HEADER_BYTES, Decoder, Message, encode
 from pdserve.transfer.zmq_native import Frames, NativeSend, Pending
+
+log = logging.getLogger(__name__)
 
 Frame = Any  # bytes, memoryview or contiguous numpy array: anything with a buffer
 # libzmq's tracker of a frame (pyzmq) or of a whole message (zmq_native.Pending)
@@ -49,17 +53,31 @@ def context() -> zmq.Context:
 
 
 MAX_WIRE_FRAME_BYTES = 64 << 20
+# Complete messages queued for this process per peer connection: beyond it libzmq stops
+# reading that peer (TCP pushes back), it drops nothing. A KV message is at most a few
+# frames of max_frame_bytes, so this bounds what a peer parks here at about
+# RCV_HWM * MAX_WIRE_FRAME_BYTES in theory, far less in practice (the sender's frames).
+# NOTE: libzmq counts whole messages here and checks MAXMSGSIZE per frame: neither bounds
+# ONE multipart message whose frames keep coming (docs/security.md, ZeroMQ ports); CURVE does,
+# by letting only holders of the cluster secret connect.
+RCV_HWM = 1000
 
 
 def make_socket(
-    kind: int, curve: CurveKeys | None = None, curve_server: bool = False
+    kind: int, curve: CurveKeys | None = None, curve_server: bool = False, never_block: bool = False
 ) -> zmq.Socket:
+    """`never_block`: a send with no pipe to a peer raises zmq.Again at once instead of
+    waiting for one (the transfer's outbound DEALER and PUSH sockets: see below)."""
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDBUF, _SOCK_BUF)
     sock.setsockopt(zmq.RCVBUF, _SOCK_BUF)
     sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the engine's own admission, not by drops
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    if never_block:
+        # NOTE: a send never blocks the I/O thread: with no pipe to a peer (a DEALER or PUSH
+        # whose connection failed its CURVE handshake has none) it raises zmq.Again at once
+        sock.setsockopt(zmq.SNDTIMEO, 0)
     # A peer sending a larger frame is disconnected by ZeroMQ before we buffer it; every
     # legitimate frame (a header, or a KV frame of at most max_frame_bytes) is far below.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)
@@ -76,15 +94,34 @@ def make_socket(
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind to tcp://host:port (port 0: ephemeral); returns the bound port."""
+    if not is_loopback(host) and not sock.getsockopt(zmq.CURVE_SERVER):
+        log.warning(
+            "SECURITY: the KV transfer socket binds %s without CURVE: any process that "
+            "reaches this port can send it messages (and hold its memory) and read the KV "
+            "it is sent. Set --curve-secret-key-file (or PDSERVE_CURVE_PUBLIC/SECRET) on "
+            "every prefill and decode, or bind 127.0.0.1 (docs/security.md, ZeroMQ ports)",
+            host,
+        )
     if port == 0:
         return sock.bind_to_random_port(f"tcp://{host}")
     sock.bind(f"tcp://{host}:{port}")
     return port
 
 
+def connect(sock: zmq.Socket, endpoint: str) -> None:
+    """Connect to an endpoint netaddr.endpoint_problem found nothing wrong with."""
+    if is_ipv6_endpoint(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(endpoint)
+
+
 def _tracked(f: Frame) -> bool:
     """A zmq.Frame made with a tracker (push.zero_copy): sent as it is."""
     return isinstance(f, zmq.Frame) and f.tracker is not None
+
+
+# A control message is one header frame; a KV message a header and its payload frames.
+CONTROL_LIMITS = (1, MAX_HEADER_BYTES)  # (frames, bytes) of one whole message
 
 
 class MsgSocket:
@@ -96,9 +133,13 @@ class MsgSocket:
         decoder: Decoder,
         hook: SendHook | None = None,
         native: NativeSend | None = None,
+        limits: tuple[int, int] = CONTROL_LIMITS,
     ) -> None:
         """`native`: frames that are numpy arrays go through libzmq's C API (zmq_native.py),
-        unless a hook is set (fault injection sees and sends pyzmq frames)."""
+        unless a hook is set (fault injection sees and sends pyzmq frames). `limits`: the
+        most frames and bytes a whole message received may have (beyond: dropped as
+        oversized, and logged)."""
+        self.limits = limits
         self.sock = sock
         self.decoder = decoder
         self.hook = hook
@@ -108,7 +149,8 @@ class MsgSocket:
     def send(
         self, msg: Message, frames: Sequence[Frame] | Frames = (), to: bytes | None = None
     ) -> list[Tracker]:
-        """Queue one message (never blocks: HWM is unlimited). `frames` are sent zero-copy,
+        """Queue one message (never blocks: HWM is unlimited, and with no peer to take it
+        it raises zmq.Again: make_socket's never_block). `frames` are sent zero-copy,
         every one however small (pyzmq would copy those under its copy threshold, and
         report them done at once); the returned trackers say when libzmq no longer reads
         them: one per message sent natively, else one per frame. A frame may come already
@@ -151,6 +193,11 @@ class MsgSocket:
         peer = None
         if self.routed:
             peer, parts = parts[0].bytes, parts[1:]
+        if len(parts) > self.limits[0] or sum(len(p) for p in parts) > self.limits[1]:
+            self.decoder.dropped["oversized"] += 1
+            log.warning("dropped a message of %d frames, %d bytes from %r (limits %s)",
+                        len(parts), sum(len(p) for p in parts), peer, self.limits)  # fmt: skip
+            return peer, None, []
         if not parts:
             self.decoder.dropped["malformed"] += 1
             return peer, None, []

@@ -1,6 +1,6 @@
 /* The argument structs of the kernels that run in parts on par.c's workers, shared by
  * the kernels (linear_f32.c, paged_decode.c) and by decode_forward.c, which calls them
- * through function pointers. kernels/cpu_native.py mirrors them as ctypes Structures:
+ * through function pointers. kernels/native/library.py mirrors them as ctypes Structures:
  * a field changed here is changed there too. */
 #ifndef PD_KERNEL_ARGS_H
 #define PD_KERNEL_ARGS_H

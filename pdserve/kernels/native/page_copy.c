@@ -3,7 +3,7 @@
  *   pd_page_runs_check, then pd_page_scatter_layers     the decode: a received chunk's
  *                     rows, by prompt position, into the request's pages (any alignment):
  *                     one call per kind of a chunk (transfer/validate.py), its layers a
- *                     par.c range function (kernels/page_copy.py scatter_runs); with the
+ *                     par.c range function (kernels/native/page_copy.py scatter_runs); with the
  *                     chunk's block hashes, each block is hashed and compared right
  *                     before it is written, while it is in this core's L1
  *   pd_page_runs_check, then pd_page_gather_layers      the prefill: a piece's rows out of
@@ -23,11 +23,13 @@
  * a cached store first reads the line it overwrites, a third of the memory traffic of a
  * copy (benchmarks/kv_transfer.py's scatter column). The gather's stores stay cached:
  * its frame is hashed at once, then read by libzmq. Elsewhere (other CPUs, odd sizes)
- * each piece is one memcpy. The caller (kernels/page_copy.py) checks shapes, strides and
+ * each piece is one memcpy. The caller (kernels/native/page_copy.py) checks shapes, strides and
  * the hash count; this file checks only the page numbers, before copying anything.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "abi.h"
 
 #if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
@@ -96,7 +98,7 @@ typedef struct {
     hash64_fn hash;
     int64_t block; /* bytes per hashed block (> 0 where hashes is set) */
     int32_t *bad;  /* scatter with hashes: one flag per layer */
-    /* where set (kernels/page_copy.py PageWriter), pd_page_runs_check also checks the
+    /* where set (kernels/native/page_copy.py PageWriter), pd_page_runs_check also checks the
      * frames' count and sizes, and the hash count where hashes is set */
     const int64_t *sizes;
     int64_t n_frames, n_hashes;
@@ -219,7 +221,7 @@ void pd_page_gather_layers(const void *args, int64_t lo, int64_t hi) {
 
 /* Block hashes of frames (transfer/checksum.py), on par.c's threads: frame i's blocks
  * into out[first[i]] onwards, for i in [lo, hi). `hash` is XXH3-64 as the xxhash
- * package's own library exports it (kernels/page_copy.py finds it), so the values are
+ * package's own library exports it (kernels/native/page_copy.py finds it), so the values are
  * the ones its Python API gives. */
 typedef struct {
     const char *const *srcs;
@@ -234,3 +236,23 @@ void pd_hash_blocks(const void *args, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++)
         hash_blocks(a->srcs[i], a->sizes[i], a->block, a->hash, a->out + a->first[i]);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(PageRuns),
+    PD_ABI_FIELD(PageRuns, pool), PD_ABI_FIELD(PageRuns, pool_ls),
+    PD_ABI_FIELD(PageRuns, num_pages), PD_ABI_FIELD(PageRuns, tpages),
+    PD_ABI_FIELD(PageRuns, n_tpages), PD_ABI_FIELD(PageRuns, ps),
+    PD_ABI_FIELD(PageRuns, rb), PD_ABI_FIELD(PageRuns, t0), PD_ABI_FIELD(PageRuns, runs),
+    PD_ABI_FIELD(PageRuns, n_runs), PD_ABI_FIELD(PageRuns, frames),
+    PD_ABI_FIELD(PageRuns, layers), PD_ABI_FIELD(PageRuns, hashes),
+    PD_ABI_FIELD(PageRuns, hash), PD_ABI_FIELD(PageRuns, block),
+    PD_ABI_FIELD(PageRuns, bad), PD_ABI_FIELD(PageRuns, sizes),
+    PD_ABI_FIELD(PageRuns, n_frames), PD_ABI_FIELD(PageRuns, n_hashes),
+    PD_ABI_STRUCT(HashArgs),
+    PD_ABI_FIELD(HashArgs, srcs), PD_ABI_FIELD(HashArgs, sizes),
+    PD_ABI_FIELD(HashArgs, first), PD_ABI_FIELD(HashArgs, out),
+    PD_ABI_FIELD(HashArgs, hash), PD_ABI_FIELD(HashArgs, block),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

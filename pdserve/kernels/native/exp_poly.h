@@ -1,6 +1,6 @@
 /* e^x as a polynomial (Cephes' expf coefficients, within 2 ulp of expf), scalar C that
  * compilers vectorise. Shared by the kernels in this folder; the build key hashes the
- * headers here with each source (kernels/cpu_native.py).
+ * headers here with each source (kernels/native/library.py).
  *
  * Precondition: -87.3 <= x <= 88.7 (callers clamp to the range they need: at -87.3 the
  * result is ~1e-38, the smallest normal float; above 88.7 it would overflow). */

@@ -24,12 +24,13 @@
  * Plain C in lanes of 8 that the compiler vectorises, except the argmax (a max with its
  * index does not vectorise from C): AVX2 intrinsics where the compiler targets AVX2, a
  * scalar loop elsewhere; so it builds anywhere a C compiler is. The callers check
- * shapes and strides (kernels/cpu_ops.py).
+ * shapes and strides (kernels/native/decode_ops.py).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "exp_poly.h"
 
 #define LANES 8
@@ -98,7 +99,7 @@ void pd_rope(float *x, int64_t ld, const float *cos, const float *sin, int64_t t
 }
 
 /* The passes above over rows [lo, hi) of their arguments (par.c range functions): a
- * prompt's rows go to the engine's threads in chunks (kernels/cpu_ops.py). Rows are
+ * prompt's rows go to the engine's threads in chunks (kernels/native/decode_ops.py). Rows are
  * independent, so any split gives the same bits. */
 typedef struct {
     float *x; /* h (norm), x (heads, rope), gu (silu) */
@@ -206,3 +207,14 @@ static int64_t argmax_row(const float *x, int64_t n) {
 void pd_argmax(const float *x, int64_t m, int64_t n, int64_t ld, int64_t *out) {
     for (int64_t r = 0; r < m; r++) out[r] = argmax_row(x + r * ld, n);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(RowsArgs),
+    PD_ABI_FIELD(RowsArgs, x), PD_ABI_FIELD(RowsArgs, delta), PD_ABI_FIELD(RowsArgs, w),
+    PD_ABI_FIELD(RowsArgs, cos), PD_ABI_FIELD(RowsArgs, sin), PD_ABI_FIELD(RowsArgs, out),
+    PD_ABI_FIELD(RowsArgs, ld), PD_ABI_FIELD(RowsArgs, n), PD_ABI_FIELD(RowsArgs, heads),
+    PD_ABI_FIELD(RowsArgs, d), PD_ABI_FIELD(RowsArgs, eps),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)
