@@ -223,3 +223,26 @@ def test_grammar_masks_each_step_with_overlap_on_and_off(tiny_model) -> None:
             assert llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) == "abc abc abc xyz"
             assert o.token_ids[-1] in (0, 2)  # then the end: the grammar allows nothing else
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+
+
+def test_penalties_and_grammar_resume_after_preemption(tiny_model) -> None:
+    """A decode pool far too small preempts and recomputes requests over and over; their
+    penalty counts and grammar matchers live with the request, so each yields the tokens
+    of an uninterrupted run (tests/test_preempt.py's harness, with penalties and grammars)."""
+    import msgspec
+    from test_preempt import _workload, run
+
+    from pdserve.server.structured import regex_grammar
+
+    grammar = regex_grammar("[a-z ]+", "regex")
+    work = []
+    for i, (prompt, p) in enumerate(_workload(1)):
+        # strong penalties: the tiny random model's logits are peaked
+        extra: dict = ({"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 3.0}
+                       if i % 2 else {"grammar": grammar, "presence_penalty": 2.0})  # fmt: skip
+        work.append((prompt, msgspec.structs.replace(p, **extra)))
+    roomy, decode = run(tiny_model, work, decode_tokens=1024)
+    assert decode.preemptions == 0
+    tight, decode = run(tiny_model, work, decode_tokens=96)
+    assert decode.stats()["preemptions"] >= 5
+    assert tight == roomy
