@@ -54,6 +54,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
 
 EDGE_STAMPS = ("router_at", "http_at")
 
+# The error an engine refuses a request with when its queue is full; a frontend
+# answers it with 503 and Retry-After (the client may try again), never a 500.
+QUEUE_FULL = "server overloaded: the queue is full"
+
 
 class TokenEvent(msgspec.Struct, kw_only=True):
     """Engine -> frontend: new tokens of one request, possibly its terminal state.

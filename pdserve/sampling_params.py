@@ -25,10 +25,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    # vLLM's definitions (pdserve.model.penalties): off at 0, 0, 1 and empty
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    # an llguidance grammar (JSON text; pdserve.model.grammar) every output token must follow
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a user-facing message on invalid values."""
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
@@ -41,14 +49,38 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bad_bias = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
+        if bad_bias:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad_bias[0]}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids outside the vocabulary: {bad}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties need the request's token history (pdserve.model.penalties)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None
 
 
 def prompt_problem(

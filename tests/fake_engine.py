@@ -6,6 +6,9 @@ names it (`ServerProc` does that); the product never imports it. The fake echoes
 the exact expected output. It keeps row/page accounting like a real engine and
 counts what it saw (`added`, `aborted`, `finished`) in `stats()`.
 
+`stats()` also reports the numeric sampling parameters of the last request added
+(`last_temperature`, ..., `last_logit_bias.<token id>`, `last_grammar` 1 or 0), so a test sees what reached the engine.
+
 Knobs (environment of the engine process):
     PDSERVE_FAKE_STEP_S   seconds one step() takes while requests run (default 0.002)
 A request with `seed == FAIL_SEED` ends with an engine error event.
@@ -28,9 +31,12 @@ import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.protocol import EngineRequest, TokenEvent
+from pdserve.protocol import QUEUE_FULL, EngineRequest, TokenEvent
 
 FAIL_SEED = 4242
+# numeric sampling parameters the fake reports in stats() as last_<name> (what it was sent)
+LAST_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+               "frequency_penalty", "presence_penalty", "repetition_penalty")  # fmt: skip
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -60,14 +66,24 @@ class FakeEngine:
         self.free_pages = self.total_pages
         self.step_s = float(os.environ.get("PDSERVE_FAKE_STEP_S", "0.002"))
         self.queue: deque[EngineRequest] = deque()
+        self.max_queued = cfg.scheduler.max_queued_requests
         self.running: dict[str, _Running] = {}
         self.out: list[TokenEvent] = []
         self.counts = {"added": 0, "aborted": 0, "finished": 0}
+        self.last_params: dict[str, float] = {}  # numeric SamplingParams of the last request
 
     def add_request(self, req: EngineRequest) -> None:
         self.counts["added"] += 1
+        p = req.params
+        self.last_params = {f"last_{k}": float(getattr(p, k)) for k in LAST_PARAMS
+                            if getattr(p, k) is not None}  # fmt: skip
+        self.last_params |= {f"last_logit_bias.{t}": b for t, b in p.logit_bias.items()}
+        self.last_params["last_grammar"] = float(p.grammar is not None)
         if req.params.seed == FAIL_SEED:
             self.out.append(TokenEvent(rid=req.rid, finished=True, error="fake engine failure"))
+            return
+        if len(self.queue) >= self.max_queued:  # as the engines' admission refuses
+            self.out.append(TokenEvent(rid=req.rid, finished=True, error=QUEUE_FULL))
             return
         self.queue.append(req)
 
@@ -131,6 +147,7 @@ class FakeEngine:
             "running": float(len(self.running)),
             "queued": float(len(self.queue)),
             **{k: float(v) for k, v in self.counts.items()},
+            **self.last_params,
         }
 
     def close(self) -> None:

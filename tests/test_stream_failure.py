@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
-from pdserve.server.openai_api import SSE_DONE
+from pdserve.server.openai_format import SSE_DONE
 
 
 async def broken() -> AsyncIterator[Any]:
@@ -28,7 +28,7 @@ async def drain(gen: AsyncIterator[str]) -> list[str]:
 
 
 def test_openai_stream_ends_with_an_error_event() -> None:
-    chunks = asyncio.run(drain(openai_routes._sse(None, None, broken(), 3, True, False)))  # type: ignore[arg-type]
+    chunks = asyncio.run(drain(openai_routes._sse(None, None, broken(), True)))  # type: ignore[arg-type]
     [event] = events(chunks)
     assert "RuntimeError: boom" in event["error"]["message"] and event["error"]["code"] == 500
     assert chunks[-1] == SSE_DONE

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from pdserve.model.grammar import NextMask, apply_mask
+from pdserve.model.penalties import PenaltyState, adjust
 from pdserve.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, index) pairs
@@ -24,6 +26,8 @@ def sample(
     out_index: list[int],
     logprobs: bool | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    states: list[PenaltyState | None] | None = None,
+    masks: list[NextMask | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
 
@@ -35,11 +39,27 @@ def sample(
     and are NaN otherwise; `logprobs=True` computes them regardless.
     `argmax`: the greedy pick, [B, V] -> [B] as logits.argmax(-1) (the model's ops,
     pdserve.model.ops; torch's when None).
+    `states[i]`: request i's penalty state (penalties.py), read for its penalties and
+    given the sampled token; None for a request without penalties.
+    `masks[i]`: request i's grammar mask (grammar.py), waited for here, after the
+    forward (the caller advances the grammar with the sampled token).
     """
-    tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
+    picked = logits
+    if any(p.adjusts_logits for p in params):
+        picked = logits.clone()
+        for i, p in enumerate(params):
+            if p.adjusts_logits:
+                picked[i] = adjust(logits[i], p, states[i] if states else None)
+            m = masks[i] if masks else None
+            if m is not None:
+                apply_mask(picked[i], m.get())
+    tokens = picked.argmax(dim=-1) if argmax is None else argmax(picked)
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _sample_one(logits[i], p, seeds[i], out_index[i])
+            tokens[i] = _sample_one(picked[i], p, seeds[i], out_index[i])
+    for i, st in enumerate(states or ()):
+        if st is not None:
+            st.record(tokens[i])
     if not (logprobs or any(p.logprobs for p in params)):
         return tokens, torch.full(tokens.shape, float("nan"), device=logits.device)
     lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)

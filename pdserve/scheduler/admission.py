@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.runner import ModelRunner
+from pdserve.protocol import QUEUE_FULL
 from pdserve.sampling_params import prompt_problem
 from pdserve.scheduler.request import Req
 from pdserve.transfer.base import SourceEvent
@@ -36,7 +37,7 @@ def refusal(
             f"request needs {alloc.pages_for(kv_tokens)} KV pages; the pool has {alloc.total_pages}"
         )
     if queued >= max_queued:
-        return "server overloaded: the queue is full"
+        return QUEUE_FULL
     return None
 
 

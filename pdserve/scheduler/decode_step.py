@@ -28,6 +28,8 @@ import torch
 
 from pdserve.kernels.stream import Event, Stream
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
+from pdserve.model.grammar import GrammarState, ll_tokenizer
+from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.scheduler.future_map import FutureMap
@@ -53,6 +55,27 @@ class StepResult:
     timing: dict[str, float] = field(
         default_factory=dict
     )  # forward-stream start/end (perf_counter)
+
+
+def penalty_state(req: Req, vocab: int, device: str) -> PenaltyState | None:
+    """The request's penalty state, made (on the schedule side, so every later step sees
+    the same one) at its first decode step from its prompt and the prefill's token."""
+    if req.penalties is None and req.params.penalized:
+        req.penalties = PenaltyState.new(req.params, req.prompt_ids, vocab, device)
+        assert req.penalties is not None
+        req.penalties.record(torch.tensor(req.first_token, device=device))
+    return req.penalties
+
+
+def grammar_state(req: Req, runner: ModelRunner) -> GrammarState | None:
+    """The request's grammar state, made at its first decode step (the prefill's token
+    consumed), then advanced by each step (launch_step)."""
+    if req.grammar is None and req.params.grammar is not None:
+        tok = ll_tokenizer(runner.cfg.model_path, runner.arch.vocab_size,
+                           req.params.stop_token_ids)  # fmt: skip
+        req.grammar = GrammarState(tok, req.params.grammar, runner.arch.vocab_size)
+        req.grammar.advance(req.first_token)
+    return req.grammar
 
 
 def slot_of(req: Req, pos: int, page_size: int) -> int:
@@ -105,13 +128,17 @@ def launch_step(
     )
     params = [r.params for r in reqs]
     req_seeds = [r.seed for r in reqs]
+    states = [penalty_state(r, runner.arch.vocab_size, runner.device) for r in reqs]
+    grammars = [grammar_state(r, runner) for r in reqs]
+    masks = [None if g is None else g.next_mask() for g in grammars]  # before advance_later
     argmax = runner.model.ops.argmax
 
     def forward() -> None:
         result.timing["start"] = time.perf_counter()
         batch.input_ids = future.resolve(batch.rows, batch.host_rows)
         logits = runner.forward(batch)
-        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax)
+        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax,
+                                  states=states, masks=masks)  # fmt: skip
         if hook is not None:
             hook(result)
         future.publish(batch.rows, tokens)
@@ -124,5 +151,8 @@ def launch_step(
         # read them before those copies land (a no-op on CPU, where they are done already).
         stream.wait_stream(schedule)
     stream.run(forward)
-    result.copy_done = stream.record()
+    result.copy_done = done = stream.record()
+    for i, g in enumerate(grammars):
+        if g is not None:  # the next step's mask, computed while that step's forward runs
+            g.advance_later(result.tokens, i, done)
     return result

@@ -25,6 +25,8 @@ from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
+from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling import sample
 from pdserve.protocol import EngineRequest, TokenEvent
@@ -205,6 +207,8 @@ class PrefillEngine:
                 [r.seed for r in reqs],
                 [0] * len(reqs),
                 logprobs=True,  # the first token's logprob travels with the KV
+                states=[self._penalties(r, logits) for r in reqs],
+                masks=[self._grammar(r) for r in reqs],
             )
         for req, start, end in plan:
             req.prefilled = end
@@ -216,6 +220,18 @@ class PrefillEngine:
         for j, (_, req) in enumerate(finished):
             self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
         self.busy_s += time.perf_counter() - t0
+
+    def _penalties(self, req: Req, logits: torch.Tensor) -> PenaltyState | None:
+        """The first token's penalties see the prompt (the decode keeps its own state)."""
+        return PenaltyState.new(req.params, req.prompt_ids, logits.shape[-1], logits.device)
+
+    def _grammar(self, req: Req) -> NextMask | None:
+        """A fresh matcher for the first token (the decode makes its own after it)."""
+        if req.params.grammar is None:
+            return None
+        vocab = self.runner.arch.vocab_size
+        tok = ll_tokenizer(self.runner.cfg.model_path, vocab, req.params.stop_token_ids)
+        return GrammarState(tok, req.params.grammar, vocab).next_mask()
 
     def _batch(self, plan: list[tuple[Req, int, int]]) -> ForwardBatch:
         dev = self.runner.device

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -44,7 +45,7 @@ def max_context(spec: EngineSpec, tok: Tokenizer) -> int:
 
 def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
     """The app; the engine process starts with the app's lifespan and stops with it."""
-    tok = Tokenizer(cfg.model_path)
+    tok = Tokenizer(cfg.model_path, cfg.chat_template)
     client = EngineClient(spec, start_timeout_s=cfg.engine_start_timeout_s,
                           heartbeat_timeout_s=cfg.engine_heartbeat_timeout_s,
                           log_level=cfg.log_level)  # fmt: skip
@@ -62,6 +63,10 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
     app.state.frontend = fe
     # the key on every route but /health (and /metrics with metrics_public)
     app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
+    # added last, so outermost: a browser's preflight (no key) is answered before the key check
+    if cfg.cors_origins:  # opt-in: browsers may call the API from these origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+                           allow_methods=["*"], allow_headers=["*"])  # fmt: skip
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
     openai_routes.register(app, fe, cfg)

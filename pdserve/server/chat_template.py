@@ -173,3 +173,17 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
+
+
+def continue_final_message(rendered: str, final: str) -> str:
+    """`rendered` cut right after the final message's content, as transformers'
+    `continue_final_message=True` does, so the model continues that message instead of
+    starting a new turn (the template's end-of-turn text after it is dropped)."""
+    if not final.strip() or final.strip() not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the rendered chat"
+        )
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final:  # the template kept its spacing
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]

@@ -1,7 +1,11 @@
 """One request's path through the frontend: validate -> engine -> detokenize -> stream.
 
-    HTTP handler ── build_requests ──▶ EngineRequest per sample (own rid, own room)
-                 ◀─ run_sample ─────── Delta per engine event (new text, new tokens)
+    route ── parse ──▶ Job ── Frontend.start ──▶ EngineRequest per sample (own rid, own room)
+                                       ◀─ merged run_sample ── Delta per engine event
+    route ── a formatter (OpenAI or native) turns the Deltas into the response
+
+Sample `i` of prompt `p` is choice `p * n + i`; its engine request gets seed + i (when
+seeded) and its own bootstrap room.
 
 A sample's generator always ends the engine request: on a stop-string match
 and when the consumer goes away (client disconnect cancels it) it sends Abort,
@@ -22,7 +26,7 @@ from pdserve.netaddr import bootstrap_problem
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams, prompt_problem
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
-from pdserve.server.engine_client import EngineClient
+from pdserve.server.engine_client import EngineClient, EngineDead
 from pdserve.server.metrics import Metrics
 from pdserve.server.tokenizer import Tokenizer
 
@@ -120,6 +124,33 @@ def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
 
 
 @dataclass
+class Job:
+    """One parsed request, ready for the engine: what to run, and for whom."""
+
+    prompts: list[list[int]]  # token ids of each prompt (several: a batch)
+    params: SamplingParams
+    n: int = 1  # samples per prompt
+    rid: str | None = None
+    boot: Bootstrap = field(default_factory=lambda: Bootstrap())
+    stamps: dict[str, float] = field(default_factory=dict)  # edge/stamps.py arrival_stamps
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Usage's prompt_tokens: each prompt counted once, whatever n (as OpenAI does)."""
+        return sum(len(p) for p in self.prompts)
+
+
+OVERLOADED_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full engine queue
+
+
+@dataclass
 class Delta:
     """New output of one sample since its previous Delta."""
 
@@ -167,6 +198,20 @@ class Frontend:
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
+    def start(self, job: Job) -> tuple[list[EngineRequest], AsyncIterator[Delta]]:
+        """The job's engine requests (one per choice) and their merged Deltas. Raises
+        RequestError for bad parameters, EngineDead when the engine is gone."""
+        reqs: list[EngineRequest] = []
+        base = job.rid or self.new_rid()
+        for p, ids in enumerate(job.prompts):
+            rid = base if len(job.prompts) == 1 else f"{base}-p{p}"
+            reqs += self.build_requests(ids, job.params, job.n, rid, job.boot, job.stamps,
+                                        first=p * job.n, total=job.choices)  # fmt: skip
+        if not self.client.alive:
+            raise EngineDead(str(self.client.error))
+        self.metrics.prompt_tokens.inc(sum(len(r.input_ids) for r in reqs))
+        return reqs, merge([run_sample(self, r, i) for i, r in enumerate(reqs)])
+
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validate a prompt; return max_tokens (defaulting to the rest of the context)."""
         wanted = max(1, self.max_context - len(ids)) if max_tokens is None else max_tokens
@@ -183,20 +228,26 @@ class Frontend:
         rid: str | None,
         boot: Bootstrap,
         stamps: dict[str, float] | None = None,
+        first: int = 0,
+        total: int | None = None,
     ) -> list[EngineRequest]:
-        """One EngineRequest per sample; sample i gets seed + i (when seeded) and its own
-        room. `stamps`: edge/stamps.py arrival_stamps of the HTTP request."""
+        """One EngineRequest per sample; sample i gets seed + i (when seeded) and room
+        number `first + i` of `total` (default n). `stamps`: edge/stamps.py arrival_stamps
+        of the HTTP request."""
         try:
             params.validate(self.tokenizer.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        except ValueError as e:  # the message starts with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise RequestError(
+                str(e), name if name in SamplingParams.__struct_fields__ else None
+            ) from e
         if not params.ignore_eos:  # the model's end-of-sequence ids end a sample too
             eos = sorted(set(params.stop_token_ids + self.tokenizer.eos_token_ids))
             params = msgspec.structs.replace(params, stop_token_ids=eos)
         base = rid or self.new_rid()
         out = []
         for i in range(n):
-            room, host, port = boot.for_sample(i, n)
+            room, host, port = boot.for_sample(first + i, total or n)
             p = params
             if n > 1 and params.seed is not None:
                 p = msgspec.structs.replace(params, seed=params.seed + i)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
@@ -22,24 +24,97 @@ from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import (
+    Bootstrap,
     Frontend,
+    Job,
     RequestError,
     SampleResult,
     collect,
-    merge,
-    run_sample,
+    ttft_breakdown,
 )
 from pdserve.server.http_util import (
     check_api_key,
-    error_response,
     parse,
     read_json,
     stream_until_disconnect,
     until_disconnect,
 )
-from pdserve.server.openai_api import SSE_DONE, GenerateIn, as_list, native_meta, sse
-from pdserve.server.openai_routes import engine_error_status, stream_failure
+from pdserve.server.openai_format import SSE_DONE, sse
+from pdserve.server.openai_routes import (
+    engine_error_response,
+    engine_error_status,
+    stream_failure,
+)
+from pdserve.server.request_fields import N_FIELD, FieldRefused, SamplingKnobs
 from pdserve.server.server_config import ServerConfig
+from pdserve.server.structured import request_grammar
+
+
+class NativeSampling(SamplingKnobs):
+    """sglang's `sampling_params`: the shared knobs plus its own names."""
+
+    max_new_tokens: int | None = None
+    n: int = N_FIELD
+    min_new_tokens: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    no_stop_trim: Any = None
+    custom_params: Any = None
+    stream_interval: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingKnobs.NOT_IMPLEMENTED,
+        "min_new_tokens": (0,),
+        "ebnf": (),
+        "structural_tag": (),
+        "skip_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
+        "no_stop_trim": (False,),
+        "custom_params": (),
+        "stream_interval": (),
+    }
+
+
+class GenerateIn(BaseModel):
+    """The body; unknown top-level fields are ignored (sglang-router adds its own)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
+    stream: bool = False
+    return_logprob: bool = False
+    rid: str | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+    def bootstrap(self) -> Bootstrap:
+        return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+
+
+def native_meta(rid: str, r: SampleResult, prompt_tokens: int, e2e: float, logprob: bool) -> dict:
+    fr: dict[str, Any] | None = None
+    if r.finish_reason is not None:
+        fr = {"type": r.finish_reason}
+        if r.matched is not None:
+            fr["matched"] = r.matched
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(r.output_ids),
+        "finish_reason": fr,
+        "e2e_latency": e2e,
+    }
+    if r.stages:
+        meta["ttft_breakdown"] = ttft_breakdown(r.stages)
+    if logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(r.output_ids, r.logprobs)]
+    return meta
 
 
 def _prompt_ids(fe: Frontend, body: GenerateIn) -> list[int]:
@@ -55,18 +130,9 @@ def _params(fe: Frontend, body: GenerateIn, ids: list[int], default_max: int) ->
     wanted = sp.max_new_tokens
     if wanted is None:
         wanted = min(default_max, fe.check_prompt(ids, None))
-    return SamplingParams(
-        max_tokens=fe.check_prompt(ids, wanted),
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.seed,
-        stop=as_list(sp.stop),
-        stop_token_ids=list(sp.stop_token_ids or []),
-        ignore_eos=sp.ignore_eos,
-        logprobs=body.return_logprob,
-    )
+    params = sp.params(fe.check_prompt(ids, wanted), body.return_logprob)
+    grammar = request_grammar(sp)  # sglang's json_schema / regex
+    return params if grammar is None else msgspec.structs.replace(params, grammar=grammar)
 
 
 class _Native:
@@ -112,21 +178,22 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
         body = parse(GenerateIn, await read_json(request, cfg.max_body_bytes))
+        try:
+            body.sampling_params.check_fields(cfg.unknown_fields, "sampling_params.")
+        except FieldRefused as e:
+            raise RequestError(str(e), e.param) from e
         ids = _prompt_ids(fe, body)
         params = _params(fe, body, ids, cfg.default_max_new_tokens)
         n = body.sampling_params.n
-        reqs = fe.build_requests(ids, params, n, body.rid, body.bootstrap(), stamps)
-        if not fe.client.alive:
-            return error_response(503, f"engine unavailable: {fe.client.error}")
-        fe.metrics.prompt_tokens.inc(len(ids) * n)
+        job = Job([ids], params, n, body.rid, body.bootstrap(), stamps)
+        reqs, gen = fe.start(job)
         native = _Native(fe, reqs, body.return_logprob)
-        gen = merge([run_sample(fe, r, i) for i, r in enumerate(reqs)])
         if body.stream:
             chunks = stream_until_disconnect(request, native.stream(gen))
             return StreamingResponse(chunks, media_type="text/event-stream")
         results = await until_disconnect(request, collect(gen, n))
         failed = next((r for r in results if r.error), None)
         if failed is not None:
-            return error_response(engine_error_status(fe), failed.error or "engine error")
+            return engine_error_response(fe, failed.error or "engine error")
         bodies = [native.body(r) for r in results]
         return JSONResponse(bodies[0] if n == 1 else bodies)

@@ -1,257 +1,262 @@
-"""Request models (pydantic; unknown fields ignored) and OpenAI / sglang wire formatting."""
+"""The OpenAI routes' request bodies: every field the `openai` client sends, plus vLLM's
+and sglang's common extensions, each implemented or refused by name (request_fields.py).
+
+docs/api.md lists them; tests/test_openai_fields.py reads the field list from the
+installed `openai` package and checks each one here.
+"""
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pdserve.sampling_params import SamplingParams
-from pdserve.server.generation import Bootstrap, Delta, SampleResult, ttft_breakdown
-from pdserve.server.tokenizer import Tokenizer
+from pdserve.server.generation import Bootstrap
+from pdserve.server.request_fields import (
+    N_FIELD,
+    Body,
+    FieldRefused,
+    SamplingKnobs,
+)
+from pdserve.server.request_fields import (
+    short_repr as _short,
+)
+
+# Fields that identify the caller or tag the request for the caller's own records; by
+# their definition they never change the output, so they are accepted as they are:
+# user, safety_identifier, metadata, prompt_cache_key (a cache-routing hint).
 
 
-class _In(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(Body):
+    include_usage: bool = False
+    include_obfuscation: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"include_obfuscation": (False,)}
 
 
-class _PD(_In):
-    """The fields a PD router adds (sglang-router's names)."""
+class _OpenAIBody(SamplingKnobs):
+    """Fields both OpenAI routes share (the OpenAI API's, then the extensions')."""
 
+    model: str | None = None
+    n: int = N_FIELD
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions: sglang's request id (the router sets it) and the PD router's fields
+    rid: str | None = None
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # extensions known from vLLM / sglang, not implemented
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    priority: Any = None
+    # structured output (server/structured.py)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    guided_grammar: Any = None
+    ebnf: Any = None
+    return_tokens_as_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    lora_path: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingKnobs.NOT_IMPLEMENTED,
+        "skip_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
+        "include_stop_str_in_output": (False,),
+        "priority": (0,),
+        "guided_grammar": (),
+        "ebnf": (),
+        "return_tokens_as_token_ids": (False,),
+        "truncate_prompt_tokens": (),
+        "prompt_logprobs": (),
+        "lora_path": (),
+    }
+
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        super().check_fields(unknown, where)
+        if self.stream_options is not None and not self.stream:
+            raise FieldRefused("stream_options is only allowed with stream", "stream_options")
 
     def bootstrap(self) -> Bootstrap:
         return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
-
-
-class StreamOptions(_In):
-    include_usage: bool = False
-
-
-class _Sampling(_PD):
-    """OpenAI sampling fields plus the sglang extras both OpenAI routes accept."""
-
-    model: str | None = None
-    n: int = Field(default=1, ge=1, le=64)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=as_list(self.stop),
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionIn(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionIn(_OpenAIBody):
+    prompt: Prompt
     max_tokens: int | None = 16
+    # 0 or 1: the sampled token's logprob (top_logprobs beyond it are not implemented)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = None
+    suffix: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_OpenAIBody.NOT_IMPLEMENTED,
+        "logprobs": (0, 1),
+        "echo": (False,),
+        "suffix": ("",),
+    }
+
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        super().check_fields(unknown, where)
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise FieldRefused("best_of other than n is not supported by this server", "best_of")
 
 
-class ChatMessage(_In):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class TextPart(Body):
+    """One part of a message's content; only text parts are implemented."""
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
+    type: str
+    text: str | None = None
+
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        if self.type != "text":
+            raise FieldRefused(f"{where}type: content parts of type {self.type!r} are not "
+                               "supported by this server (text only)", where + "type")  # fmt: skip
+        if self.text is None:
+            raise FieldRefused(f"{where}text is required in a text part", where + "text")
+        super().check_fields(unknown, where)
 
 
-class ChatIn(_Sampling):
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"audio": (), "function_call": ()}
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content)
+        return self.content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (a developer message is a system one)."""
+        role = "system" if self.role == "developer" else self.role
+        out = {"role": role, "content": self.text(), "name": self.name,
+               "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+               "reasoning_content": self.reasoning_content}  # fmt: skip
+        # a null content (an assistant turn that only calls tools) is rendered as "", which
+        # every template reads; transformers would drop the key and many templates fail
+        out["content"] = out["content"] or ""
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class ChatTemplateControls(Body):
+    """The messages and how they are rendered (chat completions and /tokenize)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    # extensions (vLLM's and sglang's chat template controls)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        super().check_fields(unknown, where)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldRefused("continue_final_message and add_generation_prompt cannot both "
+                               "be true", "continue_final_message")  # fmt: skip
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise FieldRefused("continue_final_message needs a final assistant message",
+                               "continue_final_message")  # fmt: skip
+
+
+class ChatIn(ChatTemplateControls, _OpenAIBody):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-class NativeSampling(_In):
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=64)
-
-
-class GenerateIn(_PD):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
-    stream: bool = False
-    return_logprob: bool = False
-    rid: str | None = None
-
-
-def as_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def sse(obj: object) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-# ---- OpenAI formatting -------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    # known, not implemented
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # extensions known, not implemented
+    documents: Any = None
+    chat_template: Any = None
+    echo: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_OpenAIBody.NOT_IMPLEMENTED,
+        "top_logprobs": (0,),
+        "modalities": (["text"],),
+        "service_tier": ("auto", "default"),
+        "store": (False,),
+        "audio": (),
+        "function_call": (),
+        "functions": (),
+        "moderation": (),
+        "prediction": (),
+        "prompt_cache_options": (),
+        "prompt_cache_retention": (),
+        "reasoning_effort": (),
+        "verbosity": (),
+        "web_search_options": (),
+        "documents": (),
+        "chat_template": (),
+        "echo": (False,),
     }
 
+    def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
+        super().check_fields(unknown, where)
+        choice = self.tool_choice
+        named = isinstance(choice, dict) and choice.get("type") == "function"
+        if choice not in (None, "none", "auto", "required") and not named:
+            raise FieldRefused(f"tool_choice {_short(choice)} is not supported by this "
+                               "server", "tool_choice")  # fmt: skip
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise FieldRefused("tool_choice needs tools", "tool_choice")
+        if self.parallel_tool_calls is False and choice in (None, "auto"):
+            raise FieldRefused("parallel_tool_calls false is only enforced with tool_choice "
+                               "required or a named function", "parallel_tool_calls")  # fmt: skip
 
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI knows "stop" and "length"; an abort is reported as "stop"."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    def parse_tools(self, parser: str | None) -> bool:
+        """Whether the answer's tool calls are parsed: tools given and tool_choice "auto"
+        (its default with tools); RequestError 400 when the model has no parser."""
+        if not self.tools or self.tool_choice == "none":
+            return False
+        if parser not in (None, "hermes") and self.tool_choice != "auto":
+            raise FieldRefused(f"tool_choice {_short(self.tool_choice)} is only forced for "
+                               "the hermes tool-call format", "tool_choice")  # fmt: skip
+        if parser is None:
+            raise FieldRefused("this model's chat template shows no tool-call format this "
+                               "server parses (see --tool-call-parser); send tool_choice "
+                               '"none" to pass the tools to the template only', "tools")  # fmt: skip
+        return True
 
-
-def completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], offset: int) -> dict:
-    texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
-    offsets, pos = [], offset
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": lps,
-        "top_logprobs": [{t: lp} for t, lp in zip(texts, lps)],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float]) -> dict:
-    content = []
-    for t, lp in zip(ids, lps):
-        s = tok.decode([t], skip_special_tokens=False)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-    return {"content": content}
-
-
-class OpenAIFormatter:
-    """Builds response bodies and stream chunks of one OpenAI request."""
-
-    def __init__(self, kind: Literal["completion", "chat"], model: str, tok: Tokenizer) -> None:
-        self.kind = kind
-        self.model = model
-        self.tok = tok
-        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + _short_id()
-        self.created = int(time.time())
-        self._text_pos: dict[int, int] = {}  # per choice: characters streamed so far
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}  # fmt: skip
-
-    def response(self, results: list[SampleResult], prompt_tokens: int, logprobs: bool) -> dict:
-        choices = [self._choice(r, logprobs) for r in results]
-        obj = "text_completion" if self.kind == "completion" else "chat.completion"
-        body = self._envelope(obj, choices)
-        body["usage"] = usage(prompt_tokens * len(results), sum(len(r.output_ids) for r in results))
-        staged = next((r for r in results if r.stages), None)
-        if staged is not None:  # the first sample's stages (pdserve extension, read by bench)
-            body["ttft_breakdown"] = ttft_breakdown(staged.stages)
-        return body
-
-    def _choice(self, r: SampleResult, logprobs: bool) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": r.index, "finish_reason": finish_reason(r.finish_reason)}
-        lp = None
-        if self.kind == "completion":
-            c["text"] = r.text
-            if logprobs:
-                lp = completion_logprobs(self.tok, r.output_ids, r.logprobs, 0)
-        else:
-            c["message"] = {"role": "assistant", "content": r.text}
-            if logprobs:
-                lp = chat_logprobs(self.tok, r.output_ids, r.logprobs)
-        c["logprobs"] = lp
-        return c
-
-    def chunk(self, d: Delta, logprobs: bool, first: bool) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": d.index, "finish_reason": finish_reason(d.finish_reason)}
-        lp = None
-        if self.kind == "completion":
-            c["text"] = d.text
-            if logprobs:
-                pos = self._text_pos.get(d.index, 0)
-                lp = completion_logprobs(self.tok, d.token_ids, d.logprobs, pos)
-                self._text_pos[d.index] = pos + len(d.text)
-        else:
-            c["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": d.text} if d.text or not d.finished else {}
-            )
-            if logprobs:
-                lp = chat_logprobs(self.tok, d.token_ids, d.logprobs)
-        c["logprobs"] = lp
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        body = self._envelope(obj, [c])
-        if d.finished and d.stages:  # a choice's final chunk (pdserve extension, read by bench)
-            body["ttft_breakdown"] = ttft_breakdown(d.stages)
-        return body
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        body = self._envelope(obj, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
-        return body
-
-
-# ---- sglang native formatting ------------------------------------------------------------
-def native_meta(rid: str, r: SampleResult, prompt_tokens: int, e2e: float, logprob: bool) -> dict:
-    fr: dict[str, Any] | None = None
-    if r.finish_reason is not None:
-        fr = {"type": r.finish_reason}
-        if r.matched is not None:
-            fr["matched"] = r.matched
-    meta: dict[str, Any] = {
-        "id": rid,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(r.output_ids),
-        "finish_reason": fr,
-        "e2e_latency": e2e,
-    }
-    if r.stages:
-        meta["ttft_breakdown"] = ttft_breakdown(r.stages)
-    if logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(r.output_ids, r.logprobs)]
-    return meta
-
-
-def _short_id() -> str:
-    return uuid.uuid4().hex[:24]
+    @property
+    def max_output(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens

@@ -1,4 +1,8 @@
-"""`/v1/completions` and `/v1/chat/completions` handlers (OpenAI wire format)."""
+"""`/v1/completions` and `/v1/chat/completions` handlers (OpenAI wire format).
+
+Each handler goes one way: parse the body (openai_api.py) -> a Job (prompt ids and
+SamplingParams) -> Frontend.start (generation.py) -> OpenAIFormatter (openai_format.py).
+"""
 
 from __future__ import annotations
 
@@ -6,90 +10,88 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
-from pdserve.protocol import EngineRequest
+from pdserve.protocol import QUEUE_FULL
+from pdserve.server import tokenize_routes
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import Frontend, RequestError, collect, merge, run_sample
+from pdserve.server.generation import (
+    OVERLOADED_RETRY_AFTER_S,
+    Frontend,
+    Job,
+    RequestError,
+    SampleResult,
+    collect,
+)
 from pdserve.server.http_util import (
     check_api_key,
     error_response,
-    parse,
     read_json,
     stream_until_disconnect,
     until_disconnect,
 )
-from pdserve.server.openai_api import (
-    SSE_DONE,
-    ChatIn,
-    CompletionIn,
-    OpenAIFormatter,
-    sse,
-)
+from pdserve.server.openai_api import ChatIn, CompletionIn
+from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
+from pdserve.server.openai_parse import chat_prompt_ids, check_model, completion_prompts, parse_body
 from pdserve.server.server_config import ServerConfig
-from pdserve.server.tokenizer import ChatTemplateError
+from pdserve.server.structured import request_grammar
+from pdserve.server.tool_calls import parser_for_template
+
+MAX_CHOICES = 256  # prompts × n of one request
 
 
-def check_model(model: str | None, cfg: ServerConfig) -> None:
-    """A request naming a model must name ours (served name or path); 404 otherwise."""
-    if model is not None and model not in (cfg.model_name, cfg.model_path):
-        raise RequestError(f"model {model!r} does not exist; this server serves "
-                           f"{cfg.model_name!r}", "model", status=404)  # fmt: skip
+def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
+             wanted: int | None, logprobs: bool, stamps: dict[str, float]) -> Job:  # fmt: skip
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
+    # one max_tokens for the batch: the smallest any prompt allows when none is given
+    max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
+    params = body.params(max_tokens, logprobs)
+    grammar = request_grammar(body)
+    if grammar is not None:
+        params = msgspec.structs.replace(params, grammar=grammar)
+    return Job(prompts, params, body.n, body.rid, body.bootstrap(), stamps)
 
 
-def completion_prompt_ids(fe: Frontend, prompt: Any) -> list[int]:
-    """A string, a list of token ids, or a batch of exactly one of those."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise RequestError("batched prompts are not supported; send one prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return fe.tokenizer.encode(prompt)
-    return list(prompt)
-
-
-def chat_prompt_ids(fe: Frontend, body: ChatIn) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = fe.tokenizer.apply_chat_template(messages)
-    except ChatTemplateError as e:
-        raise RequestError(str(e), "messages") from e
-    return fe.tokenizer.encode(text, add_special_tokens=False)
+def tool_parser(fe: Frontend, cfg: ServerConfig) -> str | None:
+    if cfg.tool_call_parser != "auto":
+        return None if cfg.tool_call_parser == "none" else cfg.tool_call_parser
+    t = fe.tokenizer.chat_templates
+    return parser_for_template(t if isinstance(t, str) else "\n".join(t.values()))
 
 
 def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
+    parser = tool_parser(fe, cfg)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
-        body = parse(CompletionIn, await read_json(request, cfg.max_body_bytes))
+        body = parse_body(CompletionIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
-        if body.echo:
-            raise RequestError("echo is not supported", "echo")
-        ids = completion_prompt_ids(fe, body.prompt)
-        max_tokens = fe.check_prompt(ids, body.max_tokens)
         logprobs = body.logprobs is not None
-        reqs = fe.build_requests(ids, body.params(max_tokens, logprobs), body.n, None,
-                                 body.bootstrap(), stamps)  # fmt: skip
-        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer)
-        return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, logprobs)
+        job = make_job(fe, body, completion_prompts(fe, body.prompt), body.max_tokens, logprobs,
+                       stamps)  # fmt: skip
+        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, job, logprobs)
+        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         check_api_key(request, cfg.api_key)
-        body = parse(ChatIn, await read_json(request, cfg.max_body_bytes))
+        body = parse_body(ChatIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
-        ids = chat_prompt_ids(fe, body)
-        wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # fmt: skip
-        max_tokens = fe.check_prompt(ids, wanted)
-        reqs = fe.build_requests(ids, body.params(max_tokens, body.logprobs), body.n, None,
-                                 body.bootstrap(), stamps)  # fmt: skip
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer)
-        return await respond(request, fe, fmt, reqs, body.stream, body.include_usage, body.logprobs)
+        tools = body.parse_tools(parser)
+        job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
+                       stamps)  # fmt: skip
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools)
+        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
+
+    tokenize_routes.register(app, fe, cfg)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -110,56 +112,46 @@ def stream_failure(e: Exception) -> str:
     return sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, 500))
 
 
-def engine_error_status(fe: Frontend) -> int:
-    return 503 if not fe.client.alive else 500
+def engine_error_status(fe: Frontend, error: str | None = None) -> int:
+    """503 for an engine that is gone or a full queue (the client may retry), else 500."""
+    return 503 if not fe.client.alive or error == QUEUE_FULL else 500
 
 
-async def respond(
-    request: Request,
-    fe: Frontend,
-    fmt: OpenAIFormatter,
-    reqs: list[EngineRequest],
-    stream: bool,
-    include_usage: bool,
-    logprobs: bool,
-) -> Response:
-    if not fe.client.alive:
-        return error_response(503, f"engine unavailable: {fe.client.error}")
-    fe.metrics.prompt_tokens.inc(len(reqs[0].input_ids) * len(reqs))
-    gen = merge([run_sample(fe, r, i) for i, r in enumerate(reqs)])
-    prompt_tokens = len(reqs[0].input_ids)
+def engine_error_response(fe: Frontend, error: str) -> Response:
+    status = engine_error_status(fe, error)
+    r = error_response(status, error)
+    if error == QUEUE_FULL:
+        r.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
+    return r
+
+
+async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter, job: Job,
+                  stream: bool, include_usage: bool) -> Response:  # fmt: skip
+    _, gen = fe.start(job)
     if stream:
-        chunks = _sse(fe, fmt, gen, prompt_tokens * len(reqs), include_usage, logprobs)
+        chunks = _sse(fe, fmt, gen, include_usage)
         return StreamingResponse(
             stream_until_disconnect(request, chunks), media_type="text/event-stream"
         )
-    results = await until_disconnect(request, collect(gen, len(reqs)))
+    results: list[SampleResult] = await until_disconnect(request, collect(gen, job.choices))
     failed = next((r for r in results if r.error), None)
     if failed is not None:
-        return error_response(engine_error_status(fe), failed.error or "engine error")
-    return JSONResponse(fmt.response(results, prompt_tokens, logprobs))
+        return engine_error_response(fe, failed.error or "engine error")
+    return JSONResponse(fmt.response(results))
 
 
 async def _sse(
-    fe: Frontend,
-    fmt: OpenAIFormatter,
-    gen: AsyncIterator[Any],
-    prompt_tokens: int,
-    include_usage: bool,
-    logprobs: bool,
+    fe: Frontend, fmt: OpenAIFormatter, gen: AsyncIterator[Any], include_usage: bool
 ) -> AsyncIterator[str]:
-    started: set[int] = set()
-    completion_tokens = 0
     try:
         async for d in gen:
             if d.error:
-                yield sse(error_body(d.error, "server_error", None, engine_error_status(fe)))
+                yield sse(error_body(d.error, "server_error", None, engine_error_status(fe, d.error)))  # fmt: skip
                 yield SSE_DONE
                 return
-            completion_tokens += len(d.token_ids)
-            if d.text or d.finished or (logprobs and d.token_ids) or d.index not in started:
-                yield sse(fmt.chunk(d, logprobs, first=d.index not in started))
-                started.add(d.index)
+            chunk = fmt.chunk(d)
+            if chunk is not None:
+                yield sse(chunk)
     except EngineDead as e:  # died between the liveness check and submission
         yield sse(error_body(str(e), "server_error", None, 503))
         yield SSE_DONE
@@ -171,5 +163,5 @@ async def _sse(
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
     if include_usage:
-        yield sse(fmt.usage_chunk(prompt_tokens, completion_tokens))
+        yield sse(fmt.usage_chunk())
     yield SSE_DONE

@@ -22,7 +22,8 @@ from pdserve.config import (
     TransferConfig,
 )
 from pdserve.envs import ENV
-from pdserve.server.server_config import ServerConfig
+from pdserve.server.server_config import UNKNOWN_FIELD_POLICIES, ServerConfig
+from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _default(cls: type, name: str) -> Any:
@@ -231,7 +232,24 @@ def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
         "seconds to wait for the engine process",
     )
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug | info | warning")
+    _add_api_flags(p)
     _add_transfer_flags(p, role)
+
+
+def _add_api_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API")
+    g.add_argument("--unknown-fields", choices=UNKNOWN_FIELD_POLICIES,
+                   default=ServerConfig.unknown_fields,
+                   help="a request field this server does not know: refuse it (400 naming "
+                   "it) or log a warning and ignore it")  # fmt: skip
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the model's")  # fmt: skip
+    g.add_argument("--tool-call-parser", choices=("auto", "none", *TOOL_CALL_PARSERS),
+                   default=ServerConfig.tool_call_parser,
+                   help="how tool calls are parsed from the output (auto: from the chat "
+                   "template)")  # fmt: skip
+    g.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="answer CORS requests from these origins ('*': any); off by default")  # fmt: skip
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -285,6 +303,8 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
+        unknown_fields=args.unknown_fields, chat_template=args.chat_template,
+        cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+UNKNOWN_FIELD_POLICIES = ("refuse", "warn")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -21,6 +23,13 @@ class ServerConfig:
     health_generate_timeout_s: float = 20.0
     default_max_new_tokens: int = 128  # /generate without sampling_params.max_new_tokens
     log_level: str = "info"
+    # a request field the server does not know: "refuse" (400 naming it) or "warn" (logged)
+    unknown_fields: str = "refuse"
+    chat_template: str | None = None  # a Jinja file that replaces the model's chat template
+    cors_origins: tuple[str, ...] = ()
+    # how tool calls are found in the output: a parser name (tool_calls.py), "auto" (from
+    # the chat template) or "none"
+    tool_call_parser: str = "auto"  # origins allowed cross-origin ("*": any); none: no CORS
 
     @property
     def model_name(self) -> str:

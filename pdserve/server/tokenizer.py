@@ -70,7 +70,8 @@ def _as_id_list(v: object) -> list[int]:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None) -> None:
+        """`chat_template`: a Jinja file that replaces the model's chat template(s)."""
         d = Path(model_dir)
         if not (d / "tokenizer.json").is_file():  # the library's own error names no file
             raise FileNotFoundError(
@@ -94,7 +95,9 @@ class Tokenizer:
         self.max_position_embeddings: int | None = mcfg.get("max_position_embeddings")
         self.eos_token_ids = self._eos_ids(mcfg, gcfg)
         templates = load_chat_template(d)
-        if templates is None:
+        if chat_template is not None:
+            templates = Path(chat_template).read_text(encoding="utf-8")
+        elif templates is None:
             log.warning("%s has no chat template; chat requests use ChatML", d)
             templates = DEFAULT_CHAT_TEMPLATE
         self.chat_templates: Templates = templates

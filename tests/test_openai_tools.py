@@ -1,0 +1,156 @@
+"""Tool calls parsed out of the answer (Qwen2.5 / Hermes `<tool_call>` JSON), whole and
+streamed, unit by unit and through a frontend with the fake engine (which echoes the
+prompt, so the "model" writes whatever the prompt holds)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from fake_engine import ServerProc, make_model_dir
+
+from pdserve.server.structured import tool_grammar
+from pdserve.server.tokenizer import Tokenizer
+from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls, parser_for_template
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TEXT = f"Let me check. {CALL}\n{CALL.replace('Paris', 'Oslo')} done <tool_ca"
+
+
+def test_whole_answer() -> None:
+    content, calls = parse_tool_calls(TEXT)
+    assert content == "Let me check. \n done <tool_ca"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
+                                                                       {"city": "Oslo"}]  # fmt: skip
+    assert [c["index"] for c in calls] == [0, 1] and calls[0]["id"] != calls[1]["id"]
+
+
+def test_not_a_call_stays_content() -> None:
+    for text in ["<tool_call>not json</tool_call>", "<tool_call>[1, 2]</tool_call>",
+                 '<tool_call>{"name": "f"']:  # fmt: skip
+        assert parse_tool_calls(text) == (text, [])
+
+
+def test_streamed_in_any_pieces_equals_whole() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(TEXT)), 8))
+        pieces = [TEXT[a:b] for a, b in zip([0, *cuts], [*cuts, len(TEXT)])]
+        s = ToolCallStream()
+        content, calls = "", []
+        for p in pieces:
+            c, new = s.feed(p)
+            assert "<tool_call>" not in c and "</tool_call>" not in c
+            content, calls = content + c, calls + new
+        content += s.flush()
+        want_content, want_calls = parse_tool_calls(TEXT)
+        assert content == want_content
+        assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+
+
+def test_parser_from_template() -> None:
+    assert parser_for_template("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert parser_for_template("{{ messages }}") is None
+
+
+# ---- through a frontend ------------------------------------------------------------------
+TEMPLATE = (
+    "{# the model writes <tool_call> JSON #}{% if tools %}Tools:{% for t in tools %} "
+    "{{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    model = make_model_dir(tmp_path_factory.mktemp("model"), max_positions=512)
+    template = tmp_path_factory.mktemp("tpl") / "t.jinja"
+    template.write_text(TEMPLATE)
+    s = ServerProc(model, "decode", "--served-model-name", "m", "--chat-template", str(template))
+    try:
+        s.wait_healthy()
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        body = {"messages": [{"role": "user", "content": CALL}], "tools": TOOLS}
+        c.prompt_len = httpx.post(s.url + "/tokenize", json=body).json()["count"]  # type: ignore[attr-defined]
+        yield c
+    finally:
+        s.stop()
+
+
+def ask(client: openai.OpenAI, **kw):  # type: ignore[no-untyped-def]
+    """The echo of the prompt, once: the template's line, then the call."""
+    msgs = [{"role": "user", "content": CALL}]
+    kw.setdefault("max_tokens", client.prompt_len)  # type: ignore[attr-defined]
+    return client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, **kw)
+
+
+def test_tool_calls_answer(client) -> None:
+    r = ask(client)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_tool_calls_streamed(client) -> None:
+    chunks = list(ask(client, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text and "get_weather" in text  # the template's own line
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_text(client) -> None:
+    r = ask(client, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+def test_forcing_an_unknown_tool_is_refused_by_name(client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, max_tokens=3, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+
+
+# ---- tool_choice required / named: the grammar accepts calls and nothing else -------------
+TWO = [*TOOLS, {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}]  # fmt: skip
+
+
+def accepts(grammar: str, text: str, model) -> bool:  # type: ignore[no-untyped-def]
+    import llguidance
+
+    tok = llguidance.LLTokenizer((model / "tokenizer.json").read_text(), eos_token=0)
+    m = llguidance.LLMatcher(tok, grammar, log_level=0)
+    ids = Tokenizer(model).encode(text, add_special_tokens=False)
+    return m.consume_tokens(ids) and m.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_model_dir(tmp_path_factory.mktemp("m2"))
+
+
+def test_required_and_named_grammars(model_dir) -> None:
+    add = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    weather = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    required = tool_grammar(TWO, "required", None)
+    assert accepts(required, add, model_dir) and accepts(required, weather, model_dir)
+    assert accepts(required, add + "\n" + weather, model_dir)  # parallel calls
+    assert not accepts(required, "Sure! " + add, model_dir)  # a call, nothing else
+    assert not accepts(tool_grammar(TWO, "required", False), add + "\n" + add, model_dir)
+    named = tool_grammar(TWO, {"type": "function", "function": {"name": "add"}}, None)
+    assert accepts(named, add, model_dir) and not accepts(named, weather, model_dir)
+    bad = '<tool_call>\n{"name":"add","arguments":{"a":"x","b":2}}\n</tool_call>'
+    assert not accepts(named, bad, model_dir)  # the parameters' schema holds
