@@ -63,8 +63,19 @@ class _OpenAIBody(SamplingKnobs):
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
     lora_path: Any = None
+    # sglang's, which sglang-router writes into every body it forwards (at their defaults)
+    no_stop_trim: Any = None
+    return_hidden_states: Any = None
+    # sglang applies these only with a reasoning parser; pdserve has none, so either value
+    # gives the output sglang gives without one
+    separate_reasoning: Any = None
+    stream_reasoning: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingKnobs.NOT_IMPLEMENTED,
+        "no_stop_trim": (False,),
+        "return_hidden_states": (False,),
+        "separate_reasoning": (True, False),
+        "stream_reasoning": (True, False),
         "skip_special_tokens": (True,),
         "spaces_between_special_tokens": (True,),
         "include_stop_str_in_output": (False,),
