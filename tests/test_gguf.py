@@ -4,17 +4,18 @@ types, tensors, architectures and tokenizers are refused by name."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf_files import PRESET, hf_greedy_gguf, llama_cpp_permute, write_llama_gguf
 
 from pdserve.llm import LLM
-from pdserve.model import gguf_convert, resolve
+from pdserve.model import gguf_convert, gguf_tensors, resolve
 from pdserve.sampling_params import SamplingParams
 
 NEW = 8
@@ -22,10 +23,10 @@ PROMPTS = [[5, 300, 17, 88, 410, 9], list(range(40, 71))]  # one spans several p
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-    w = torch.randn(4 * 16, 8)
-    permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 4))
-    assert not torch.equal(permuted, w)
-    assert torch.equal(gguf_convert._unpermute(permuted, 4), w)
+    w = np.random.default_rng(0).standard_normal((4 * 16, 8)).astype(np.float32)
+    permuted = llama_cpp_permute(w, 4)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(gguf_tensors.unpermute(permuted, 4), w)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,8 @@ def _rewrite_with(tmp_path: Path, **kw) -> Path:
 
 
 def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
-    path = _rewrite_with(tmp_path, odd_tensor=("blk.1.ffn_up.weight", "Q5_0"))
-    with pytest.raises(gguf_convert.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*Q5_0"):
+    path = _rewrite_with(tmp_path, odd_tensor=("blk.1.ffn_up.weight", "F64"))
+    with pytest.raises(gguf_convert.GGUFError, match=r"'blk\.1\.ffn_up\.weight'.*F64.*Q4_K"):
         gguf_convert.convert(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -116,8 +117,13 @@ def test_metadata_that_changes_the_computation_is_refused(key, value, words):
 def test_unsupported_tokenizers_are_refused_by_name():
     from pdserve.model.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
 
-    with pytest.raises(GGUFTokenizerError, match="'llama'"):
+    with pytest.raises(GGUFTokenizerError, match="'t5'"):
+        build_tokenizer({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(GGUFTokenizerError, match="scores"):  # nothing to rank merges by
         build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    phi3 = {"general.architecture": "phi3", "tokenizer.ggml.model": "llama"}
+    with pytest.raises(GGUFTokenizerError, match="'phi3'"):
+        build_tokenizer(phi3 | {"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.scores": [0.0]})
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "deepseek-coder"}  # fmt: skip
     with pytest.raises(GGUFTokenizerError, match="'deepseek-coder'"):
@@ -136,3 +142,42 @@ def test_gguf_dequantize_is_not_a_no_op():
     q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_0)
     back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_0)
     assert back.shape == a.shape and 0 < np.abs(back - a).max() < 0.5
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_tensor_count_and_time_on_a_tty_only(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q8_0")
+    n = len(gguf.GGUFReader(str(path)).tensors)
+    tty = _Tty()
+    gguf_convert.convert(path, tmp_path / "a", progress=tty)
+    last = tty.getvalue().rstrip("\n").split("\r")[-1]
+    assert re.fullmatch(rf"converting m\.gguf: {n}/{n} tensors, \d+\.\d s\x1b\[K", last), last
+    assert tty.getvalue().endswith("\n")
+    pipe = io.StringIO()  # not a terminal: a log file or CI gets nothing
+    gguf_convert.convert(path, tmp_path / "b", progress=pipe)
+    assert pipe.getvalue() == ""
+
+
+def test_an_architectures_value_fix_applies_to_every_slab(tmp_path, monkeypatch):
+    """gguf_arch.GGUFArch.value_fix (e.g. llama.cpp's `norm + 1`) reaches each row slab."""
+    import dataclasses
+
+    from gguf_files import write_random_gguf
+    from safetensors.numpy import load_file
+
+    from pdserve.model import gguf_arch
+
+    monkeypatch.setattr(gguf_tensors, "SLAB_FLOATS", 7 * 256)
+    path = write_random_gguf(tmp_path / "r.gguf", "Q4_K")
+    plain = load_file(str(gguf_convert.convert(path, tmp_path / "a") / "model.safetensors"))
+    fixed_llama = dataclasses.replace(
+        gguf_arch.ARCHES["llama"], value_fix=lambda name, w: w - 1 if "norm" in name else w * 2
+    )
+    monkeypatch.setitem(gguf_arch.ARCHES, "llama", fixed_llama)
+    fixed = load_file(str(gguf_convert.convert(path, tmp_path / "b") / "model.safetensors"))
+    for name, w in plain.items():
+        assert np.array_equal(fixed[name], w - 1 if "norm" in name else w * 2), name

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
+from pdserve.model.gguf_error import GGUFError
+from pdserve.model.gguf_tokenizer import GGUFTokenizerError
 from pdserve.model.resolve import DEFAULT_MODEL, resolve_model
+
+# What a user can fix (a file pdserve refuses, a path or package that is missing): one
+# line on stderr and exit status 1. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (GGUFError, GGUFTokenizerError, FileNotFoundError, NotADirectoryError)
 
 MARKER = ".pdserve-export"  # holds the --model value the folder was exported from
 
@@ -34,7 +41,11 @@ def export_model(spec: str, out: str | Path) -> Path:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    path = export_model(args.model, args.out)
+    try:
+        path = export_model(args.model, args.out)
+    except USER_ERRORS as e:
+        print(f"pdserve export-model: error: {e}", file=sys.stderr)
+        return 1
     print(f"exported {args.model!r} to {path}")
     return 0
 

@@ -2,79 +2,30 @@
 
 The rest of pdserve serves Hugging Face folders, so a GGUF is converted once into
 one: its tensors de-quantized to float32 with the `gguf` package (llama.cpp's own
-reader), renamed to Hugging Face names, and with the Q/K row order restored;
-config and tokenizer rebuilt from the file's metadata. `gguf_cache.py` caches the
-folder. Anything the converter does not implement exactly is refused by name:
-an architecture, a tensor type, a tensor, a metadata key that changes the
-computation (rope scaling, sliding window, ...).
+reader) and streamed to disk (gguf_tensors.py), renamed and fixed per architecture
+(gguf_arch.py), config and tokenizer rebuilt from the file's metadata
+(gguf_tokenizer.py). resolve.py caches the folder. Anything the converter does not
+implement exactly is refused by name: an architecture, a tensor type, a tensor, a
+metadata key that changes the computation (rope scaling, sliding window, ...).
+Every refusal is a GGUFError whose message starts with the file's path.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pdserve.model import gguf_tokenizer
+from pdserve.model.gguf_arch import ARCHES, REFUSED_KEYS, GGUFArch
+from pdserve.model.gguf_tensors import GGUFError, check_tensors, write_safetensors
 
 if TYPE_CHECKING:
     import gguf
-    import torch
 
-# general.architecture -> Hugging Face architecture
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-
-# GGUF tensor name -> Hugging Face name, per block and global
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_EXTRA = {  # tensors only some architectures have
-    "qwen2": {
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-    },
-    "qwen3": {
-        "attn_q_norm.weight": "self_attn.q_norm.weight",
-        "attn_k_norm.weight": "self_attn.k_norm.weight",
-    },
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
-# Metadata that would change the computation and that this converter does not implement.
-# Key suffix (after "<arch>.") -> what it is.
-_REFUSED_KEYS = {
-    "rope.scaling.type": "rope scaling",
-    "rope.scaling.factor": "rope scaling",
-    "attention.sliding_window": "sliding window attention",
-    "expert_count": "mixture of experts",
-    "attention.clamp_kqv": "QKV clamping",
-    "logit_scale": "logit scaling",
-    "attention.value_length": "a value head size other than the key head size",
-}
-
-
-class GGUFError(ValueError):
-    """A GGUF file pdserve cannot serve exactly; the message names what and why."""
+__all__ = ["GGUFError", "convert", "hf_config", "read_metadata"]
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -82,82 +33,89 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items()}
 
 
-def _arch(meta: dict[str, Any]) -> str:
-    arch = str(meta.get("general.architecture"))
-    if arch not in ARCHITECTURES:
+def arch_of(meta: dict[str, Any]) -> tuple[str, GGUFArch]:
+    name = str(meta.get("general.architecture"))
+    if name not in ARCHES:
         raise GGUFError(
-            f"GGUF general.architecture = {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
+            f"key general.architecture = {name!r} is not supported (supported: {', '.join(ARCHES)})"
         )
-    return arch
+    return name, ARCHES[name]
 
 
-def _check_keys(meta: dict[str, Any], arch: str) -> None:
-    for suffix, what in _REFUSED_KEYS.items():
-        value = meta.get(f"{arch}.{suffix}")
-        if value is None or (suffix == "rope.scaling.type" and value == "none"):
+def _check_keys(meta: dict[str, Any], name: str, arch: GGUFArch) -> None:
+    for suffix, what in REFUSED_KEYS.items():
+        value = meta.get(f"{name}.{suffix}")
+        if value is None or suffix in arch.implemented_keys:
             continue
-        if suffix == "attention.value_length" and value == _head_dim(meta, arch):
+        if suffix == "rope.scaling.type" and value == "none":
             continue
-        raise GGUFError(f"GGUF key {arch}.{suffix} = {value!r} ({what}) is not supported")
+        if suffix == "attention.value_length" and value == _head_dim(meta, name):
+            continue
+        raise GGUFError(f"key {name}.{suffix} = {value!r} ({what}) is not supported")
 
 
-def _head_dim(meta: dict[str, Any], arch: str) -> int:
+def _head_dim(meta: dict[str, Any], name: str) -> int:
     """llama.cpp's head size: attention.key_length, else embedding_length / head_count."""
-    key_length = meta.get(f"{arch}.attention.key_length")
+    key_length = meta.get(f"{name}.attention.key_length")
     if key_length:
         return int(key_length)
-    return int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"])
+    return int(meta[f"{name}.embedding_length"]) // int(meta[f"{name}.attention.head_count"])
 
 
-def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """config.json for the file: only standard fields, top-level `rope_theta`."""
-    arch = _arch(meta)
-    _check_keys(meta, arch)
-
-    def key(name: str) -> Any:
-        return meta[f"{arch}.{name}"]
-
-    heads = int(key("attention.head_count"))
-    head_dim = _head_dim(meta, arch)
-    rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise GGUFError(
-            f"GGUF key {arch}.rope.dimension_count = {rope_dims} (partial rotary) is not "
-            f"supported: head size is {head_dim}"
-        )
-    tokens = meta["tokenizer.ggml.tokens"]
-    cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
-        "hidden_size": int(key("embedding_length")),
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "float32",
-    }
-    for name, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
-        tid = meta.get(f"tokenizer.ggml.{gguf_key}_token_id")
-        if tid is not None:
-            cfg[f"{name}_token_id"] = int(tid)
-    return cfg
-
-
-def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
+    out = {}
     for name, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         tid = meta.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if tid is not None:
             out[f"{name}_token_id"] = int(tid)
     return out
+
+
+def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """config.json for the file: only standard fields, top-level `rope_theta`."""
+    name, arch = arch_of(meta)
+    _check_keys(meta, name, arch)
+
+    def key(suffix: str) -> Any:
+        full = f"{name}.{suffix}"
+        if full not in meta:
+            raise GGUFError(f"key {full} is missing")
+        return meta[full]
+
+    heads = int(key("attention.head_count"))
+    head_dim = _head_dim(meta, name)
+    rope_dims = meta.get(f"{name}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise GGUFError(
+            f"key {name}.rope.dimension_count = {rope_dims} (partial rotary) is not "
+            f"supported: head size is {head_dim}"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    cfg: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "vocab_size": int(meta.get(f"{name}.vocab_size") or len(tokens)),
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{name}.attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "hidden_act": arch.hidden_act,
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get(f"{name}.rope.freq_base") or 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+        **_special_ids(meta),
+    }
+    if arch.config_fix is not None:
+        cfg.update(arch.config_fix(meta, name, cfg))
+    return cfg
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    return _special_ids(meta)
 
 
 def tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
@@ -174,7 +132,7 @@ def tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **tok,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": gguf_tokenizer.adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
@@ -185,75 +143,59 @@ def tokenizer_config(meta: dict[str, Any], max_length: int) -> dict[str, Any]:
     return out
 
 
-def _hf_name(name: str, arch: str) -> str:
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    m = _BLOCK_RE.fullmatch(name)
-    table = {**_BLOCK, **_BLOCK_EXTRA.get(arch, {})}
-    if m and m.group(2) in table:
-        return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
-    raise GGUFError(f"GGUF tensor {name!r} is not supported for architecture {arch!r}")
+class Progress:
+    """`<file>: 12/236 tensors, 3.4 s` on one stderr line, redrawn; off when not a TTY."""
+
+    def __init__(self, label: str, total: int, stream: IO[str] | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.on = self.stream.isatty()
+        self.label, self.total = label, total
+        self.start = self._last = time.monotonic()
+
+    def __call__(self, done: int, name: str) -> None:
+        now = time.monotonic()
+        if self.on and (now - self._last >= 0.1 or done == self.total):
+            self._last = now
+            line = f"converting {self.label}: {done}/{self.total} tensors, {now - self.start:.1f} s"
+            self.stream.write(f"\r{line}\x1b[K")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.on:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation.
+def convert(gguf_path: str | Path, out_dir: str | Path, progress: IO[str] | None = None) -> Path:
+    """Write the Hugging Face folder for `gguf_path` into `out_dir` (created) and return it.
 
-    llama.cpp's converter reorders each head's rows from [first half | second half]
-    (Hugging Face's rotate-half layout) to interleaved pairs (row 2i = HF row i,
-    row 2i+1 = HF row i + head_dim/2). Here rows go back: per head (dim/2, 2) -> (2, dim/2).
+    Raises GGUFError (or GGUFTokenizerError) whose message starts with the file's path.
     """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    try:
+        return _convert(Path(gguf_path), Path(out_dir), progress)
+    except (GGUFError, gguf_tokenizer.GGUFTokenizerError) as e:
+        raise type(e)(f"{gguf_path}: {e}") from None
 
 
-def check_tensors(reader: gguf.GGUFReader, arch: str) -> None:
-    """Refuse, before any de-quantizing, a tensor of unsupported type or unknown name."""
-    for t in reader.tensors:
-        qtype = t.tensor_type.name
-        if qtype not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"GGUF tensor {t.name!r} has type {qtype}, which is not supported "
-                f"(supported: {', '.join(SUPPORTED_TYPES)})"
-            )
-        _hf_name(t.name, arch)
-
-
-def tensors(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """All tensors as float32, by Hugging Face name. Refuses unsupported types by name."""
-    import numpy as np
-    import torch
-    from gguf.quants import dequantize
-
-    arch = cfg["model_type"]
-    permute = arch == "llama"  # llama.cpp permutes Q/K rows for Llama only (NEOX rope otherwise)
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
-    check_tensors(reader, arch)
-    out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name, arch)
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), np.float32))  # a copy
-        kind = t.name.split(".")[-2]
-        if permute and kind in heads:
-            w = _unpermute(w, int(heads[kind]))
-        out[name] = w.contiguous()
-    return out
-
-
-def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write the Hugging Face folder for `gguf_path` into `out_dir` (created) and return it."""
+def _convert(src: Path, out: Path, progress: IO[str] | None) -> Path:
     import gguf
-    from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except (ValueError, OSError) as e:  # not a GGUF, truncated, or an unknown version
+        raise GGUFError(f"not a readable GGUF file ({e})") from None
     meta = read_metadata(reader)
     cfg = hf_config(meta, {t.name for t in reader.tensors})
+    name, arch = arch_of(meta)
+    check_tensors(reader, name, arch)  # refusals come before the slow part
     tok = gguf_tokenizer.build_tokenizer(meta)
-    check_tensors(reader, cfg["model_type"])  # refusals come before the slow part
-    weights = tensors(reader, cfg)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    bar = Progress(src.name, len(reader.tensors), progress)
+    try:
+        write_safetensors(out / "model.safetensors", reader, name, arch, heads, bar)
+    finally:
+        bar.close()
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", generation_config(meta))

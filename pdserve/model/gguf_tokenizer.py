@@ -2,10 +2,11 @@
 
 A GGUF carries no tokenizer.json; llama.cpp stores the vocabulary (`tokenizer.ggml.tokens`,
 ids are list positions), the BPE merges, a type per token (1 normal, 3 control, 4 user
-defined) and a pre-tokenizer name (`tokenizer.ggml.pre`). Only byte-level BPE
-(`tokenizer.ggml.model == "gpt2"`) is rebuilt here; a SentencePiece vocabulary
-(`"llama"`) or an unknown pre-tokenizer name is refused: guessing would tokenize
-prompts differently from the model's training and nothing would say so.
+defined) and a pre-tokenizer name (`tokenizer.ggml.pre`). Byte-level BPE
+(`tokenizer.ggml.model == "gpt2"`) is rebuilt here, SentencePiece (`"llama"`) in
+gguf_sentencepiece.py, both as transformers' GGUF loader builds them; any other model
+or an unknown pre-tokenizer name is refused: guessing would tokenize prompts
+differently from the model's training and nothing would say so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from pdserve.model import gguf_sentencepiece
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 
@@ -64,21 +67,8 @@ def _merges(raw: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """The tokenizer described by `meta` (GGUF key -> value, `tokenizer.ggml.*` keys).
-
-    Control tokens become special added tokens (matched whole, skipped when decoding
-    with skip_special_tokens); user-defined tokens become plain added tokens.
-    """
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFTokenizerError(
-            f"GGUF tokenizer.ggml.model = {kind!r} is not supported: pdserve rebuilds "
-            "byte-level BPE ('gpt2') tokenizers only; convert the model to a Hugging Face "
-            "folder (with tokenizer.json) and serve that"
-        )
+def _byte_level(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
     pre = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFTokenizerError("GGUF tokenizer.ggml.tokens holds duplicate tokens")
@@ -89,41 +79,76 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer described by `meta` (GGUF key -> value, `tokenizer.ggml.*` keys).
+
+    Control tokens become special added tokens (matched whole, skipped when decoding
+    with skip_special_tokens); user-defined tokens become plain added tokens; the named
+    BOS/EOS/unknown/padding tokens are special too, as transformers makes them.
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
+    if not tokens:
+        raise GGUFTokenizerError("GGUF tokenizer.ggml.tokens is missing or empty")
+    if kind == "gpt2":
+        tok, spelled = _byte_level(meta, tokens), tokens
+    elif kind == "llama":
+        try:
+            tok, spelled = gguf_sentencepiece.build(meta, tokens)
+        except gguf_sentencepiece.SentencePieceError as e:
+            raise GGUFTokenizerError(str(e)) from None
+    else:
+        raise GGUFTokenizerError(
+            f"GGUF tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2' "
+            "byte-level BPE, 'llama' SentencePiece); convert the model to a Hugging Face "
+            "folder (with tokenizer.json) and serve that"
+        )
     types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    # transformers adds a user-defined token only under its stored spelling (a Gemma
+    # piece of spaces, respelled with ▁, is left to the BPE)
+    known = set(spelled) | set(control)
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED and t in known]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    named = [special_token(meta, k) for k in ("bos", "eos", "unknown", "padding")]
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
     tok.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == TOKEN_CONTROL
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == TOKEN_USER_DEFINED
+            for t in dict.fromkeys(named)
+            if t and t not in added
         ]
     )
     _add_bos_eos(tok, meta, tokens)
     return tok
 
 
+def adds_bos(meta: dict[str, Any]) -> bool:
+    """Whether encoding prepends BOS: the file's flag; a SentencePiece file without one
+    does (llama.cpp's and transformers' default)."""
+    flag = meta.get("tokenizer.ggml.add_bos_token")
+    if flag is None:
+        return meta.get("tokenizer.ggml.model") == "llama"
+    return bool(flag)
+
+
 def _add_bos_eos(tok: Tokenizer, meta: dict[str, Any], tokens: list[str]) -> None:
-    """llama.cpp's add_bos/add_eos flags as a post-processor (applied with special tokens)."""
-    pieces: list[tuple[str, int]] = []
-    single = "$A"
-    if meta.get("tokenizer.ggml.add_bos_token") and "tokenizer.ggml.bos_token_id" in meta:
-        bos = int(meta["tokenizer.ggml.bos_token_id"])
-        pieces.append((tokens[bos], bos))
-        single = f"{tokens[bos]} {single}"
-    if meta.get("tokenizer.ggml.add_eos_token") and "tokenizer.ggml.eos_token_id" in meta:
-        eos = int(meta["tokenizer.ggml.eos_token_id"])
-        pieces.append((tokens[eos], eos))
-        single = f"{single} {tokens[eos]}"
-    if pieces:
-        tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=f"{single} $B", special_tokens=pieces
-        )
+    """The add_bos/add_eos flags as transformers' post-processor (a pair repeats them)."""
+    bos = special_token(meta, "bos") if adds_bos(meta) else None
+    eos = special_token(meta, "eos") if meta.get("tokenizer.ggml.add_eos_token") else None
+    if bos is None and eos is None:
+        return
+    single = f"{bos}:0 $A:0" if bos else "$A:0"
+    single += f" {eos}:0" if eos else ""
+    pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"
+    pieces = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=pieces
+    )
 
 
 def special_token(meta: dict[str, Any], key: str) -> str | None:

