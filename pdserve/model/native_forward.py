@@ -37,6 +37,8 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
     a = model.arch
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
+    if model.embed_quant is not None:
+        return "the embedding is in GGUF blocks"
     if not isinstance(model.ops, NativeOps) or model.act is not F.silu:
         return "the native norms are off or the activation is not SiLU"
     if not all(lin.native is not None for lin in model.linears()):

@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -68,48 +68,83 @@ static float half(const uint8_t *p) {
     return f;
 }
 
+/* y[0, 16) = s * q[0, 16) + m: the only float arithmetic of a de-quantize (the q are
+ * exact small integers, so where gguf computes d * q + m this is the same). */
+static inline void scale16(const int8_t *q, float s, float m, float *y) {
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s), f), _mm512_set1_ps(m)));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 16; h += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(q + h));
+        __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        _mm256_storeu_ps(y + h, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s), f),
+                                              _mm256_set1_ps(m)));
+    }
+#else
+    for (int l = 0; l < 16; l++) y[l] = s * (float)q[l] + m;
+#endif
+}
+
+/* lo[l] = (src[l] & 15) - off, hi[l] = (src[l] >> 4) - off for l < n (n: 16 or 32) */
+static inline void nibbles(const uint8_t *src, int n, int off, int8_t *lo, int8_t *hi) {
+#if defined(__SSE2__)
+    const __m128i mask = _mm_set1_epi8(0xf), o = _mm_set1_epi8((char)off);
+    for (int l = 0; l < n; l += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + l));
+        _mm_storeu_si128((__m128i *)(lo + l), _mm_sub_epi8(_mm_and_si128(v, mask), o));
+        __m128i h = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        _mm_storeu_si128((__m128i *)(hi + l), _mm_sub_epi8(h, o));
+    }
+#else
+    for (int l = 0; l < n; l++) {
+        lo[l] = (int8_t)((src[l] & 0xf) - off);
+        hi[l] = (int8_t)((src[l] >> 4) - off);
+    }
+#endif
+}
+
+/* The integer stage of each type fills q[] (exact small integers as int8, byte loops the
+ * compiler vectorizes); scale16 applies the block's scale (and min). */
+
 static void row_q8_0(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k; i += 32, b += 34, y += 32) {
         float d = half(b);
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int l = 0; l < 32; l++) y[l] = d * (float)q[l];
+        scale16((const int8_t *)(b + 2), d, 0.0f, y);
+        scale16((const int8_t *)(b + 18), d, 0.0f, y + 16);
     }
 }
 
 static void row_q4_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
     for (int64_t i = 0; i < k; i += 32, b += 18, y += 32) {
         float d = half(b);
-        const uint8_t *q = b + 2;
-        for (int l = 0; l < 16; l++) {
-            y[l] = d * (float)((q[l] & 0xf) - 8);
-            y[l + 16] = d * (float)((q[l] >> 4) - 8);
-        }
+        nibbles(b + 2, 16, 8, q, q + 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
     }
 }
 
 static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
     for (int64_t i = 0; i < k; i += 32, b += 20, y += 32) {
         float d = half(b), m = half(b + 2);
-        const uint8_t *q = b + 4;
-        for (int l = 0; l < 16; l++) {
-            y[l] = d * (float)(q[l] & 0xf) + m;
-            y[l + 16] = d * (float)(q[l] >> 4) + m;
-        }
+        nibbles(b + 4, 16, 0, q, q + 16);
+        scale16(q, d, m, y);
+        scale16(q + 16, d, m, y + 16);
     }
 }
 
 static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
     for (int64_t i = 0; i < k; i += 32, b += 22, y += 32) {
         float d = half(b);
         uint32_t qh;
         memcpy(&qh, b + 2, 4);
-        const uint8_t *q = b + 6;
-        for (int l = 0; l < 16; l++) {
-            int lo = (q[l] & 0xf) | (int)(((qh >> l) & 1) << 4);
-            int hi = (q[l] >> 4) | (int)(((qh >> (l + 16)) & 1) << 4);
-            y[l] = d * (float)(lo - 16);
-            y[l + 16] = d * (float)(hi - 16);
-        }
+        nibbles(b + 6, 16, 0, q, q + 16);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)((q[l] | (((qh >> l) & 1) << 4)) - 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
     }
 }
 
@@ -124,63 +159,59 @@ static void scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Q4_K / Q5_K: 8 sub-blocks of 32, value (d * sc) * q - dmin * m; q[256] filled */
+static void scale_k(const uint8_t *b, const int8_t *q, float *y) {
+    float d = half(b), dmin = half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min(b + 4, j, &sc, &mn);
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        scale16(q + 32 * j, ds, -dm, y + 32 * j); /* + (-dm) is - dm exactly */
+        scale16(q + 32 * j + 16, ds, -dm, y + 32 * j + 16);
+    }
+}
+
 static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
-    for (int64_t i = 0; i < k; i += 256, b += 144) {
-        float d = half(b), dmin = half(b + 2);
-        const uint8_t *s = b + 4, *q = b + 16;
-        for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
-            int sc0, m0, sc1, m1;
-            scale_min(s, j, &sc0, &m0);
-            scale_min(s, j + 1, &sc1, &m1);
-            float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-            float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-            for (int l = 0; l < 32; l++) {
-                y[l] = d0 * (float)(q[l] & 0xf) - dm0;
-                y[l + 32] = d1 * (float)(q[l] >> 4) - dm1;
-            }
-        }
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 144, y += 256) {
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) nibbles(qs + 32 * c, 32, 0, q + 64 * c, q + 64 * c + 32);
+        scale_k(b, q, y);
     }
 }
 
 static void row_q5_k(const uint8_t *b, float *y, int64_t k) {
-    for (int64_t i = 0; i < k; i += 256, b += 176) {
-        float d = half(b), dmin = half(b + 2);
-        const uint8_t *s = b + 4, *qh = b + 16, *q = b + 48;
-        for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
-            int sc0, m0, sc1, m1;
-            scale_min(s, j, &sc0, &m0);
-            scale_min(s, j + 1, &sc1, &m1);
-            float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-            float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 176, y += 256) {
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int c = 0; c < 4; c++) {
+            int8_t *lo = q + 64 * c, *hi = lo + 32;
+            nibbles(qs + 32 * c, 32, 0, lo, hi);
             for (int l = 0; l < 32; l++) {
-                int lo = (q[l] & 0xf) | (((qh[l] >> j) & 1) << 4);
-                int hi = (q[l] >> 4) | (((qh[l] >> (j + 1)) & 1) << 4);
-                y[l] = d0 * (float)lo - dm0;
-                y[l + 32] = d1 * (float)hi - dm1;
+                lo[l] |= (int8_t)(((qh[l] >> (2 * c)) & 1) << 4);
+                hi[l] |= (int8_t)(((qh[l] >> (2 * c + 1)) & 1) << 4);
             }
         }
+        scale_k(b, q, y);
     }
 }
 
 static void row_q6_k(const uint8_t *b, float *y, int64_t k) {
-    for (int64_t i = 0; i < k; i += 256, b += 210) {
-        const uint8_t *ql = b, *qh = b + 128;
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 210, y += 256) {
         const int8_t *sc = (const int8_t *)(b + 192);
         float d = half(b + 208);
-        for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, y += 128) {
-            float ds[8];
-            for (int s = 0; s < 8; s++) ds[s] = d * (float)sc[s];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            int8_t *o = q + 128 * h;
             for (int l = 0; l < 32; l++) {
-                int q0 = ((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                int q1 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                y[l] = ds[l / 16] * (float)q0;
-                y[l + 32] = ds[2 + l / 16] * (float)q1;
-                y[l + 64] = ds[4 + l / 16] * (float)q2;
-                y[l + 96] = ds[6 + l / 16] * (float)q3;
+                o[l] = (int8_t)(((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = (int8_t)(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
         }
+        for (int s = 0; s < 16; s++) scale16(q + 16 * s, d * (float)sc[s], 0.0f, y + 16 * s);
     }
 }
 
