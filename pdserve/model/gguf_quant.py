@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pdserve.kernels.native.linear_quant import TYPES, LinearQuant
+from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, QuantTensor
 from pdserve.model.gguf_arch import ARCHES, GGUFArch
 from pdserve.model.gguf_tensors import hf_name, hf_shape, unpermute
 
@@ -41,20 +40,6 @@ log = logging.getLogger(__name__)
 
 SOURCE_LINK = "source.gguf"  # in a converted folder: the GGUF it was converted from
 EMBED = "model.embed_tokens.weight"
-
-
-@dataclass(frozen=True)
-class QuantTensor:
-    """One GGUF tensor's blocks: uint8 [rows, row bytes] of GGML type `type_id`."""
-
-    name: str  # the Hugging Face name
-    data: torch.Tensor
-    type_id: int
-    cols: int  # elements a row (K)
-
-    @property
-    def type_name(self) -> str:
-        return TYPES[self.type_id][0]
 
 
 class QuantEmbedding:

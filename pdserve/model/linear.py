@@ -31,8 +31,7 @@ import torch
 
 if TYPE_CHECKING:
     from pdserve.kernels.native.linear_f32 import LinearF32
-    from pdserve.kernels.native.linear_quant import LinearQuant
-    from pdserve.model.gguf_quant import QuantTensor
+    from pdserve.kernels.native.linear_quant import LinearQuant, QuantTensor
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size works with it
 _BATCH_HINT = 64

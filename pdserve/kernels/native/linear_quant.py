@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,20 @@ TYPES: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One GGUF tensor's blocks: uint8 [rows, row bytes] of GGML type `type_id`."""
+
+    name: str  # the Hugging Face name
+    data: torch.Tensor
+    type_id: int
+    cols: int  # elements a row (K)
+
+    @property
+    def type_name(self) -> str:
+        return TYPES[self.type_id][0]
 
 
 class _QuantArgs(ctypes.Structure):  # linear_quant.c QuantArgs
