@@ -74,7 +74,7 @@ def reference(x: torch.Tensor, w: np.ndarray, type_id: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
-@pytest.mark.parametrize("m", [1, 3, 8, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 20, 64])  # 20, 64: the panel path
 def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -> None:
     k = 512 if TYPES[type_id][1] == 256 else 160
     n = 37  # ends in a short tile

@@ -15,13 +15,14 @@
  *     de-quantize the tile's rows into a per-thread buffer [TILE][K] (L1/L2-resident);
  *     for each row of x (in pairs): TILE dot products over k, sums kept per lane of 16:
  *     lane l adds the products at k = l, l + 16, ... in ascending k; the 16 lanes then
- *     sum in one fixed tree. The tile is de-quantized once and reused by every row of
+ *     sum in a tree (AVX-512: _mm512_reduce_add_ps's; otherwise lanes_sum's). The tile is de-quantized once and reused by every row of
  *     x, so a batch of 64 pays the de-quantizing once.
  *
  *     AVX-512   a lane set is one zmm; 2 x rows x TILE rows = 8 sums in registers
  *     AVX2      a lane set is two ymm
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
- * Every path adds the same products in the same order per lane. */
+ * Every path adds the same products in the same order per lane; a decode's single row
+ * of x (m = 1) takes a fused path that never stores the weights (see fused_fn). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,62 +251,178 @@ static float lanes_sum(const float *s) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* out[r][t] = x_r . w_t for R x rows (ldx apart) and TILE weight rows (k apart);
- * k a multiple of 16 (every type's block is). */
-static void dots(const float *x, int64_t ldx, int rows, const float *w, int64_t k,
-                 float out[2][TILE]) {
-    float s[2][TILE][LANES];
+/* out[r][t] = x_r . w_t for XR rows of x (xr[r]: a row, or zeros past the batch) and
+ * TILE weight rows (k apart); k a multiple of 16 (every type's block is). A weight
+ * vector loaded once feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers. */
 #if defined(__AVX512F__)
-    __m512 c[2][TILE];
-    for (int r = 0; r < 2; r++)
+#define XR 6
+#else
+#define XR 2
+#endif
+static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE]) {
+    float s[XR][TILE][LANES];
+#if defined(__AVX512F__)
+    __m512 c[XR][TILE];
+    for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++) c[r][t] = _mm512_setzero_ps();
-    if (rows == 2) {
-        for (int64_t i = 0; i < k; i += LANES) {
-            __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + ldx + i);
-            for (int t = 0; t < TILE; t++) {
-                __m512 wv = _mm512_loadu_ps(w + t * k + i);
-                c[0][t] = _mm512_fmadd_ps(x0, wv, c[0][t]);
-                c[1][t] = _mm512_fmadd_ps(x1, wv, c[1][t]);
-            }
-        }
-    } else {
-        for (int64_t i = 0; i < k; i += LANES) {
-            __m512 x0 = _mm512_loadu_ps(x + i);
-            for (int t = 0; t < TILE; t++)
-                c[0][t] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(w + t * k + i), c[0][t]);
+    for (int64_t i = 0; i < k; i += LANES) {
+        __m512 wv[TILE];
+        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * k + i);
+        for (int r = 0; r < XR; r++) {
+            __m512 xv = _mm512_loadu_ps(xr[r] + i);
+            for (int t = 0; t < TILE; t++) c[r][t] = _mm512_fmadd_ps(xv, wv[t], c[r][t]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < TILE; t++) _mm512_storeu_ps(s[r][t], c[r][t]);
+    for (int r = 0; r < XR; r++) /* the 16 lanes added by the compiler's own tree */
+        for (int t = 0; t < TILE; t++) out[r][t] = _mm512_reduce_add_ps(c[r][t]);
+    (void)s;
+    return;
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 c[2][TILE][2];
-    for (int r = 0; r < 2; r++)
+    __m256 c[XR][TILE][2];
+    for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++) c[r][t][0] = c[r][t][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += LANES) {
         for (int h = 0; h < 2; h++) {
-            __m256 x0 = _mm256_loadu_ps(x + i + 8 * h);
-            __m256 x1 = rows == 2 ? _mm256_loadu_ps(x + ldx + i + 8 * h) : x0;
+            __m256 x0 = _mm256_loadu_ps(xr[0] + i + 8 * h), x1 = _mm256_loadu_ps(xr[1] + i + 8 * h);
             for (int t = 0; t < TILE; t++) {
                 __m256 wv = _mm256_loadu_ps(w + t * k + i + 8 * h);
                 c[0][t][h] = _mm256_fmadd_ps(x0, wv, c[0][t][h]);
-                if (rows == 2) c[1][t][h] = _mm256_fmadd_ps(x1, wv, c[1][t][h]);
+                c[1][t][h] = _mm256_fmadd_ps(x1, wv, c[1][t][h]);
             }
         }
     }
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++) {
             _mm256_storeu_ps(s[r][t], c[r][t][0]);
             _mm256_storeu_ps(s[r][t] + 8, c[r][t][1]);
         }
 #else
     memset(s, 0, sizeof s);
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++)
             for (int64_t i = 0; i < k; i += LANES)
-                for (int l = 0; l < LANES; l++) s[r][t][l] += x[r * ldx + i + l] * w[t * k + i + l];
+                for (int l = 0; l < LANES; l++) s[r][t][l] += xr[r][i + l] * w[t * k + i + l];
 #endif
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++) out[r][t] = lanes_sum(s[r][t]);
+}
+
+/* One row of x (m = 1, a decode step of one request) against one weight row, its blocks
+ * de-quantized in registers and never stored: the weights' bytes are the only memory
+ * traffic, so a step reads 4.5-8.5 bits a weight. Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2;
+ * 0 where a type has none here (the tile path computes it). Lane l of the two sums adds
+ * the products at k = 32 b + l (first) and 32 b + 16 + l (second) in ascending b. */
+typedef float (*fused_fn)(const float *, const uint8_t *, int64_t);
+
+#if defined(__AVX512F__)
+static inline float sum16x2(__m512 a, __m512 b) {
+    float s[LANES], t[LANES];
+    _mm512_storeu_ps(s, a);
+    _mm512_storeu_ps(t, b);
+    for (int l = 0; l < LANES; l++) s[l] += t[l];
+    return lanes_sum(s);
+}
+
+/* Q4_0 (off 8, no min) and Q4_1 (off 0, min): y = sum x * (d * (q - off) + m) */
+static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
+    for (int64_t i = 0; i < k; i += 32, b += size) {
+        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+        w0 = _mm512_add_ps(_mm512_mul_ps(d, w0), m);
+        w1 = _mm512_add_ps(_mm512_mul_ps(d, w1), m);
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
+    }
+    return sum16x2(c0, c1);
+}
+
+static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32, b += 34) {
+        __m512 d = _mm512_set1_ps(half(b));
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
+    }
+    return sum16x2(c0, c1);
+}
+#define HAVE_FUSED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float sum8x4(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+    float s[LANES], t[LANES];
+    _mm256_storeu_ps(s, a0);
+    _mm256_storeu_ps(s + 8, a1);
+    _mm256_storeu_ps(t, b0);
+    _mm256_storeu_ps(t + 8, b1);
+    for (int l = 0; l < LANES; l++) s[l] += t[l];
+    return lanes_sum(s);
+}
+
+static inline __m256 f8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
+    for (int64_t i = 0; i < k; i += 32, b += size) {
+        __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(min ? half(b + 2) : 0.0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
+        __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++) {
+            __m256 w = _mm256_add_ps(_mm256_mul_ps(d, f8(q[j])), m);
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), w, c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+
+static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 32, b += 34) {
+        __m256 d = _mm256_set1_ps(half(b));
+        for (int j = 0; j < 4; j++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_mul_ps(d, f8(q)), c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+#define HAVE_FUSED 1
+#endif
+
+#ifdef HAVE_FUSED
+static float fused_q4_0(const float *x, const uint8_t *b, int64_t k) {
+    return fused_q4(x, b, k, 18, 0);
+}
+static float fused_q4_1(const float *x, const uint8_t *b, int64_t k) {
+    return fused_q4(x, b, k, 20, 1);
+}
+#endif
+
+static fused_fn fused_of(int32_t type) {
+#ifdef HAVE_FUSED
+    switch (type) {
+    case Q8_0: return fused_q8_0;
+    case Q4_0: return fused_q4_0;
+    case Q4_1: return fused_q4_1;
+    default: return 0;
+    }
+#else
+    (void)type;
+    return 0;
+#endif
 }
 
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
@@ -317,19 +434,30 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
         a->status = 1;
         return;
     }
-    float *buf = aligned_alloc(64, (size_t)(TILE * k) * sizeof(float));
+    fused_fn one = a->m == 1 ? fused_of(a->type) : 0;
+    if (one) { /* one row of x: no tile buffer */
+        int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
+        for (int64_t n = lo * TILE; n < end; n++)
+            a->y[n] = one(a->x, a->w + n * a->row_bytes, k) + (a->bias ? a->bias[n] : 0.0f);
+        return;
+    }
+    float *buf = aligned_alloc(64, (size_t)((TILE + 1) * k) * sizeof(float));
     if (!buf) {
         a->status = 2;
         return;
     }
+    float *zero = buf + TILE * k; /* the rows of x past the batch in a short block */
+    memset(zero, 0, (size_t)k * sizeof(float));
     for (int64_t tile = lo; tile < hi; tile++) {
         int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
         for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
             f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes, buf + t * k, k);
-        for (int64_t r = 0; r < a->m; r += 2) {
-            int rows = a->m - r >= 2 ? 2 : 1;
-            float out[2][TILE];
-            dots(a->x + r * k, k, rows, buf, k, out);
+        for (int64_t r = 0; r < a->m; r += XR) {
+            int rows = a->m - r >= XR ? XR : (int)(a->m - r);
+            const float *xr[XR];
+            for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k : zero;
+            float out[XR][TILE];
+            dots(xr, buf, k, out);
             for (int i = 0; i < rows; i++)
                 for (int t = 0; t < cols; t++)
                     a->y[(r + i) * a->ldy + n0 + t] =

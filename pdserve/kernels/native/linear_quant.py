@@ -23,7 +23,6 @@ TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,9 @@ class QuantTensor:
     @property
     def type_name(self) -> str:
         return TYPES[self.type_id][0]
+
+
+TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
 
 
 class _QuantArgs(ctypes.Structure):  # linear_quant.c QuantArgs
