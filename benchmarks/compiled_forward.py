@@ -2,8 +2,8 @@
 
     python benchmarks/compiled_forward.py [--batch 8 64] [--context 128] [--threads 1] [--json]
 
-Issue #16 asked for a compiled decode step (torch.compile, batch-size buckets, as
-vLLM's CPU backend does). This measures whether it would pay before anything is built
+A compiled decode step (torch.compile, batch-size buckets, as vLLM's CPU backend
+does) is one way to a faster step. This measures whether it would pay before anything is built
 into the server: the `bench` model's whole decode forward (8 layers, lm_head) captured
 as ONE inductor graph, static shapes, one compile per batch size. Two calls stay opaque
 custom ops so nothing breaks the graph: the oneDNN linear (inductor's own lowering of

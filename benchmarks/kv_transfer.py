@@ -18,8 +18,8 @@ Raw TCP takes turns with the transfers it is compared with, in the same two proc
 of the same size into `recv_into` a preallocated buffer, timed from a 1-byte 'go'.
 Every transfer, raw or not, starts QUIET_S after the one before, so what that one left
 running (the prefill's Ack and report) is done. Taking turns, both see the same CPUs,
-caches and moment: in runs of its own (up to the thirty-first round) raw loopback TCP
-swung 2x here with where its two processes landed, and each ratio with it. A run's
+caches and moment: in a process pair of its own raw loopback TCP swings 2x on a
+small VM with where its two processes land, and each ratio would with it. A run's
 ratio is the median GB/s of its transfers over that of its raw ones (the first of each
 warms up); their CPU is taken out of the processes' and the threads' CPU.
 The ZeroMQ floor is ZeroMQ alone moving the same messages (a K and a V message per

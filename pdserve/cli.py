@@ -15,6 +15,7 @@ _COMMANDS = [
     "pdserve.server.serve_cli",
     "pdserve.router.cli",
     "pdserve.server.launch",
+    "pdserve.server.secrets_cli",
     "pdserve.bench.cli",
 ]
 

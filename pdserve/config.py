@@ -33,8 +33,9 @@ class CacheConfig:
         return -(-self.max_context // self.page_size)
 
 
-# On a 2-core CPU, 256 gave the best TTFT p50 with no loss of output tok/s against 2048
-# (benchmarks/compare.py, docs/benchmarks.md); on CUDA a step of 4096 tokens is still short.
+# On a 2-core CPU, 256 keeps TTFT p50 short at no loss of output tok/s: a larger budget
+# makes a burst's first step long, a smaller one streams the weights more often, costing
+# tok/s (benchmarks/compare.py); on CUDA a step of 4096 tokens is still short.
 PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 4096}
 
 
@@ -60,9 +61,8 @@ class SchedulerConfig:
     # when the decode steps aside: "always" while the prefill holds any prompt (a new
     # prompt computes on every core; the running streams wait for it), "burst" only while
     # it holds more prompts than the decode runs streams (never in a steady state: more
-    # tokens/s, first tokens later). On a 2-vCPU VM, 48 prompts against vLLM: "always"
-    # TTFT p50 473-535 ms at 1.55-1.74x vLLM's tokens/s, "burst" 889-1387 ms at
-    # 1.52-1.80x (docs/benchmarks.md, twelfth round; benchmarks/prefill_first.py)
+    # tokens/s, first tokens later). "always" is the default: on 2 vCPUs its first tokens
+    # come sooner at no loss of tokens/s (benchmarks/prefill_first.py)
     prefill_first: str = "always"
     # which admitted prompts a prefill step computes first: "shortest" (the fewest prompt
     # tokens left; a burst's median first token comes sooner, its longest prompts later)
@@ -138,7 +138,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """The prefill<->decode KV channel (DESIGN §5)."""
+    """The prefill<->decode KV channel (docs/architecture.md §5)."""
 
     host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
     bootstrap_port: int = 8998  # prefill side

@@ -29,7 +29,10 @@ class _Registry:
         "PDSERVE_CACHE_DIR", "where default models are made and cached (~/.cache/pdserve)"
     )
     API_KEY = EnvVar(
-        "PDSERVE_API_KEY", "bearer key required on generation endpoints (same as --api-key)"
+        "PDSERVE_API_KEY", "bearer key required on every HTTP route but /health (as --api-key)"
+    )
+    METRICS_PUBLIC = EnvVar(
+        "PDSERVE_METRICS_PUBLIC", "1: /metrics answers without the API key (as --metrics-public)"
     )
     CURVE_PUBLIC = EnvVar(
         "PDSERVE_CURVE_PUBLIC", "Z85 public key of the KV channel's CURVE keypair"
@@ -37,19 +40,19 @@ class _Registry:
     CURVE_SECRET = EnvVar(
         "PDSERVE_CURVE_SECRET", "Z85 secret key of the KV channel's CURVE keypair"
     )
+    # Kept: the offline LLM has no --disable-compile, and its tests run the portable
+    # paths (eager attention, torch norms) through it.
     DISABLE_COMPILE = EnvVar(
         "PDSERVE_DISABLE_COMPILE",
         "1: build no native CPU kernels (as --disable-compile)",
     )
+    # Kept: the per-call path is the fallback for a model the one-call forward does not
+    # fit; this runs it on one that fits, for the tests that compare the two and
+    # benchmarks/decode_step.py --paths per-call.
     PER_CALL_DECODE = EnvVar(
         "PDSERVE_PER_CALL_DECODE",
         "1: a CPU decode step calls its native kernels one by one from Python instead of "
         "as one native forward (same results; for comparing the two)",
-    )
-    PYZMQ_SEND = EnvVar(
-        "PDSERVE_PYZMQ_SEND",
-        "1: a prefill sends KV frames through pyzmq's zero-copy frames instead of libzmq's "
-        "C API (transfer/zmq_native.py; for comparing the two)",
     )
     ENGINE_ENTRY = EnvVar(
         "PDSERVE_ENGINE_ENTRY",
@@ -79,7 +82,6 @@ def engine_env(base: Mapping[str, str]) -> dict[str, str]:
     Why: an engine's threads are more than torch's. The decode's overlap scheduler runs
     its schedule thread beside the forward; the KV transfer has an I/O thread; `pdserve
     up` puts a prefill and a decode on the same cores. After the sampler's torch ops the
-    OpenMP threads spun on the cores those needed: in `benchmarks/decode_overlap.py` (16
-    requests, two threads) the next step's input ids took 0.39 ms to resolve instead of
-    0.03 (docs/benchmarks.md, twenty-seventh round)."""
+    OpenMP threads spun on the cores those needed, and the next step's input ids took
+    many times longer to resolve (`benchmarks/decode_overlap.py` shows it)."""
     return {"OMP_WAIT_POLICY": "PASSIVE", **base}

@@ -47,6 +47,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # time.time() stamps from before the frontend's handoff, by name (EDGE_STAMPS:
     # edge/stamps.py); an engine keeps those among its request's stages
     stamps: dict[str, float] = msgspec.field(default_factory=dict)
+    # the client's rid when this is one of its n > 1 samples (rid "<group>-<i>"): the
+    # frontend's /abort_request by that rid ends exactly these samples. The engine ignores it.
+    group: str | None = None
 
 
 EDGE_STAMPS = ("router_at", "http_at")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pdserve.kernels import core_share
-from pdserve.kernels.core_share import IDLE_S, CoreShare
-from pdserve.kernels.native import par
+from pdserve.kernels.core_share import IDLE_S, Cores, CoreShare
+from pdserve.kernels.native import library, par
 
 
 def test_borrows_only_from_idle_peers(tmp_path, monkeypatch) -> None:
@@ -174,7 +174,7 @@ def test_a_decode_steps_aside_for_a_prefill_backlog(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(decode_mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     path = str(tmp_path / "cores")
     prefill, share = CoreShare(path, 0, 2, 1), CoreShare(path, 1, 2, 1)
-    dec = SimpleNamespace(runner=SimpleNamespace(core_share=share), max_yield_s=0.05)
+    dec = SimpleNamespace(runner=SimpleNamespace(cores=Cores(share)), max_yield_s=0.05)
     dec._yield_since, dec.running, dec.yield_always = None, ["a", "b"], False
     dec._blocked = contextlib.nullcontext  # no claimed core to give back (HostCore)
     step_aside = lambda: DecodeEngine._yield_to_prefill(dec)  # noqa: E731
@@ -234,11 +234,10 @@ def test_kernel_threads_follow_the_peer_at_once(tmp_path, monkeypatch) -> None:
 
 
 def test_split_asks_the_budget_at_every_call(tmp_path, monkeypatch) -> None:
-    split = par.Split(tmp_path)
+    budget = iter([2, 1, 3])
+    split = par.Split(tmp_path, lambda: next(budget))
     calls: list[int] = []
     split._run = lambda fn, args, n, parts: calls.append(parts)
-    budget = iter([2, 1, 3])
-    monkeypatch.setattr(par.Split, "budget", lambda: next(budget))
     ran: list[tuple[int, int]] = []
     fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
         lambda args, lo, hi: ran.append((lo, hi))
@@ -263,3 +262,49 @@ def test_threads_follow_a_peer_that_steps_aside_mid_forward(tmp_path, monkeypatc
     assert prefill.threads() == 2  # stepped aside: its core is lent from the next layer
     decode.begin()
     assert prefill.threads() == 1  # computing again: given back
+
+
+def test_each_runner_hands_its_own_cores_to_every_kernel(tiny_model, monkeypatch, tmp_path) -> None:
+    """The core policy is an object the composition root hands to the runner, not state
+    of the process: two runners in one process keep their own thread counts, and every
+    native kernel of each (linear, attention, norms) asks its runner's policy."""
+    from pdserve.config import EngineConfig
+    from pdserve.model.runner import ModelRunner
+
+    if library.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
+    cfg = EngineConfig(model_path=str(tiny_model))
+    shared = ModelRunner(cfg, cores=Cores(CoreShare(str(tmp_path / "cores"), 0, 1, 7)))
+    alone = ModelRunner(cfg, cores=Cores())  # NOTE: its own weights (a model's ops are its own)
+    for runner in (shared, alone):
+        runner.warm_up_decode()
+    lin = shared.model.linears()[0].native
+    attn = shared.attn._native  # type: ignore[union-attr]
+    ops = shared.model.ops.kernels  # type: ignore[attr-defined]
+    assert lin is not None and attn is not None
+    assert [k._split.threads() for k in (lin, attn, ops)] == [7, 7, 7]
+    assert alone.attn._native._split.threads() == torch.get_num_threads()  # type: ignore[union-attr]
+
+
+def test_a_runner_asked_to_share_cores_needs_the_policy_made_for_it(tiny_model) -> None:
+    from pdserve.config import EngineConfig
+    from pdserve.model.runner import ModelRunner
+
+    cfg = EngineConfig(model_path=str(tiny_model), core_share="/nowhere:0:2")
+    with pytest.raises(ValueError, match="core_share"):
+        ModelRunner(cfg)
+
+
+def test_cores_alone_on_the_host_do_nothing_and_use_torch_threads(tmp_path) -> None:
+    cores = Cores.for_engine("", "cpu", 0)
+    assert cores.share is None and cores.kernel_threads() == torch.get_num_threads()
+    with cores.computing() as between_layers:
+        assert between_layers is None
+    cores.set_backlog(3)
+    cores.yield_now()
+    assert cores.peer_backlog() == 0
+    assert Cores.for_engine(f"{tmp_path}/f:0:2", "cuda", 1).share is None  # CPU only
+    shared = Cores.for_engine(f"{tmp_path}/f:0:2", "cpu", 3)
+    assert shared.share is not None and shared.share.share == 3
+    shared.share.close()

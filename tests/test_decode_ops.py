@@ -171,7 +171,7 @@ def test_without_the_library_the_model_keeps_torch(monkeypatch, tiny_model, capl
     from pdserve.llm import LLM
 
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
-    monkeypatch.setattr(decode_ops, "decode_ops", lambda cache_dir: None)
+    monkeypatch.setattr(decode_ops, "decode_ops", lambda *_: None)
     caplog.set_level(logging.WARNING)
     llm = LLM(str(tiny_model))
     try:

@@ -1,4 +1,4 @@
-"""The row-reuse race of DESIGN §3, provoked for real on the CPU streams.
+"""The row-reuse race of docs/architecture.md §3, provoked for real on the CPU streams.
 
 Request X ends on a stop token at step N (its 4th output); the scheduler sees that
 while step N+1, which still contains X (a redundant forward), runs on the forward

@@ -1,4 +1,4 @@
-"""The row-reuse race of DESIGN §3 on CUDA streams (skipped without a GPU).
+"""The row-reuse race of docs/architecture.md §3 on CUDA streams (skipped without a GPU).
 
 Same scenario as tests/test_decode_race.py, but on CUDA the forward work is issued
 from the scheduler thread, so holding the host would hold the scheduler too. The race

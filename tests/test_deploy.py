@@ -4,7 +4,10 @@
 - docker-compose.yml: `docker-compose config` (where installed), every pdserve
   command parsed by pdserve's own CLI parser, references wired by service name;
 - deploy/k8s: rendered by `kubectl kustomize` (where installed), selectors, ports,
-  probes, resources, sglang-router discovery and RBAC consistent;
+  probes, resources, sglang-router discovery and RBAC consistent; secure by default:
+  the API key and CURVE keys required from the Secret `pdserve secrets --k8s` makes,
+  and NetworkPolicies that admit only the router to the workers' HTTP and only
+  workers to each other's KV ports;
 - the compose commands run as local processes (hosts -> 127.0.0.1, ports -> free
   ones) and serve greedy tokens identical to transformers; the Grafana dashboard
   only queries metrics those processes export.
@@ -27,10 +30,12 @@ import httpx
 import pytest
 import tomllib
 import yaml
+import zmq
 from conftest import hf_greedy, model_path
 from fake_workers import free_port
 
 from pdserve.cli import build_parser
+from pdserve.server import secrets_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "deploy"))
@@ -249,7 +254,8 @@ def test_compose_has_no_empty_defaults():
     code = "\n".join(ln.split("#")[0] for ln in COMPOSE.read_text().splitlines())
     assert "${" not in re.sub(r"\$\{\w+:-[^}]+\}", "", code)
     for name, svc in raw_services().items():
-        for key in ("PDSERVE_API_KEY", "PDSERVE_CURVE_PUBLIC", "PDSERVE_CURVE_SECRET"):
+        for key in ("PDSERVE_API_KEY", "PDSERVE_CURVE_PUBLIC", "PDSERVE_CURVE_SECRET",
+                    "PDSERVE_METRICS_PUBLIC"):  # fmt: skip
             if key in svc.get("environment", {}):
                 assert svc["environment"][key] is None, (name, key)
 
@@ -320,6 +326,7 @@ def test_kubectl_kustomize_renders():
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")  # fmt: skip
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout) if d]
     assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3
+    assert kinds.count("NetworkPolicy") == 3
 
 
 def test_k8s_deployments_selectors_probes_resources():
@@ -365,6 +372,8 @@ def test_k8s_worker_commands_parse_and_wire_the_kv_channel(role):
     if role == "prefill":
         note = d["spec"]["template"]["metadata"]["annotations"]["sglang.ai/bootstrap-port"]
         assert int(note) == args.bootstrap_port == ports["bootstrap"]
+    else:  # fixed, so that the NetworkPolicy can name it
+        assert args.data_port == ports["kv-data"] != 0
 
 
 def test_k8s_sglang_router_discovers_workers_with_rbac():
@@ -388,6 +397,106 @@ def test_k8s_sglang_router_discovers_workers_with_rbac():
     rules = of_kind("Role")[binding["roleRef"]["name"]]["rules"]
     assert any("pods" in r["resources"] and {"get", "list", "watch"} <= set(r["verbs"])
                for r in rules)  # fmt: skip
+
+
+def secret_refs(container: dict) -> dict[str, dict]:
+    """env name -> its secretKeyRef, for the container's variables read from a Secret."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+
+
+def test_k8s_pods_require_the_api_key_and_the_curve_keys():
+    """Secure by default: no pod starts without the key (and the workers without CURVE)."""
+    deploys = of_kind("Deployment")
+    for name, d in deploys.items():
+        refs = secret_refs(pod_container(d))
+        wanted = {"PDSERVE_API_KEY"}
+        if name != "pdserve-router":
+            wanted |= {"PDSERVE_CURVE_PUBLIC", "PDSERVE_CURVE_SECRET"}
+        assert wanted <= refs.keys(), (name, wanted - refs.keys())
+        for var in wanted:
+            ref = refs[var]
+            assert ref.get("optional", False) is False, (name, var)
+            assert ref["name"] == secrets_cli.K8S_SECRET, (name, var)
+            assert secrets_cli.K8S_KEYS[ref["key"]].name == var, (name, var)
+    router = pod_container(deploys["pdserve-router"])
+    # sglang-router takes the key as a flag; Kubernetes expands $(VAR) from the env above
+    assert "--api-key=$(PDSERVE_API_KEY)" in router["args"]
+
+
+def test_k8s_sglang_router_args_parse_and_carry_the_key():
+    """sglang-router's own parser: with --api-key it requires the key from clients (all but
+    /health) and sends it to the workers (checked with sglang-router 0.3.2)."""
+    launch = pytest.importorskip("sglang_router.launch_router")
+    router = pod_container(of_kind("Deployment")["pdserve-router"])
+    env = {"PDSERVE_API_KEY": "k", "POD_NAMESPACE": "pdserve"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in router["args"]]
+    args = launch.parse_router_args(argv)
+    assert args.api_key == "k" and args.pd_disaggregation and args.service_discovery
+
+
+def test_pdserve_secrets_makes_the_secret_the_manifests_read():
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "secrets", "--k8s"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    secret = yaml.safe_load(out)
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == secrets_cli.K8S_SECRET
+    assert secret["metadata"]["namespace"] == namespace
+    data = secret["stringData"]
+    read = {ref["key"] for d in of_kind("Deployment").values()
+            for ref in secret_refs(pod_container(d)).values()}  # fmt: skip
+    assert read == data.keys()
+    assert zmq.curve_public(data["curve-secret"].encode()) == data["curve-public"].encode()
+    assert len(data["api-key"]) >= 40
+    again = yaml.safe_load(secrets_cli.k8s_secret(secrets_cli.make(), namespace))["stringData"]
+    assert not set(again.values()) & set(data.values()), "fresh keys every time"
+
+
+def test_pdserve_secrets_shell_lines_survive_the_shell():
+    """Z85 keys hold $, &, <, (, ! ...: `eval "$(pdserve secrets)"` must keep them exact."""
+    made = [secrets_cli.make() for _ in range(20)]
+    script = "".join(f'{secrets_cli.shell_lines(m)}printf "%s\\n" "$PDSERVE_API_KEY" '
+                     f'"$PDSERVE_CURVE_PUBLIC" "$PDSERVE_CURVE_SECRET"\n' for m in made)  # fmt: skip
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:-1] == [v for m in made for v in m.values()]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, "these checks read matchLabels only"
+    return selector["matchLabels"].items() <= labels.items()
+
+
+ANYONE = "anyone"
+
+
+def test_k8s_network_policy_admits_only_the_router_and_the_workers():
+    """(pods, port) -> who may connect: exactly the table in docs/security.md."""
+    deploys = of_kind("Deployment")
+    labels = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in deploys.items()}
+    allowed: dict[tuple[str, str], set[str]] = {}
+    for name, policy in of_kind("NetworkPolicy").items():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"], name
+        targets = [n for n in deploys if selects(spec["podSelector"], labels[n])]
+        assert len(targets) == 1, (name, targets)
+        ports = {p["name"] for p in pod_container(deploys[targets[0]])["ports"]}
+        for rule in spec["ingress"]:
+            sources = {ANYONE} if "from" not in rule else set()
+            for peer in rule.get("from", []):
+                assert peer.keys() == {"podSelector"}, (name, peer)  # this namespace's pods
+                sources |= {n for n in deploys if selects(peer["podSelector"], labels[n])}
+            for port in rule["ports"]:
+                assert port["port"] in ports, (name, port)  # a named port of those pods
+                allowed.setdefault((targets[0], port["port"]), set()).update(sources)
+    for n in deploys:  # every pod is selected, so what no rule allows is refused
+        assert any(t == n for t, _ in allowed), n
+    assert allowed == {
+        ("pdserve-router", "http"): {ANYONE},
+        ("pdserve-prefill", "http"): {"pdserve-router"},
+        ("pdserve-prefill", "bootstrap"): {"pdserve-decode"},
+        ("pdserve-decode", "http"): {"pdserve-router"},
+        ("pdserve-decode", "kv-data"): {"pdserve-prefill"},
+    }
 
 
 # ---- the compose commands, as local processes ----------------------------------------

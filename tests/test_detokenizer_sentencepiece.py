@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.tokenizer import byte_piece_ids
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CORPUS = ["hello world", "the quick brown fox", "héllo wörld café", "日本語 のテキスト",
@@ -77,3 +78,41 @@ def test_text_with_special_tokens_streams_like_one_shot(words, specials, seed) -
         pos = (seed * 31 + j * 17) % (len(ids) + 1)
         ids.insert(pos, s)
     assert streamed(ids, [1] * len(ids)) == decode(ids)
+
+
+@cache
+def gemma_style_tokenizer() -> Tokenizer:
+    """A Gemma-style vocabulary rebuilt from a GGUF the way pdserve converts one (spaces
+    normalized to ▁, nothing stripped, byte fallback, control and user-defined tokens)."""
+    import tempfile
+    from pathlib import Path
+
+    import gguf
+    from gguf_sp_files import write_sentencepiece_gguf
+
+    from pdserve.model import gguf_convert, gguf_tokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        path = write_sentencepiece_gguf(Path(d) / "g.gguf", "gemma3")
+        meta = gguf_convert.read_metadata(gguf.GGUFReader(str(path)))
+    return gguf_tokenizer.build_tokenizer(meta)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 599), max_size=24), cuts=st.lists(st.integers(0, 4), max_size=12)
+)
+def test_gemma_style_streamed_text_equals_one_shot_decode(ids, cuts) -> None:
+    tok = gemma_style_tokenizer()
+    ids = [i % tok.get_vocab_size() for i in ids]  # ids a model of this vocabulary emits
+
+    def gdecode(x: list[int]) -> str:
+        return tok.decode(x, skip_special_tokens=True)
+
+    d = IncrementalDetokenizer(gdecode, byte_piece_ids(tok))
+    out, i = [], 0
+    for k in cuts:
+        out.append(d.add(ids[i : i + k]))
+        i += k
+    out.append(d.add(ids[i:]))
+    assert "".join(out) + d.flush() == gdecode(ids)

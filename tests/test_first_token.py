@@ -1,9 +1,10 @@
 """An arrival's first token leaves the decode when its KV lands, not a step later.
 
 The prefill sampled the first token; it travels with the KV. Before the request can
-join a step, the decode must wait for the forward in flight (the row fence of DESIGN
-§3) and for room in the batch, but the token itself needs neither. Here the forward
-in flight is held on the forward stream while request Y's KV arrives: the step() that
+join a step, the decode must wait for the forward in flight (the row fence of
+docs/architecture.md §3) and for room in the batch, but the token itself needs
+neither. Here the forward in flight is held on the forward stream while request Y's KV
+arrives: the step() that
 sees the arrival must send Y's first token (through `publish`, as under an engine
 process) while the forward is still held, whether the KV landed before that step()
 started (it publishes before waiting on the fence) or while it waits on the forward

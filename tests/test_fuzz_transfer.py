@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.envs import cache_root
-from pdserve.kernels.native.page_copy import page_copy
+from pdserve.kernels.page_io import PORTABLE, page_io
 from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import (
@@ -35,7 +35,7 @@ from pdserve.transfer.messages import (
 from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
 
 pytestmark = pytest.mark.timeout(120)
-NATIVE = page_copy(cache_root())  # None where no C compiler is: numpy's assignment
+NATIVE = page_io(cache_root())  # PORTABLE where no C compiler is
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
@@ -133,23 +133,23 @@ def _layers(frames: list[bytes], layers: int) -> list[bytes]:
 @FAST
 @given(st.lists(chunks(), min_size=1, max_size=6))
 def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
-    """Either way a chunk is checked: every block before the write (no native kernel), or
-    each block as the native scatter is about to write it. A chunk whose block hashes
-    are not its bytes' is never written whole, and nothing lands outside the request."""
+    """Either page I/O checks a chunk's blocks as its writer writes them (natively each
+    just before its write). A chunk whose block hashes are not its bytes' is never
+    written whole, and nothing lands outside the request."""
     x = _transfer()
     k0, v0 = x.pool.k.clone(), x.pool.v.clone()
     outside = torch.ones(x.pool.k.shape[1], dtype=torch.bool)
     outside[x.slots] = False
     for i, (hdr, bufs, intact) in enumerate(batch):
-        native = NATIVE if i % 2 else None  # the first chunk checked in Python
-        if check_chunk(LAYOUT, x, hdr, bufs, native) == "":
+        pages = NATIVE if i % 2 else PORTABLE  # the first chunk in numpy
+        if check_chunk(LAYOUT, x, hdr, bufs, pages) == "":
             assert 0 <= hdr.layer_start < hdr.layer_end <= LAYOUT.num_layers
             assert 0 <= hdr.tok_start < hdr.tok_end <= N
-            if write_chunk(x, hdr, bufs, NATIVE) == "":  # the receiver's scatter
+            if write_chunk(x, hdr, bufs, pages) == "":  # the receiver's scatter
                 assert intact
                 _assert_written(x, hdr, bufs)
             else:
-                assert not intact and native is not None
+                assert not intact
                 break  # the receiver fails the transfer here
     assert torch.equal(x.pool.k[:, outside], k0[:, outside])
     assert torch.equal(x.pool.v[:, outside], v0[:, outside])
@@ -177,20 +177,25 @@ def sound_chunks(draw):
 @given(sound_chunks(), st.integers(0, 10**6), st.integers(1, 255))
 def test_a_corrupted_byte_never_reaches_the_pool(chunk, at, flip) -> None:
     """One byte of a sound chunk flipped on the wire (its header and hashes intact): the
-    chunk is refused, by check_chunk's compare or by the native scatter as it is about to
-    write that block, and the pool never holds the flipped byte; nothing outside the
+    chunk is refused, by check_chunk's compare or by the page writer as it is about to
+    write that block (either page I/O), and the pool never holds the flipped byte; nothing outside the
     request is touched."""
     hdr, frames = chunk
     f, at = at % len(frames), at % len(frames[0])
     bad = bytearray(frames[f])
     bad[at] ^= flip
     bufs = [memoryview(b) for b in frames[:f] + [bytes(bad)] + frames[f + 1 :]]
+    for pages in (NATIVE, PORTABLE):
+        _refused_unwritten(hdr, bufs, pages, f, at)
+
+
+def _refused_unwritten(hdr: KVChunk, bufs: list[memoryview], pages, f: int, at: int) -> None:
     x = _transfer()
     k0, v0 = x.pool.k.clone(), x.pool.v.clone()
-    reason = check_chunk(LAYOUT, x, hdr, bufs, NATIVE)
-    if reason == "":  # left to the scatter: the native kernel checks as it writes
-        assert NATIVE is not None and NATIVE.verifies
-        assert write_chunk(x, hdr, bufs, NATIVE) == "checksum mismatch"
+    reason = check_chunk(LAYOUT, x, hdr, bufs, pages)
+    if reason == "":  # left to the writer: it checks as it writes
+        assert x.paged() is not None
+        assert write_chunk(x, hdr, bufs, pages) == "checksum mismatch"
     else:
         assert reason == "checksum mismatch"
     per_layer = (hdr.tok_end - hdr.tok_start) * TB
@@ -219,7 +224,7 @@ def test_done_accepted_only_when_every_cell_arrived(batch, plen, nchunks) -> Non
     x = _transfer()
     for hdr, bufs, _ in batch:
         if check_chunk(LAYOUT, x, hdr, bufs) == "":
-            assert write_chunk(x, hdr, bufs) == ""
+            write_chunk(x, hdr, bufs)  # refused where a block is not its hash: not covered
     done = KVDone(room=1, session=7, first_token=1, first_logprob=0.0, prompt_len=plen,
                   num_chunks=nchunks, digest=0)  # fmt: skip
     if check_done(x, done) == "":

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_files import write_sentencepiece_gguf
+from gguf_sp_files import write_sentencepiece_gguf
 
 from pdserve.model import gguf_convert, gguf_tokenizer, model_wheels
 from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.tokenizer import byte_piece_ids
 
 TEXTS = [
     "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space",
@@ -47,7 +48,7 @@ def _assert_same(meta, ours, theirs) -> None:
                 ids, skip_special_tokens=skip
             ), (text, skip)
     cfg = gguf_convert.tokenizer_config(meta, 256)
-    assert cfg["add_bos_token"] is theirs.add_bos_token is True
+    assert cfg["add_bos_token"] is theirs.add_bos_token
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert cfg[name] == getattr(theirs, name), name
     mine, hf = json.loads(ours.to_str()), json.loads(theirs.backend_tokenizer.to_str())
@@ -59,10 +60,13 @@ def _assert_same(meta, ours, theirs) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch, merges", [("llama", True), ("llama", False), ("gemma3", False), ("gemma2", False)]
-)
-def test_small_vocabulary_equals_transformers(tmp_path, arch, merges):
-    path = write_sentencepiece_gguf(tmp_path / f"sp-{arch}.gguf", arch, merges=merges)
+    "arch, kw",
+    [("llama", {"merges": True}), ("llama", {}), ("gemma3", {}), ("gemma2", {}),
+     ("llama", {"add_bos": False, "space_prefix": False}),  # no BOS; a flag only llama.cpp reads
+     ("llama", {"add_bos": None})],  # no flag: a SentencePiece vocabulary adds BOS
+)  # fmt: skip
+def test_small_vocabulary_equals_transformers(tmp_path, arch, kw):
+    path = write_sentencepiece_gguf(tmp_path / f"sp-{arch}.gguf", arch, **kw)
     meta, ours, theirs = _both(path)
     _assert_same(meta, ours, theirs)
     # the vocabulary really is exercised: byte fallback and the space marker both occur
@@ -70,8 +74,8 @@ def test_small_vocabulary_equals_transformers(tmp_path, arch, merges):
     assert any(p.startswith("<0x") for p in pieces) and any("\u2581" in p for p in pieces)
 
 
-def _streamed(decode, ids: list[int]) -> str:
-    d = IncrementalDetokenizer(decode)
+def _streamed(decode, ids: list[int], held: frozenset[int]) -> str:
+    d = IncrementalDetokenizer(decode, held)
     return "".join(d.add([i]) for i in ids) + d.flush()
 
 
@@ -88,7 +92,7 @@ def test_detokenizer_streams_sentencepiece_one_token_at_a_time(tmp_path, arch):
 
     for text in TEXTS:
         ids = tok.encode(text).ids  # with BOS, as a prompt would be
-        assert _streamed(decode, ids) == decode(ids), text
+        assert _streamed(decode, ids, byte_piece_ids(tok)) == decode(ids), text
 
 
 def test_gemma3_vocabulary_equals_transformers():
@@ -106,7 +110,7 @@ def test_gemma3_vocabulary_equals_transformers():
 
     for text in TEXTS:
         ids = ours.encode(text).ids
-        assert _streamed(decode, ids) == decode(ids), text
+        assert _streamed(decode, ids, byte_piece_ids(ours)) == decode(ids), text
 
 
 def test_converted_folder_tokenizes_like_transformers(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ _PAR = ctypes.CFUNCTYPE(
 def test_a_claim_takes_one_part_from_every_split_and_changes_no_logit(monkeypatch) -> None:
     runner = _runner("tiny", monkeypatch)
     native = runner.native_forward
-    assert native is not None and native.host is runner.host_core
+    assert native is not None and native.host is runner.cores.host_core
     handed: list[int] = []
 
     def par_run(fn: int, args: int, n: int, parts: int) -> int:  # par.c's, on this thread
@@ -55,11 +55,11 @@ def test_a_claim_takes_one_part_from_every_split_and_changes_no_logit(monkeypatc
         handed.clear()
         runner.kv_pool.k.copy_(k0)
         runner.kv_pool.v.copy_(v0)
-        runner.host_core.claim()
+        runner.cores.host_core.claim()
         claimed = native(batch)
         assert handed == []  # one part each: nothing handed to the workers
     finally:
-        runner.host_core.release()
+        runner.cores.host_core.release()
         native.plan.par_run = saved
         torch.set_num_threads(before)
     assert torch.equal(free, claimed)
@@ -92,7 +92,7 @@ def _claims_seen_by_the_forward(
     """(for each step, whether the claim was released while the step's forward waited
     for it; after each decode.step(), whether the schedule thread held the claim)."""
     prefill, decode = _engine(model, overlap)
-    host: HostCore = decode.runner.host_core
+    host: HostCore = decode.runner.cores.host_core
     released: list[bool] = []
 
     def wait_for_release(step: StepResult) -> None:  # on the forward stream
@@ -141,7 +141,7 @@ def test_a_claim_changes_no_greedy_token(tiny_model, claimed) -> None:
     prefill, decode = _engine(tiny_model, overlap=True)
     decode._host = None  # the engine no longer moves the claim ...
     if claimed:
-        decode.runner.host_core.claim()  # ... and every kernel runs one part short
+        decode.runner.cores.host_core.claim()  # ... and every kernel runs one part short
     prompt = [900, 18, 77, 2001]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     er = EngineRequest(rid="a", input_ids=prompt, params=params, room=9)

@@ -1,4 +1,5 @@
-"""The packages form a one-way stack (DESIGN §1): each imports only those below it.
+"""The packages form a one-way stack (docs/architecture.md §1): each imports only those below it.
+(kernels/native/ has its own rules: the end of this file.)
 
     cli.py, llm.py, __init__.py                      top: may import anything
     server/ (frontends, launcher)   router/   bench/  start processes, speak HTTP / protocol.py
@@ -200,3 +201,56 @@ def test_no_module_import_cycle() -> None:
 
 def test_cycle_finder_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# kernels/native/: the bottom of kernels, each C file's wrapper beside it. It imports no
+# other pdserve module; the C structs Python hands a library are declared once, in its ABI
+# module (checked against the library at load), or beside the one C file outside it.
+NATIVE = "pdserve.kernels.native"
+STRUCT_HOMES = {f"{NATIVE}.abi", "pdserve.transfer.zmq_native"}
+
+
+def native_violations(source: str, src_module: str) -> list[str]:
+    """Imports out of kernels/native/ by a module in it."""
+    if not (src_module == NATIVE or src_module.startswith(NATIVE + ".")):
+        return []
+    refs = (m for m, _ in referenced_modules(ast.parse(source)))
+    return sorted({f"{src_module} -> {m}" for m in refs if not m.startswith(NATIVE)})
+
+
+def struct_violations(source: str, src_module: str) -> list[str]:
+    """ctypes Structures declared outside STRUCT_HOMES."""
+    if src_module in STRUCT_HOMES:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            bases = [ast.unparse(b) for b in node.bases]
+            if any(b in ("Structure", "ctypes.Structure", "ctypes.Union") for b in bases):
+                found.append(f"{src_module}.{node.name}")
+    return found
+
+
+def test_kernels_native_imports_only_itself() -> None:
+    bad = []
+    for path in sorted((PKG / "kernels" / "native").rglob("*.py")):
+        bad += native_violations(path.read_text(), module_name(path))
+    assert not bad, "kernels/native/ imports outside itself:\n" + "\n".join(bad)
+
+
+def test_c_structs_are_declared_only_in_the_abi_module() -> None:
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        bad += struct_violations(path.read_text(), module_name(path))
+    assert not bad, "declare C structs in kernels/native/abi.py:\n" + "\n".join(bad)
+
+
+def test_the_native_rules_catch_what_they_forbid() -> None:
+    assert native_violations("from pdserve.kernels import core_share", f"{NATIVE}.par")
+    assert native_violations("from pdserve.envs import ENV", f"{NATIVE}.library")
+    assert not native_violations("from pdserve.kernels.native import abi", f"{NATIVE}.par")
+    assert not native_violations("from pdserve.kernels import core_share", "pdserve.model.runner")
+    src = "import ctypes\nclass Args(ctypes.Structure):\n    _fields_ = []"
+    assert struct_violations(src, f"{NATIVE}.page_copy") == [f"{NATIVE}.page_copy.Args"]
+    assert struct_violations(src, "pdserve.model.native_forward")
+    assert not struct_violations(src, f"{NATIVE}.abi")

@@ -57,6 +57,7 @@ def _case(b: int, length: int, kh: int, h: int, d: int, window: int, seed: int):
         (4, 90, 2, 8, 64, 33),  # sliding window, the D = 64 path
         (2, 40, 1, 16, 128, 5),  # the D = 128 path, 16 query heads per group
         (3, 64, 1, 2, 16, 64),  # a window as long as the context
+        (2, 600, 1, 4, 256, 512),  # Gemma 3 270M's heads (D = 256) and sliding window
         (2, 45, 16, 128, 64, 0),  # 128 query heads: two row walks of 64 heads each
         (3, 300, 2, 8, 64, 0),  # long rows: the prefetch runs ahead of the walk
         (3, 50, 4, 8, 64, 0),  # groups of 2 and 1: the 8-lane walk on every CPU

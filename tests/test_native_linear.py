@@ -142,7 +142,7 @@ def test_engine_moves_every_projection_and_matches_transformers(
 
 
 def test_without_the_kernel_projections_stay_on_onednn(monkeypatch, tiny_model, caplog) -> None:
-    monkeypatch.setattr(linear_f32, "linear_f32", lambda cache_dir: None)
+    monkeypatch.setattr(linear_f32, "linear_f32", lambda *_: None)
     caplog.set_level(logging.WARNING)
     got, natives = _greedy(tiny_model, [[5, 9, 200, 31, 7]], monkeypatch)
     assert not any(natives)

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.kernels.native import library
 from pdserve.kernels.native.page_copy import PageCopy, page_copy
+from pdserve.kernels.page_io import PORTABLE, NativePages
 
 # -march=native plus these: each build takes another path through the same source
 ISAS = [(), ("-mno-avx512f",), ("-mno-avx",), ("-mno-sse2", "-mno-avx")]
@@ -37,8 +38,8 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=4)
     on, off = KVReceiver(lay), KVReceiver(lay, native_scatter=False)
     try:
-        assert off._page_copy is None
-        assert (on._page_copy is None) == (library.compiler() is None)
+        assert off._pages is PORTABLE
+        assert (on._pages is PORTABLE) == (library.compiler() is None)
     finally:
         on.close()
         off.close()
@@ -175,12 +176,12 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
         pytest.skip("no C compiler")
     lay, hdr, bufs = _chunk_case(kind, layers, toks, runs)
     pools = []
-    for native in (kernel, None):
+    for pages in (NativePages(kernel), PORTABLE):
         pool = random_pool(lay, 64, seed=0)
         _, slots = reserve(pool, 37, seed=1)
         x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
-        assert check_chunk(lay, x, hdr, bufs, native) == ""
-        assert write_chunk(x, hdr, bufs, native) == ""
+        assert check_chunk(lay, x, hdr, bufs, pages) == ""
+        assert write_chunk(x, hdr, bufs, pages) == ""
         assert (x.paged() is not None) and x.cov.sum() == len(kind) * (
             (layers[1] - layers[0]) * (toks[1] - toks[0])
         )
@@ -263,8 +264,8 @@ def test_native_write_refuses_a_flipped_byte_before_writing_its_block(two_thread
 
     lay, hdr, bufs = _chunk_case("v", (0, 3), (3, 37), [2, 9, 23])
     x = _fresh(lay)
-    assert check_chunk(lay, x, hdr, bufs, two_threads) == ""
-    assert write_chunk(x, hdr, bufs, two_threads) == ""
+    assert check_chunk(lay, x, hdr, bufs, NativePages(two_threads)) == ""
+    assert write_chunk(x, hdr, bufs, NativePages(two_threads)) == ""
     row = lay.token_bytes_per_layer
     for i in (0, len(bufs) // 2, len(bufs) - 1):
         x = _fresh(lay)
@@ -273,8 +274,8 @@ def test_native_write_refuses_a_flipped_byte_before_writing_its_block(two_thread
         at = len(bad) // 3
         bad[at] ^= 1
         frames = [*bufs[:i], memoryview(bytes(bad)), *bufs[i + 1 :]]
-        assert check_chunk(lay, x, hdr, frames, two_threads) == ""
-        assert write_chunk(x, hdr, frames, two_threads) == "checksum mismatch"
+        assert check_chunk(lay, x, hdr, frames, NativePages(two_threads)) == ""
+        assert write_chunk(x, hdr, frames, NativePages(two_threads)) == "checksum mismatch"
         layer, run = divmod(i, 3)
         pos = 3 + sum(hdr.runs[:run]) + at // row  # the flipped byte's prompt position
         slot = x.slots[pos]
@@ -377,10 +378,10 @@ def test_writer_refuses_before_writing(two_threads) -> None:
 
 
 def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) -> None:
-    """An xxhash build that exports no XXH3-64: block_hashes says so, the scatter does
-    not check, and check_chunk hashes every block in Python before anything is written,
-    refusing a flipped byte all the same."""
-    from pdserve.transfer.validate import check_chunk
+    """An xxhash build that exports no XXH3-64: PageCopy says so (None, not verifies),
+    and the native page I/O hashes and checks those blocks in Python instead
+    (kernels/page_io.py), refusing a flipped byte all the same."""
+    from pdserve.transfer.validate import check_chunk, write_chunk
 
     kernel = page_copy(tmp_path, split=True, threads=2)
     if kernel is None:
@@ -388,11 +389,15 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
     monkeypatch.setattr(kernel, "_xxh3", None)
     lay, hdr, bufs = _chunk_case("k", (1, 3), (5, 18), [])
     assert kernel.block_hashes(bufs, 16384) is None and not kernel.verifies
+    pages = NativePages(kernel)
+    assert pages.block_hashes(bufs, 16384) == PORTABLE.block_hashes(bufs, 16384)
     x = _fresh(lay)
-    assert check_chunk(lay, x, hdr, bufs, kernel) == ""
+    assert check_chunk(lay, x, hdr, bufs, pages) == "" == write_chunk(x, hdr, bufs, pages)
     bad = bytearray(bufs[0])
     bad[-1] ^= 0x80
-    assert check_chunk(lay, x, hdr, [memoryview(bytes(bad))], kernel) == "checksum mismatch"
+    y, frames = _fresh(lay), [memoryview(bytes(bad))]
+    reason = check_chunk(lay, y, hdr, frames, pages) or write_chunk(y, hdr, frames, pages)
+    assert reason == "checksum mismatch"
 
 
 def _gather_want(pool, tpages, ps, rb, t0, runs):

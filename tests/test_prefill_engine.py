@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, prefill_budget
+from pdserve.kernels.core_share import Cores
 from pdserve.kvcache.pools import KVPool
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest
@@ -256,7 +257,7 @@ def test_a_forward_takes_cores_a_peer_frees_between_layers(tiny_model) -> None:
     so cores the decode lends mid-prompt are used from the next layer on; same tokens."""
     engine, sink = _engine(tiny_model, budget=64)
     share = _ShareThatFreesUp()
-    engine.runner.core_share = share
+    engine.runner.cores = Cores(share)  # type: ignore[arg-type]
     prompt = list(range(100, 130))
     engine.add_request(_req("a", prompt))
     engine.step()

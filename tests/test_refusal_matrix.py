@@ -1,4 +1,5 @@
-"""Every refusal and abort reaches the other side at once (DESIGN §5), over real ZeroMQ.
+"""Every refusal and abort reaches the other side at once (docs/architecture.md §5),
+over real ZeroMQ.
 
 Each case: one refusal/abort cause, on one side, while the request is in one state on
 the other side. Afterwards both engines must hold no row, page, request or room within

@@ -61,7 +61,10 @@ def test_n_samples_and_batches_get_distinct_rooms(pd):
         rooms = p.gen_requests(2)[i].body["bootstrap_room"]
         assert rooms == d.gen_requests()[i].body["bootstrap_room"]
         assert isinstance(rooms, list) and len(set(rooms)) == count
-        assert "rid" not in p.gen_requests()[i].body  # one rid cannot name several sequences
+    # n samples of one prompt share the request's rid (a frontend names them rid-0, rid-1,
+    # ...); a batch's prompts would need one each, so it gets none
+    assert p.gen_requests()[0].body["rid"] == d.gen_requests()[0].body["rid"]
+    assert "rid" not in p.gen_requests()[1].body
 
 
 def test_stream_relayed_intact(pd):

@@ -57,11 +57,14 @@ def test_prefill_role_with_api_key(model):
                                                 "bootstrap_port": boot,
                                                 "bootstrap_room": 12345})  # fmt: skip
         assert r.usage.completion_tokens == 1  # the prefill only makes the first token
-        info = httpx.get(s.url + "/server_info").json()
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.get(s.url + "/server_info").status_code == 401
+        info = httpx.get(s.url + "/server_info", headers=key).json()
         assert info["role"] == "prefill" and info["bootstrap_port"] == boot
         assert info["server_config"]["api_key"] is True  # never the key itself
         assert "sesame" not in json.dumps(info)
-        assert httpx.get(s.url + "/health_generate").status_code == 200
+        assert httpx.get(s.url + "/health_generate").status_code == 401
+        assert httpx.get(s.url + "/health_generate", headers=key).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
         s.stop()

@@ -69,21 +69,36 @@ def test_half_precision_bytes_arrive_exactly(dtype: str) -> None:
 @pytest.mark.parametrize("gather, scatter", [(True, True), (True, False), (False, True)])
 def test_gathered_pieces_arrive_exactly(monkeypatch, gather: bool, scatter: bool) -> None:
     """The prefill's pages scattered over its pool, prefill chunks starting mid-page:
-    every piece is gathered, page by page and hashed per layer by the native kernel
-    (one packed frame per kind), or by torch and xxhash (--disable-compile); the decode
-    cuts a packed frame into its segments for the native scatter and numpy's alike. The
-    other gather fails if it is called, so the one named is the one that ran."""
+    every piece is gathered page by page and hashed per layer by the page I/O
+    (kernels/page_io.py: the native kernel, or numpy and xxhash under
+    --disable-compile), one packed frame per kind; the decode cuts a packed frame into
+    its segments for either writer alike. The row gather (for slots not in whole pages)
+    fails if it is called, and the page I/O is the one asked for."""
+    from pdserve.kernels.page_io import PORTABLE, NativePages
     from pdserve.transfer.staging import StagingPool
 
     if gather and library.compiler() is None:
         pytest.skip("no C compiler")
 
     def not_this(*_a, **_k):
-        raise AssertionError("the other gather ran")
+        raise AssertionError("the row gather ran")
 
-    monkeypatch.setattr(StagingPool, "gather" if gather else "gather_pages", not_this)
+    monkeypatch.setattr(StagingPool, "gather", not_this)
+    chosen = []
+    monkeypatch.setattr(StagingPool, "gather_pages", _recording(StagingPool.gather_pages, chosen))
     stats = roundtrip(layout(4), 91, native_gather=gather, native_scatter=scatter)
+    assert chosen and all(isinstance(p, NativePages) if gather else p is PORTABLE for p in chosen)
     assert stats["pieces_gathered"] > 0  # (a piece inside a few pages still goes in place)
+
+
+def _recording(gather_pages, chosen: list):
+    """StagingPool.gather_pages, recording the page I/O each call is given."""
+
+    def record(self, src, tpages, t0, n, pages):
+        chosen.append(pages)
+        return gather_pages(self, src, tpages, t0, n, pages)
+
+    return record
 
 
 def roundtrip(

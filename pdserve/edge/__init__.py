@@ -1,6 +1,7 @@
 """pdserve.edge: the HTTP edge shared by the frontends (`server/`) and the router
 (`router/`), below both: request-body bounds and how a listener starts.
 
+auth.py     the API key on every route but /health (constant-time comparison)
 body.py     the one request-body reader (size limit, JSON, bounds)
 bounds.py   numeric bounds of request bodies (finite floats, int64, seeds, rooms)
 errors.py   the OpenAI-style error body, ClientGone

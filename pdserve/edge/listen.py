@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("pdserve.listen")
@@ -112,26 +113,34 @@ def serve(
     api_key: str | None,
     what: str,
     sock: socket.socket | None = None,
+    stop_when: Callable[[], bool] | None = None,
     **kw: Any,
 ) -> None:
     """Run `app` with uvicorn on host:port until stopped (the one way pdserve listens).
     `sock`: host:port already bound by `bind` (callers that do slow work first bind
-    before it); bound here otherwise. SystemExit(3), as uvicorn, if the app's start-up
-    failed."""
+    before it); bound here otherwise. `stop_when`: checked on uvicorn's tick (10 per
+    second); True shuts the server down as a SIGTERM would. SystemExit(3), as uvicorn,
+    if the app's start-up failed."""
     sock = sock if sock is not None else bind(host, port, what)
     warning = exposure_warning(host, api_key, what)
     if warning:
         logger.warning(warning)
     quiet_polls()  # uvicorn keeps existing filters when it configures its loggers
     try:
-        started = run(app, sock, what, host=host, port=port, **kw)
+        started = run(app, sock, what, stop_when=stop_when, host=host, port=port, **kw)
     finally:
         sock.close()
     if not started:
         raise SystemExit(3)  # uvicorn's STARTUP_FAILURE; the reason is in the log above
 
 
-def run(app: Any, sock: socket.socket, what: str = "server", **kw: Any) -> bool:
+def run(
+    app: Any,
+    sock: socket.socket,
+    what: str = "server",
+    stop_when: Callable[[], bool] | None = None,
+    **kw: Any,
+) -> bool:
     """uvicorn serving `app` on the bound `sock` until stopped; False if it never started."""
     import uvicorn
 
@@ -141,6 +150,11 @@ def run(app: Any, sock: socket.socket, what: str = "server", **kw: Any) -> bool:
             if self.started:  # uvicorn says where it listens only when it bound the port
                 host, port = sock.getsockname()[:2]
                 logger.info("%s listening on http://%s:%d", what, _url_host(host), port)
+
+        async def on_tick(self, counter: int) -> bool:
+            if stop_when is not None and stop_when():
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     server = Server(uvicorn.Config(app, **kw))
     try:

@@ -43,6 +43,8 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -96,7 +98,7 @@ class CoreShare:
         self._write(time.monotonic(), 0)
 
     def kernel_threads(self) -> int:
-        """Threads for this engine's next native kernel call (kernels/native/par.Split):
+        """Threads for this engine's next native kernel call (Cores.kernel_threads):
         its own share plus the shares of peers not computing at this moment. No idle
         time is asked for, unlike begin(): the count is read again at every call, so a
         peer that starts a forward gets its cores back within one kernel (~0.1-1 ms),
@@ -156,6 +158,61 @@ class CoreShare:
         self._map.close()
 
 
+class Cores:
+    """One engine's policy for its cores: made once per engine process by the composition
+    root (scheduler/build.py) and handed to the model runner, which gives it to what
+    computes (its forwards, the native kernels' thread counts, the native decode
+    forward) and to the engines (prefill first); the KV transfer's kernels get
+    `kernel_threads`. Alone on its host (no CoreShare) every call is a no-op and the
+    threads are the calling thread's torch threads (--num-threads)."""
+
+    def __init__(self, share: CoreShare | None = None) -> None:
+        self.share = share
+        self.host_core = HostCore()  # the decode's schedule thread's claim (overlap, CPU)
+
+    @classmethod
+    def for_engine(cls, spec: str, device: str, threads: int) -> Cores:
+        """From EngineConfig.core_share ("PATH:SLOT:ENGINES", or "" for none), owning
+        `threads` cores (--num-threads, else torch's count); no sharing off the CPU."""
+        if not spec or not device.startswith("cpu"):
+            return cls()
+        path, slot, engines = parse(spec)
+        return cls(CoreShare(path, slot, engines, threads or torch.get_num_threads()))
+
+    def kernel_threads(self) -> int:
+        """Threads for the next native kernel call (kernels/native/par.Split)."""
+        return torch.get_num_threads() if self.share is None else self.share.kernel_threads()
+
+    @contextmanager
+    def computing(self) -> Iterator[Callable[[], None] | None]:
+        """Around a forward: marked as computing on the host, on the cores this engine
+        owns and idle peers' (CoreShare.begin); yields what to call between layers to
+        follow peers that start or stop meanwhile (None alone on the host)."""
+        share = self.share
+        if share is None:
+            yield None
+            return
+        share.apply(share.begin())
+        try:
+            yield lambda: share.apply(share.threads())
+        finally:
+            share.end()
+
+    def set_backlog(self, prompts: int) -> None:
+        """A prefill engine: prompts queued or being prefilled now (CoreShare)."""
+        if self.share is not None:
+            self.share.set_backlog(prompts)
+
+    def peer_backlog(self) -> int:
+        """The largest backlog a peer on this host reports (0: none, or alone)."""
+        return 0 if self.share is None else self.share.peer_backlog()
+
+    def yield_now(self) -> None:
+        """This engine steps aside: peers may count its cores as idle at once."""
+        if self.share is not None:
+            self.share.yield_now()
+
+
 class HostCore:
     """A core of the engine's own threads, claimed by its schedule thread while that
     thread computes beside an in-flight forward (the overlap scheduler on CPU).
@@ -169,9 +226,8 @@ class HostCore:
 
     Why: with the forward on both cores of a 2-core machine, the schedule thread's
     ~1 ms of Python per step took the forward several times its own length (a forward
-    thread preempted mid-kernel stalls its peers): 64 requests, 54.9 -> 58.9 ms a step
-    for 1.07 ms of host work, and overlap on/off 0.90-1.05 (benchmarks/decode_overlap.py,
-    2026-12-03; with the claim 0.99-1.01, docs/benchmarks.md thirteenth round). One writer (the schedule thread); the
+    thread preempted mid-kernel stalls its peers), and overlap lost more than it hid
+    (benchmarks/decode_overlap.py). One writer (the schedule thread); the
     forward's reads may see a claim one kernel late, which costs a part, never a result.
     """
 

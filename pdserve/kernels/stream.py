@@ -1,4 +1,4 @@
-"""Device streams: one interface for the schedule and forward streams (DESIGN §2).
+"""Device streams: one interface for the schedule and forward streams (docs/architecture.md §2).
 
     CPU                                      CUDA
     schedule = HostStream (calling thread)   schedule = current torch.cuda stream

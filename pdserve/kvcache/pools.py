@@ -30,7 +30,8 @@ class PoolError(RuntimeError):
 
 class _FreeList:
     """Ids 1..n-1 (id 0 is reserved), LIFO (a just-freed row is the next one handed
-    out: the row-reuse race of DESIGN §3 happens at once); a set tracks what is out."""
+    out: the row-reuse race of docs/architecture.md §3 happens at once); a set tracks
+    what is out."""
 
     def __init__(self, n: int, what: str) -> None:
         self.what = what

@@ -71,26 +71,30 @@ def kv_heads(cfg: dict[str, Any], arch: str, heads: int) -> int:
     return int(value) if value is not None else heads
 
 
-def rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
+def rope(
+    cfg: dict[str, Any], max_positions: int, where: str = "rope_parameters"
+) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) where scaling is None for the default rope.
 
     transformers 5 reads `rope_scaling` (old layout) before `rope_parameters` (new
     layout); a `rope_theta` inside the dict wins over the top-level one, and 10000 is
-    the default when neither has one."""
+    the default when neither has one. `where`: how refusals name the dict."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
-        raise refuse("rope_parameters", params, "expected a dict")
+        raise refuse(where, params, "expected a dict")
     if set(params) & {FULL, SLIDING}:
-        raise refuse("rope_parameters", params, "per-layer-type rope is not implemented")
+        raise refuse(where, params, "per-layer-type rope is not implemented")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise refuse("rope_parameters.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+        raise refuse(f"{where}.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:
         raise refuse(
             "partial_rotary_factor", partial, "partial rotary embeddings are not implemented"
         )
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
+        raise refuse(f"{where}.rope_theta", theta, "expected a positive number")
     if kind == "default":
         return float(theta), None
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
@@ -103,7 +107,7 @@ def rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any]
     need = {"linear": ("factor",), "llama3": LLAMA3_KEYS}[kind]
     for key in need:
         if scaling.get(key) is None:
-            raise refuse(f"rope_parameters.{key}", None, f"required by rope_type {kind!r}")
+            raise refuse(f"{where}.{key}", None, f"required by rope_type {kind!r}")
     return float(theta), scaling
 
 
@@ -183,9 +187,10 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 
 
-def refuse_foreign_fields(cfg: dict[str, Any]) -> None:
+def refuse_foreign_fields(cfg: dict[str, Any], read: frozenset[str] = frozenset()) -> None:
+    """`read`: fields the architecture reads itself (not foreign to it)."""
     for field, neutral in _NEUTRAL.items():
-        if field in cfg and cfg[field] not in neutral:
+        if field in cfg and field not in read and cfg[field] not in neutral:
             raise refuse(field, cfg[field], "not implemented for this architecture")
 
 
@@ -206,6 +211,8 @@ _INERT = {
 }  # fmt: skip
 
 
-def unread_fields(cfg: dict[str, Any]) -> list[str]:
-    """Fields pdserve neither reads, refuses, nor knows to be inert (logged at load)."""
-    return sorted(k for k in cfg if k not in _READ and k not in _INERT and k not in _NEUTRAL)
+def unread_fields(cfg: dict[str, Any], known: frozenset[str] = frozenset()) -> list[str]:
+    """Fields pdserve neither reads, refuses, nor knows to be inert (logged at load).
+    `known`: the architecture's own read and inert fields."""
+    skip = _READ | _INERT | _NEUTRAL.keys() | known
+    return sorted(k for k in cfg if k not in skip)

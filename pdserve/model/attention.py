@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pdserve.kernels.native import decode_ops, paged_decode
 from pdserve.kernels.native.decode_ops import DecodeOps
 from pdserve.kernels.native.paged_decode import PagedDecode
+from pdserve.kernels.native.par import Threads
 from pdserve.kvcache.pools import KVPool
 from pdserve.model import decode_attention
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
@@ -55,14 +56,17 @@ class TorchAttention:
         scale: float,
         windows: tuple[int, ...] = (),
         native_dir: str | None = None,
+        kernel_threads: Threads | None = None,
     ) -> None:
         """`windows[layer]`: 0 (or absent) for full causal attention, W for a sliding window.
-        `native_dir`: where the native decode kernel is built and cached (None: eager)."""
+        `native_dir`: where the native decode kernel is built and cached (None: eager);
+        `kernel_threads`: the threads its calls may use (kernels/native/par.Split)."""
         self.pool = pool
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = windows
         self.native_dir = native_dir
+        self._threads = kernel_threads
         self._native: PagedDecode | None = None
         self._kv_write: DecodeOps | None = None  # the pool write in one call, with _native
 
@@ -76,7 +80,7 @@ class TorchAttention:
         cache_dir, self.native_dir = Path(self.native_dir), None
         if self.pool.k.device.type != "cpu":
             return
-        native = paged_decode.paged_decode(cache_dir)
+        native = paged_decode.paged_decode(cache_dir, self._threads)
         if native is None:
             log.warning("attention stays eager (the native kernel was not built)")
             return
@@ -208,9 +212,9 @@ def padded_slots(
 
     On the CPU through numpy, not torch. The overlap scheduler builds this on its
     schedule thread while the previous step's forward holds the cores, and torch's CPU
-    kernels hand work to their OpenMP threads, which then wait for a core: the gather
-    of 64 rows took 0.13 ms median but 3.7-4.4 ms mean a step, against 0.17 ms mean
-    through numpy (docs/benchmarks.md, twenty-sixth round)."""
+    kernels hand work to their OpenMP threads, which then wait for a core: a small
+    gather's mean time a step grows many times over its median, while numpy's stays
+    flat (it runs on the calling thread)."""
     lmax = max(lens, default=0)
     if table.device.type != "cpu":
         keys = device_tensor(lens, torch.int64, table.device)

@@ -22,14 +22,16 @@ def make_attention(
     scale: float,
     windows: tuple[int, ...] = (),
     native_dir: str | None = None,
+    kernel_threads: Callable[[], int] | None = None,
 ):
     """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU).
     `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys.
-    `native_dir`: where the torch backend builds its native decode kernel (None: eager)."""
+    `native_dir`: where the torch backend builds its native decode kernel (None: eager);
+    `kernel_threads`: the threads its calls may use (kernels/native/par.Split)."""
     if name == "auto":
         name = "triton" if pool.k.is_cuda else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
     if name == "torch":
-        return TorchAttention(pool, req_to_token, scale, windows, native_dir)
+        return TorchAttention(pool, req_to_token, scale, windows, native_dir, kernel_threads)
     return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.model import gemma3_gguf
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -91,5 +93,14 @@ ARCHES: dict[str, GGUFArch] = {
             "attn_q_norm.weight": "self_attn.q_norm.weight",
             "attn_k_norm.weight": "self_attn.k_norm.weight",
         },
+    ),
+    "gemma3": GGUFArch(
+        gemma3_gguf.HF_ARCHITECTURE,
+        gemma3_gguf.MODEL_TYPE,
+        block_tensors=gemma3_gguf.BLOCK_TENSORS,
+        value_fix=gemma3_gguf.value_fix,
+        config_fix=gemma3_gguf.config_fix,
+        implemented_keys=gemma3_gguf.IMPLEMENTED_KEYS,
+        hidden_act="gelu_pytorch_tanh",  # not read by Gemma 3 (hidden_activation is)
     ),
 }

@@ -137,11 +137,10 @@ def adds_bos(meta: dict[str, Any]) -> bool:
 
 
 def _add_bos_eos(tok: Tokenizer, meta: dict[str, Any], tokens: list[str]) -> None:
-    """The add_bos/add_eos flags as transformers' post-processor (a pair repeats them)."""
+    """The add_bos/add_eos flags as transformers' post-processor (a pair repeats them;
+    with neither flag it only sets the pair's type ids)."""
     bos = special_token(meta, "bos") if adds_bos(meta) else None
     eos = special_token(meta, "eos") if meta.get("tokenizer.ggml.add_eos_token") else None
-    if bos is None and eos is None:
-        return
     single = f"{bos}:0 $A:0" if bos else "$A:0"
     single += f" {eos}:0" if eos else ""
     pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"

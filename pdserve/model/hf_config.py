@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.model import arch_rules as rules
+from pdserve.model import gemma3_config
 from pdserve.model.activations import ACTIVATIONS
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,25 @@ class ModelArch:
     layer_windows: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # Gemma 3 (pdserve.model.gemma3_config); the defaults are every other family's
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    # rope of the sliding-window layers where it differs from rope_theta / rope_scaling
+    # (which then hold the full-attention layers'); None: every layer has the same rope
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return float(self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of layer `layer`'s rotary embedding."""
+        if self.sliding_rope is not None and self.layer_windows[layer]:
+            return self.sliding_rope
+        return self.rope_theta, self.rope_scaling
 
     @property
     def q_size(self) -> int:
@@ -84,9 +104,13 @@ def load_arch(model_dir: str | Path) -> ModelArch:
 
 
 def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
-    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    default = gemma3_config.GEMMA3 if cfg.get("model_type") == "gemma3_text" else rules.LLAMA
+    arch = (cfg.get("architectures") or [default])[0]
+    if arch == gemma3_config.GEMMA3:
+        return ModelArch(**gemma3_config.arch_fields(cfg), eos_token_ids=eos_token_ids)
     if arch not in rules.SUPPORTED:
-        raise ValueError(f"architecture {arch} is not supported; supported: {rules.SUPPORTED}")
+        supported = (*rules.SUPPORTED, gemma3_config.GEMMA3)
+        raise ValueError(f"architecture {arch} is not supported; supported: {supported}")
     rules.refuse_foreign_fields(cfg)
     if unread := rules.unread_fields(cfg):
         log.warning("config.json fields pdserve does not read: %s", ", ".join(unread))

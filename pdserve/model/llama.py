@@ -8,6 +8,7 @@ layout the device's fast GEMM reads (pdserve.model.linear). The passes between t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ class LlamaModel:
         )
 
     def quant_embed_ok(self) -> bool:
-        """Whether the forward looks tokens up through embed_rows (a subclass's may not)."""
-        return type(self).forward is LlamaModel.forward
+        """Whether the forward looks tokens up through embed_rows (a subclass's own
+        forward may index self.embed instead, which a quantized embedding empties)."""
+        return "embed_rows" in inspect.unwrap(type(self).forward).__code__.co_names
 
     def use_quant_embed(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Look tokens up through `lookup`; the float embedding is dropped."""
@@ -210,12 +212,3 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
 def _must(t: torch.Tensor | None) -> torch.Tensor:
     assert t is not None
     return t
-
-
-# Hugging Face architecture name -> model class (all share the Llama layout)
-MODEL_REGISTRY: dict[str, type[LlamaModel]] = {
-    "LlamaForCausalLM": LlamaModel,
-    "MistralForCausalLM": LlamaModel,
-    "Qwen2ForCausalLM": LlamaModel,
-    "Qwen3ForCausalLM": LlamaModel,
-}

@@ -18,13 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.native.decode_forward import (
-    MAX_WINDOWS,
-    DecodeForward,
-    DecodeLayer,
-    Proj,
-    float_ptr,
-)
+from pdserve.kernels.native.abi import MAX_WINDOWS, DecodeLayer, Proj
+from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
 from pdserve.model.attention import TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import Linear
@@ -35,6 +30,8 @@ from pdserve.model.ops import NativeOps
 def refusal(model: LlamaModel, attn: object) -> str | None:
     """Why `model` cannot run its decode natively (None: it can)."""
     a = model.arch
+    if type(model) is not LlamaModel:  # the C forward computes the Llama layer only
+        return f"{a.architecture}'s layer is not the native forward's (Llama's)"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
     if model.embed_quant is not None:

@@ -11,16 +11,16 @@ import torch
 from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.envs import ENV, cache_root
-from pdserve.kernels import core_share
-from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.native import decode_forward, decode_ops, linear_f32, par
+from pdserve.kernels.core_share import Cores
+from pdserve.kernels.native import decode_forward, decode_ops, linear_f32
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.attention_triton import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import MODEL_REGISTRY, LlamaModel
+from pdserve.model.llama import LlamaModel
+from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
 from pdserve.model.weights import load_model
@@ -48,24 +48,23 @@ def device_problem(device: str) -> str:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
-        """`model`: share already loaded weights (read-only) instead of loading them."""
+    def __init__(
+        self, cfg: EngineConfig, model: LlamaModel | None = None, cores: Cores | None = None
+    ) -> None:
+        """`model`: share already loaded weights (read-only) instead of loading them.
+        `cores`: the engine's core policy (kernels/core_share.Cores), made by the
+        composition root (scheduler/build.py); None: alone on the host."""
         problem = device_problem(cfg.device)
         if problem:
             raise ValueError(problem)
+        if cores is None and cfg.core_share:
+            raise ValueError("core_share: made by the engine process (scheduler/build.py)")
         self.cfg = cfg  # NOTE: EngineConfig refused a dtype outside config.DTYPES
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)  # process-wide: one engine per process
         self.native_forward: NativeDecodeForward | None = None  # set by warm_up_decode
         self.graphed: GraphedDecode | None = None  # CUDA; set by warm_up_decode
-        self.core_share = None  # cores lent between engines on this host (kernels/core_share)
-        if cfg.core_share and cfg.device.startswith("cpu"):
-            path, slot, engines = core_share.parse(cfg.core_share)
-            self.core_share = CoreShare(path, slot, engines, torch.get_num_threads())
-            par.Split.budget = self.core_share.kernel_threads  # one engine a process
-        # the decode's schedule thread claims a core of the native forward's while it
-        # computes beside it (overlap; kernels/core_share.HostCore)
-        self.host_core = HostCore()
+        self.cores = Cores() if cores is None else cores
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(
@@ -95,9 +94,10 @@ class ModelRunner:
             cfg.attention_backend,
             self.kv_pool,
             self.req_pool.req_to_token,
-            self.arch.head_dim**-0.5,
+            self.arch.attention_scale,
             self.arch.layer_windows,
             native_dir=self.native_dir(),
+            kernel_threads=self.cores.kernel_threads,
         )
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
@@ -127,10 +127,8 @@ class ModelRunner:
         preempted now and then, and its partner waits for it at the join. One thread
         alone pays little or nothing for it (the native linear is 5-10% slower than
         oneDNN at a prompt's rows, the native attention 1.5x faster than torch's fused
-        one). `pdserve up` on 2 cores: the machine 84-90% -> 91-95% busy, compare.py's
-        48-prompt workload 1.40-1.55x -> 1.25-1.83x vLLM's tok/s (four rounds of six
-        at 1.5x or more), the 64-stream one 1.31-1.54x -> 1.43-1.68x (docs/benchmarks.md,
-        eighteenth round)."""
+        one). Under `pdserve up` on 2 cores the machine is then busier, so more of it
+        goes to tokens (benchmarks/compare.py)."""
         native_dir = self.native_dir()
         if native_dir is None or self.dtype != torch.float32:
             return
@@ -161,7 +159,7 @@ class ModelRunner:
     def _native_linears(self, native_dir: Path) -> bool:
         """Every projection on the native linear (a model shared with another runner, as
         in the offline LLM, moves for both); False where it was not built."""
-        kernel = linear_f32.linear_f32(native_dir)
+        kernel = linear_f32.linear_f32(native_dir, self.cores.kernel_threads)
         if kernel is None:
             log.warning("projections stay on oneDNN (the native linear was not built)")
             return False
@@ -189,13 +187,13 @@ class ModelRunner:
             return
         kernel = decode_forward.decode_forward(native_dir)
         self.native_forward, why = NativeDecodeForward.build(
-            kernel, self.model, self.attn, self.core_share, self.host_core
+            kernel, self.model, self.attn, self.cores.share, self.cores.host_core
         )
         if why is not None:
             log.info("decode steps call their kernels one by one: %s", why)
 
     def _native_ops(self, native_dir: Path) -> None:
-        ops = decode_ops.decode_ops(native_dir)
+        ops = decode_ops.decode_ops(native_dir, self.cores.kernel_threads)
         if ops is None:
             log.warning("norms, rotation and activation stay on torch (native ops not built)")
         else:
@@ -212,14 +210,8 @@ class ModelRunner:
         stream (the decode's overlap loop); callers that run both inline may skip it."""
         if batch.attn_plan is None or batch.last_index is None:
             self.prepare(batch)
-        share = self.core_share
-        if share is None:
-            return self._forward(batch)
-        share.apply(share.begin())  # the cores this engine owns, and idle peers'
-        try:
-            return self._forward(batch, lambda: share.apply(share.threads()))
-        finally:
-            share.end()
+        with self.cores.computing() as between_layers:  # on host cores lent by peers
+            return self._forward(batch, between_layers)
 
     def _forward(
         self, batch: ForwardBatch, between_layers: Callable[[], None] | None = None

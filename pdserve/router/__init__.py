@@ -2,6 +2,8 @@
 
 app.py      FastAPI app: routes, auth, /metrics, RouterConfig
 proxy.py    one request to a prefill and a decode with a shared bootstrap room
+legs.py     the two legs of a request (prefill read fully, decode relayed)
+loops.py    background loops: a failing tick is logged, a dead loop is fatal
 http1.py    the lean HTTP/1.1 client the two legs go through (keep-alive pool)
 body.py     request bodies: bootstrap fields, sequence counts, error bodies
 workers.py  the worker pool and its selection policies

@@ -1,4 +1,4 @@
-"""The PD router: one HTTP front for prefill and decode servers (DESIGN §1, §6).
+"""The PD router: one HTTP front for prefill and decode servers (docs/architecture.md §1, §6).
 
 Generation requests go to a (prefill, decode) pair with the bootstrap fields
 added (router_proxy.py); the rest of the API is answered from the workers.
@@ -8,7 +8,8 @@ added (router_proxy.py); the rest of the API is answered from the workers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,17 +18,20 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
 from pdserve.router.http1 import Http1Pool
+from pdserve.router.loops import every, watch
 from pdserve.router.proxy import PDProxy
 from pdserve.router.workers import Worker, WorkerPool
 
+log = logging.getLogger("pdserve.router")
+
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
@@ -38,7 +42,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"  # round_robin | least_load
-    api_key: str | None = None  # required from clients and forwarded to workers
+    api_key: str | None = None  # required from clients (all but /health) and sent to workers
+    metrics_public: bool = False  # True: /metrics answers without the key
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 3600.0  # longest silence on a leg
     health_timeout_s: float = 5.0
@@ -47,8 +52,10 @@ class RouterConfig:
 
 
 class RouterState:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
+        self.fatal: str | None = None  # why a loop died; /health is 503 from then on
+        self._on_fatal = on_fatal
         self.pool = WorkerPool.build(list(cfg.prefill), list(cfg.decode), cfg.policy)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -56,6 +63,15 @@ class RouterState:
         self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
         self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
+
+    def die(self, reason: str) -> None:
+        """A loop the router needs is gone: unhealthy from now on, and `on_fatal` (the
+        CLI's: stop the process, which then exits non-zero)."""
+        if self.fatal is None:
+            self.fatal = reason
+            log.error("pdserve router cannot go on: %s", reason)
+            if self._on_fatal is not None:
+                self._on_fatal(reason)
 
     def worker_headers(self, request: Request | None) -> dict[str, str]:
         """Headers for a worker: our API key, else the client's own Authorization."""
@@ -89,13 +105,15 @@ class RouterState:
             return {"url": w.url, "role": w.role, "error": repr(e)}
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
-    """Precondition: cfg names at least one prefill and one decode."""
-    state = RouterState(cfg)
+def create_app(cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """Precondition: cfg names at least one prefill and one decode. `on_fatal(reason)`
+    runs once if a background loop dies (router/loops.py)."""
+    state = RouterState(cfg, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         poll = asyncio.create_task(_health_loop(state))
+        watch(poll, "the worker health loop", state.die)
         yield
         poll.cancel()
         await state.client.aclose()
@@ -103,29 +121,14 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
-    _add_auth(app, cfg.api_key)
+    app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
     _add_generation(app, state)
     _add_info(app, state)
     return app
 
 
 async def _health_loop(state: RouterState) -> None:
-    while True:
-        await asyncio.sleep(state.cfg.health_interval_s)
-        await state.check_all()
-
-
-def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Response:
-        if request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                body = error_body("invalid or missing API key", "authentication_error")
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    await every(state.cfg.health_interval_s, state.check_all, "the worker health poll")
 
 
 def _add_generation(app: FastAPI, state: RouterState) -> None:
@@ -162,21 +165,23 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             body = await read_json(request, state.cfg.max_body_bytes)
         except BodyError as e:
             return JSONResponse(error_body(e.message, param=e.param, code=e.status), e.status)
-        results = []
-        for w in state.pool.all:
-            try:
-                r = await state.client.post(
-                    w.url + "/abort_request", json=body, headers=state.worker_headers(request)
-                )
-                results.append({"url": w.url, "status": r.status_code})
-            except httpx.HTTPError as e:
-                results.append({"url": w.url, "error": repr(e)})
-        return JSONResponse({"workers": results})
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            return JSONResponse(error_body("rid (a string) is required", param="rid"), 400)
+        # NOTE: only the legs this router leased for exactly this rid: never a fan-out to
+        # every worker, never a prefix
+        results = await state.proxy.abort(rid, state.worker_headers(request))
+        if results is None:
+            message = f"no request with rid {rid!r} is in flight through this router"
+            return JSONResponse(error_body(message, param="rid", code=404), 404)
+        return JSONResponse({"success": True, "rid": rid, "workers": results})
 
 
 def _add_info(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if state.fatal is not None:
+            return JSONResponse({"status": "unhealthy", "error": state.fatal}, status_code=503)
         workers = await state.check_all()
         ok = all(
             any(w["healthy"] for w in workers if w["role"] == r) for r in ("prefill", "decode")
@@ -244,5 +249,6 @@ def config_from_args(args: Any) -> RouterConfig:
         port=args.port,
         policy=args.policy,
         api_key=args.api_key or ENV.API_KEY.get(),
+        metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
     )

@@ -38,7 +38,8 @@ def _batch_size(body: dict[str, Any]) -> int | None:
 
 
 def with_bootstrap(path: str, body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
-    """A copy of `body` with the bootstrap fields and a `rid` (kept if the client set one).
+    """A copy of `body` with the bootstrap fields and a `rid` (kept if the client set one;
+    none for a batch).
 
     `bootstrap_room` is a fresh random 63-bit int, or a list of distinct ones when
     the request makes several sequences (batch and/or n > 1), one per sequence.
@@ -51,7 +52,9 @@ def with_bootstrap(path: str, body: dict[str, Any], prefill: Worker) -> dict[str
         out["bootstrap_room"] = _distinct_rooms(count)
     out["bootstrap_host"] = prefill.host
     out["bootstrap_port"] = prefill.bootstrap_port
-    if "rid" not in out and count is None:
+    # one rid per request, so the router can abort its legs by it (a frontend names a
+    # request's n > 1 samples under it); a batch would need one per prompt: left out
+    if "rid" not in out and not (path == "/generate" and _batch_size(body) is not None):
         out["rid"] = f"pdr-{uuid.uuid4().hex}"
     return out
 

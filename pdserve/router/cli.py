@@ -25,7 +25,17 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", choices=ROUTER_POLICIES, default="round_robin")
-    p.add_argument("--api-key", default=None, help="bearer key (else $PDSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key required on every route but /health, and sent to the workers "
+        "(else $PDSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper on a trusted network)",
+    )
     p.add_argument(
         "--pd-disaggregation", action="store_true", help="accepted for sglang-router parity"
     )
@@ -41,6 +51,10 @@ def _run_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"pdserve router: {e}") from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per worker health poll
-    serve(create_app(cfg), host=cfg.host, port=cfg.port, api_key=cfg.api_key,
-          what="pdserve router", log_level="warning")  # fmt: skip
+    app = create_app(cfg)  # a loop that dies sets state.fatal: uvicorn is asked to stop
+    state = app.state.router
+    serve(app, host=cfg.host, port=cfg.port, api_key=cfg.api_key, what="pdserve router",
+          log_level="warning", stop_when=lambda: state.fatal is not None)  # fmt: skip
+    if state.fatal is not None:
+        raise SystemExit(f"pdserve router: {state.fatal}")
     return 0

@@ -6,13 +6,14 @@
 Invariants: both legs carry the same body, including the bootstrap fields; a
 failure of either leg (connect error, non-2xx) cancels the other and becomes
 the answer; a client that goes away cancels both legs and sends
-`/abort_request {"rid"}` to both workers.
+`/abort_request {"rid"}` (that exact rid, with the router's key) to both workers.
+Any other error in a request is logged and becomes that request's 500: the lease is
+released and the router goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,66 +24,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.errors import ClientGone, error_body
 from pdserve.router.body import with_bootstrap
-from pdserve.router.http1 import Http1Error, Http1Pool, Http1Response, encode_json
+from pdserve.router.http1 import Http1Pool, Http1Response, encode_json
+from pdserve.router.legs import LegError, chunks, open_decode, post_prefill, read_decode, sse_error
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
 PREFILL_GRACE_S = 30.0  # after the decode finished, the lease waits this long for the prefill
-
-
-class LegError(Exception):
-    """A leg failed; `status` and `body` are what the client gets."""
-
-    def __init__(self, status: int, message: str, body: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = (
-            body
-            if isinstance(body, dict) and "error" in body
-            else error_body(message, "router_error")
-        )
-
-
-async def _error_from(resp: Http1Response, leg: str, url: str) -> LegError:
-    raw = await resp.aread()
-    try:
-        body = resp.json() if raw else None
-    except ValueError:
-        body = None
-    text = raw.decode(errors="replace")[:500]
-    return LegError(resp.status_code, f"{leg} {url} answered {resp.status_code}: {text}", body)
-
-
-async def post_prefill(legs: Http1Pool, url: str, body: bytes, headers: dict) -> None:
-    """Post the prefill leg and read its whole answer; raise LegError on failure."""
-    try:
-        resp = await legs.post(url, body, headers)
-        try:
-            if resp.status_code >= 300:
-                raise await _error_from(resp, "prefill", url)
-            async for _ in resp.aiter_raw():
-                pass
-        finally:
-            await resp.aclose()
-    except Http1Error as e:
-        raise LegError(502, f"prefill {url} failed: {e!r}") from e
-
-
-async def open_decode(legs: Http1Pool, url: str, body: bytes, headers: dict) -> Http1Response:
-    """Post the decode leg; return the open response once its headers arrived (2xx only)."""
-    try:
-        resp = await legs.post(url, body, headers)
-    except Http1Error as e:
-        raise LegError(502, f"decode {url} failed: {e!r}") from e
-    if resp.status_code >= 300:
-        try:
-            raise await _error_from(resp, "decode", url)
-        except Http1Error as e:
-            raise LegError(502, f"decode {url} failed: {e!r}") from e
-        finally:
-            await resp.aclose()
-    return resp
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -123,12 +71,28 @@ class PDProxy:
         self.legs = legs  # the two legs of every request (http1.py: why not httpx)
         self.stats = stats  # router counters, shown on /metrics
         self._background: set[asyncio.Task] = set()
+        self.in_flight: dict[str, list[_Legs]] = {}  # rid -> its live requests (abort)
 
     def _spawn(self, coro: Any) -> None:
         # cleanup runs detached: inside a cancelled request task every await is cancelled again
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request cleanup failed", exc_info=task.exception())
+
+    async def abort(self, rid: str, headers: dict) -> list[dict[str, Any]] | None:
+        """Abort the legs of the requests in flight under exactly `rid` (None: none is)."""
+        live = self.in_flight.get(rid)
+        if not live:
+            return None
+        results: list[dict[str, Any]] = []
+        for legs in list(live):
+            results += await legs.abort_workers(headers)
+        return results
 
     async def forward(
         self, path: str, body: dict, headers: dict, request: Request | None
@@ -140,7 +104,19 @@ class PDProxy:
         self.stats["requests_total"] += 1
         lease = self.pool.lease(prefill, decode)
         lease.__enter__()
-        legs = _Legs(self, prefill, decode, body, lease)
+        legs = _Legs(self, prefill, decode, body, lease, headers)
+        try:
+            return await self._forward(legs, path, headers, request)
+        except Exception:  # NOTE: a bug or an unforeseen error ends this request only
+            log.exception("request through %s and %s failed", prefill.url, decode.url)
+            legs.finish(ok=False, abort=True)
+            self.stats["failed_total"] += 1
+            return JSONResponse(error_body("internal router error", "router_error", None, 500), 500)
+
+    async def _forward(
+        self, legs: _Legs, path: str, headers: dict, request: Request | None
+    ) -> Response:
+        prefill, decode, body = legs.prefill, legs.decode, legs.body
         raw = encode_json(body)  # once for both legs
         p_task = asyncio.ensure_future(post_prefill(self.legs, prefill.url + path, raw, headers))
         d_task = asyncio.ensure_future(open_decode(self.legs, decode.url + path, raw, headers))
@@ -158,7 +134,7 @@ class PDProxy:
                 return StreamingResponse(
                     legs.relay(p_task), resp.status_code, _forward_headers(resp)
                 )
-            data = await race(asyncio.ensure_future(_read_decode(resp)), p_task, gone)
+            data = await race(asyncio.ensure_future(read_decode(resp)), p_task, gone)
             # NOTE: the decode's complete answer means the prefill's KV arrived intact
             # (checksums and digest checked before a token was made), so a prefill that has
             # not answered yet (stalled, slow to report) does not hold the response; one
@@ -181,57 +157,6 @@ class PDProxy:
             raise
 
 
-def _sse_error(e: LegError) -> bytes:
-    return b"data: " + json.dumps(e.body).encode() + b"\n\n"
-
-
-async def _read_decode(resp: Http1Response) -> bytes:
-    try:
-        return await resp.aread()
-    except Http1Error as e:
-        raise LegError(502, f"decode answer broke off: {e}") from e
-
-
-async def _decode_body(resp: Http1Response) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except Http1Error as e:
-        raise LegError(502, f"decode stream broke off: {e}") from e
-
-
-async def _chunks(resp: Http1Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
-    """The decode's raw body chunks; raises the prefill's LegError as soon as it fails."""
-    it = _decode_body(resp).__aiter__()
-    while not (prefill.done() and prefill.exception() is None):
-        nxt = asyncio.ensure_future(it.__anext__())
-        try:
-            await asyncio.wait(
-                {nxt} | ({prefill} if not prefill.done() else set()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if prefill.done() and prefill.exception() is not None:
-                nxt.cancel()
-                prefill.result()
-            if not nxt.done():  # the prefill succeeded; the chunk is all left to wait for
-                await asyncio.wait({nxt})
-        except asyncio.CancelledError:
-            nxt.cancel()
-            raise
-        # NOTE: the stream's end comes out of `nxt` as StopAsyncIteration. Raised inside
-        # this generator (an `await nxt`) it becomes a RuntimeError and the client's
-        # stream is cut mid-body; it must be caught here.
-        try:
-            chunk = nxt.result()
-        except StopAsyncIteration:
-            return
-        yield chunk
-    # NOTE: the prefill leg ended well (it usually has by the first token): nothing left
-    # to race, so the chunks pass straight through, without a task and a wait per token
-    async for chunk in it:
-        yield chunk
-
-
 def _drain(task: asyncio.Future) -> None:
     """Cancel `task`, or mark its exception as seen so asyncio does not log it."""
     if not task.done():
@@ -243,7 +168,9 @@ def _drain(task: asyncio.Future) -> None:
 class _Legs:
     """The live state of one forwarded request; `finish` releases everything once."""
 
-    def __init__(self, proxy: PDProxy, prefill: Worker, decode: Worker, body: dict, lease: Any):
+    def __init__(
+        self, proxy: PDProxy, prefill: Worker, decode: Worker, body: dict, lease: Any, headers: dict
+    ) -> None:
         self.proxy, self.prefill, self.decode, self.body, self.lease = (
             proxy,
             prefill,
@@ -251,9 +178,14 @@ class _Legs:
             body,
             lease,
         )
+        self.headers = headers  # the legs' own (the key a worker wants for the abort, too)
         self.tasks: list[asyncio.Future] = []
         self.decode_resp: Http1Response | None = None
         self._finished = False
+        rid = body.get("rid")
+        self.rid = rid if isinstance(rid, str) else None
+        if self.rid is not None:
+            proxy.in_flight.setdefault(self.rid, []).append(self)
 
     def finish(self, ok: bool, abort: bool = False) -> None:
         if not self._finished:
@@ -265,17 +197,32 @@ class _Legs:
         assert self.decode_resp is not None
         ok = False
         try:
-            async for chunk in _chunks(self.decode_resp, prefill):
+            async for chunk in chunks(self.decode_resp, prefill):
                 yield chunk
             ok = True
         except LegError as e:
             self.proxy.stats["failed_total"] += 1
             log.warning("stream failed: %s", e)
-            yield _sse_error(e)
+            yield sse_error(e)
+        except Exception:  # NOTE: an error event ends the stream, never a cut mid-body
+            self.proxy.stats["failed_total"] += 1
+            log.exception("stream through %s failed", self.decode.url)
+            yield sse_error(LegError(500, "internal router error"))
         finally:
             self.finish(ok=ok, abort=not ok)
 
     async def _cleanup(self, ok: bool, abort: bool) -> None:
+        try:
+            if self.tasks:
+                await self._settle(ok)
+            if abort:
+                self.proxy.stats["aborted_total"] += 1
+                await self.abort_workers(self.headers)
+        finally:  # NOTE: whatever failed above, the lease and the rid are given back
+            self._forget()
+            self.lease.__exit__(None, None, None)
+
+    async def _settle(self, ok: bool) -> None:
         prefill_task = self.tasks[0]
         if ok and not prefill_task.done():
             await asyncio.wait({prefill_task}, timeout=PREFILL_GRACE_S)
@@ -284,19 +231,29 @@ class _Legs:
         decode_task = self.tasks[1]
         if decode_task.done() and not decode_task.cancelled() and not decode_task.exception():
             await decode_task.result().aclose()
-        if abort:
-            self.proxy.stats["aborted_total"] += 1
-            await self._abort()
-        self.lease.__exit__(None, None, None)
 
-    async def _abort(self) -> None:
-        rid = self.body.get("rid")
-        if rid is None:
-            return  # legs were cancelled; the workers see the disconnect
+    def _forget(self) -> None:
+        live = self.proxy.in_flight.get(self.rid) if self.rid is not None else None
+        if live is not None and self in live:
+            live.remove(self)
+            if not live:
+                del self.proxy.in_flight[self.rid]  # type: ignore[arg-type]
+
+    async def abort_workers(self, headers: dict) -> list[dict[str, Any]]:
+        """`/abort_request {"rid"}` to this request's two workers, by its exact rid."""
+        if self.rid is None:
+            return []  # legs were cancelled; the workers see the disconnect
+        out: list[dict[str, Any]] = []
         for w in (self.prefill, self.decode):
             try:
-                await self.proxy.client.post(
-                    w.url + "/abort_request", json={"rid": rid}, timeout=2.0
-                )
+                r = await self.proxy.client.post(w.url + "/abort_request", json={"rid": self.rid},
+                                                 headers=_auth_only(headers), timeout=2.0)  # fmt: skip
+                out.append({"url": w.url, "status": r.status_code})
             except httpx.HTTPError as e:
                 log.info("abort_request to %s failed: %r", w.url, e)
+                out.append({"url": w.url, "error": repr(e)})
+        return out
+
+
+def _auth_only(headers: dict) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() == "authorization"}

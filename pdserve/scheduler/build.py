@@ -5,6 +5,7 @@ the scheduler knows the others; only this module puts them together."""
 from __future__ import annotations
 
 from pdserve.config import EngineConfig, TransferConfig
+from pdserve.kernels.core_share import Cores
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.engine_api import Engine
@@ -17,7 +18,10 @@ from pdserve.transfer.sender import KVSender
 
 def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engine:
     """role "prefill": binds the bootstrap socket; role "decode": binds a data socket."""
-    runner = ModelRunner(cfg)
+    # this engine's cores, shared with the other engines on its host where `pdserve up`
+    # says so: one policy for its forwards, kernels, prefill-first and KV transfer
+    cores = Cores.for_engine(cfg.core_share, cfg.device, cfg.num_threads)
+    runner = ModelRunner(cfg, cores=cores)
     curve = load_keys(transfer.curve_secret_key_file)
     model = model_fingerprint(runner.arch, runner.layout)
     if role == "prefill":
@@ -32,6 +36,7 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             model=model,
             curve=curve,
             native=runner.native_dir() is not None,  # off under --disable-compile
+            kernel_threads=cores.kernel_threads,
         )
         return PrefillEngine(cfg, runner, sink)
     if role == "decode":
@@ -46,6 +51,7 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
             model=model,
             curve=curve,
             native_scatter=runner.native_dir() is not None,  # off under --disable-compile
+            kernel_threads=cores.kernel_threads,
         )
         return DecodeEngine(cfg, runner, source)
     raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")

@@ -1,4 +1,4 @@
-"""Decode engine: queues, admission, and the overlap loop (DESIGN §3).
+"""Decode engine: queues, admission, and the overlap loop (docs/architecture.md §3).
 
 Queues, in order:
 
@@ -72,7 +72,9 @@ class DecodeEngine:
         self.transfer_totals = TransferTotals()
         # Overlap on CPU: this thread claims a core of the forward's while it computes
         # beside it, and gives it back while it blocks (_blocked; core_share.HostCore).
-        self._host = runner.host_core if self.overlap and runner.device.startswith("cpu") else None
+        self._host = (
+            runner.cores.host_core if self.overlap and runner.device.startswith("cpu") else None
+        )
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -124,9 +126,9 @@ class DecodeEngine:
         (with yield_always) or more prompts than this decode runs streams (a burst), skip
         this step (new requests are still admitted and their first tokens emitted), for
         at most max_yield_s in a row; then one step runs regardless."""
-        share = self.runner.core_share
+        cores = self.runner.cores
         floor = 0 if self.yield_always else len(self.running)
-        if share is None or self.max_yield_s <= 0 or share.peer_backlog() <= floor:
+        if self.max_yield_s <= 0 or cores.peer_backlog() <= floor:
             self._yield_since = None
             return False
         now = time.monotonic()
@@ -135,7 +137,7 @@ class DecodeEngine:
         if now - self._yield_since >= self.max_yield_s:
             self._yield_since = None
             return False
-        share.yield_now()  # idle at once (after the in-flight forward's end) to peers
+        cores.yield_now()  # idle at once (after the in-flight forward's end) to peers
         with self._blocked():
             time.sleep(YIELD_POLL_S)
         return True
@@ -225,8 +227,8 @@ class DecodeEngine:
         if not take:
             return []
         if self.overlap:
-            # NOTE: row-reuse race (DESIGN §3). A request that finished at step N still
-            # runs a redundant step N+1 on the forward stream, which reads
+            # NOTE: row-reuse race (docs/architecture.md §3). A request that finished at
+            # step N still runs a redundant step N+1 on the forward stream, which reads
             # req_to_token[row] and publishes its token into output_tokens[row]. Its row
             # was freed as soon as we saw it finish, so a request taken here may own that
             # row now. Wait for the forward stream before process_prebuilt writes the row,

@@ -69,7 +69,7 @@ class FutureMap:
 
         Call on the schedule stream, and only after the forward stream holds no
         in-flight step that may still publish into `row` (the caller fences with
-        schedule_stream.wait_stream(forward_stream), DESIGN §3 row-reuse race).
+        schedule_stream.wait_stream(forward_stream), docs/architecture.md §3 row-reuse race).
         """
         if not 0 < row < self.rows:
             raise ValueError(f"row must lie in [1, {self.rows}) (row 0 is padding), got {row}")

@@ -107,13 +107,11 @@ class PrefillEngine:
         self._poll_sink()
         self._admit()
         chunk = self._plan_chunk()
-        share = self.runner.core_share
-        if share is not None:  # a decode on this host may step aside for it (prefill first)
-            share.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
+        cores = self.runner.cores  # a decode on this host may step aside for it (prefill first)
+        cores.set_backlog(len(self.prefilling) + len(self.waiting) if chunk else 0)
         if chunk:
             self._run(chunk)
-            if share is not None:
-                share.set_backlog(len(self.prefilling) + len(self.waiting))
+            cores.set_backlog(len(self.prefilling) + len(self.waiting))
         events, self.events = self.events, []
         return events
 
@@ -145,11 +143,8 @@ class PrefillEngine:
         the next step rather than filling the room with a piece: the piece would lengthen
         this step, delaying the first tokens of the prompts it completes, while that
         prompt completes in the next step either way. Pieces go only to prompts longer
-        than a step, and to the first prompt of a step. `--quick`'s workload under
-        `pdserve up`, 18 bench runs a side taking turns, twice: TTFT p50 121.0 / 122.6 ms
-        against 126.8 / 126.1, tokens/s 444 / 435 against 441 / 431; 48 prompts of
-        128-384 tokens: tokens/s unchanged, TTFT p50 182-199 against 195-198 ms, p90
-        1421-1461 against 1285-1333 (docs/benchmarks.md, fifteenth round)."""
+        than a step, and to the first prompt of a step. This shortens TTFT p50 at the same
+        tokens/s; the longest prompts of a burst wait a step longer (a longer TTFT p90)."""
         budget = whole = self._budget()
         plan: list[tuple[Req, int, int]] = []
         for req in prefill_order(self.prefilling, self.cfg.scheduler, time.time()):

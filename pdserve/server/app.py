@@ -1,6 +1,6 @@
 """The FastAPI app of a prefill or decode frontend.
 
-Endpoints (DESIGN §6): generation routes live in native_api / openai_routes;
+Endpoints (docs/architecture.md §6): generation routes live in native_api / openai_routes;
 this module adds health, info, metrics and abort, error handling, and the
 lifespan that starts and stops the engine process.
 
@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.edge.auth import RequireKey
 from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
@@ -59,6 +60,8 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
 
     app = FastAPI(title=f"pdserve {cfg.role}", lifespan=lifespan)
     app.state.frontend = fe
+    # the key on every route but /health (and /metrics with metrics_public)
+    app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
     openai_routes.register(app, fe, cfg)
@@ -171,8 +174,8 @@ def _add_info_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig, spec: Engine
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid:
             raise RequestError("rid (a string) is required", "rid")
-        # a request with n > 1 runs as rid-0, rid-1, ...: abort all of them
-        samples = [r for r in fe.client.in_flight_rids() if r.startswith(rid + "-")]
-        for r in [rid, *samples]:
+        # exactly this request, or the n > 1 samples submitted under it (never a prefix)
+        rids = fe.client.rids_of(rid)
+        for r in rids or [rid]:
             fe.client.abort(r, "aborted by /abort_request")
-        return JSONResponse({"success": True, "rid": rid})
+        return JSONResponse({"success": True, "rid": rid, "aborted": rids})

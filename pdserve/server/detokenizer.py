@@ -21,26 +21,36 @@ output is cut right before it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], byte_pieces: Collection[int] = frozenset()
+    ) -> None:
         self._decode = decode
+        # Byte-fallback pieces (`<0xE2>`, and the skipped special tokens a run spans): a
+        # SentencePiece decoder turns a run of them into text as one unit, and an invalid
+        # run into one U+FFFD per byte even where a byte alone is valid, so a run's text
+        # is final only once the run has ended (tokenizer.byte_piece_ids).
+        self._byte_pieces = byte_pieces
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the re-decoded window
         self._read_offset = 0  # ids before this are fully emitted
         self._emitted = 0  # characters of ids[read_offset:] already emitted
 
-    def _window(self) -> tuple[int, str]:
-        """(chars of the emitted context, decoded window)."""
+    def _window(self, end: int) -> tuple[int, str]:
+        """(chars of the emitted context, decoded window up to `end`)."""
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        return len(prefix), self._decode(self.ids[self._prefix_offset :])
+        return len(prefix), self._decode(self.ids[self._prefix_offset : end])
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly "")."""
         self.ids.extend(token_ids)
-        n_prefix, full = self._window()
+        end = len(self.ids)
+        while end > self._read_offset and self.ids[end - 1] in self._byte_pieces:
+            end -= 1  # a byte run still open: held back whole
+        n_prefix, full = self._window(end)
         # trailing U+FFFD: bytes of a character whose remaining bytes have not come yet
         stable = len(full.rstrip("\ufffd"))
         start = n_prefix + self._emitted
@@ -52,7 +62,7 @@ class IncrementalDetokenizer:
             # ([▁hello, <s>, ▁world] would stream "helloworld").
             if len(full) > n_prefix:
                 self._prefix_offset = self._read_offset
-            self._read_offset = len(self.ids)
+            self._read_offset = end
             self._emitted = 0
         else:
             self._emitted += len(new)
@@ -60,7 +70,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Everything not emitted yet (an incomplete trailing character decodes to U+FFFD)."""
-        n_prefix, full = self._window()
+        n_prefix, full = self._window(len(self.ids))
         out = full[n_prefix + self._emitted :]
         self._prefix_offset = self._read_offset = len(self.ids)
         self._emitted = 0

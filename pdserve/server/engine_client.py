@@ -57,6 +57,7 @@ class EngineClient:
         self.error: str | None = None  # set once the engine is dead
         self.pid: int | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._group_of: dict[str, str] = {}  # in-flight sample rid -> its request's rid (n > 1)
         self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
         self._nonce = 0
         self._last_beat = time.monotonic()
@@ -73,6 +74,13 @@ class EngineClient:
 
     def in_flight_rids(self) -> list[str]:
         return list(self._queues)
+
+    def rids_of(self, rid: str) -> list[str]:
+        """The in-flight engine rids a client's `rid` names: the request itself (n = 1)
+        and the samples submitted under it as their group (n > 1). Exact names only: a
+        rid is never matched by prefix, so one client cannot end another's requests."""
+        own = [rid] if rid in self._queues else []
+        return own + sorted(r for r, g in self._group_of.items() if g == rid)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,6 +166,8 @@ class EngineClient:
         self._push.send(P.encode(P.GenerateReq(req=req)))
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[req.rid] = q
+        if req.group is not None:
+            self._group_of[req.rid] = req.group
         return q
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
@@ -167,6 +177,7 @@ class EngineClient:
     def release(self, rid: str) -> None:
         """Forget `rid`: later events for it are dropped."""
         self._queues.pop(rid, None)
+        self._group_of.pop(rid, None)
 
     async def stats(self, timeout_s: float = 2.0) -> dict[str, float]:
         if not self.alive:
@@ -221,6 +232,7 @@ class EngineClient:
         for rid, q in self._queues.items():
             q.put_nowait(TokenEvent(rid=rid, finished=True, error=self.error))
         self._queues.clear()
+        self._group_of.clear()
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDead(self.error))

@@ -194,14 +194,15 @@ class Frontend:
             r = base if n == 1 else f"{base}-{i}"
             out.append(EngineRequest(rid=r, input_ids=ids, params=p, room=room,
                                      bootstrap_host=host, bootstrap_port=port,
-                                     received_at=time.time(), stamps=dict(stamps or {})))  # fmt: skip
+                                     received_at=time.time(), stamps=dict(stamps or {}),
+                                     group=base if n > 1 else None))  # fmt: skip
         return out
 
 
 async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
     """Stream one sample. Raises EngineDead if the engine is gone at submission."""
     q = fe.client.submit(req)
-    detok = IncrementalDetokenizer(fe.tokenizer.decode)
+    detok = IncrementalDetokenizer(fe.tokenizer.decode, fe.tokenizer.byte_piece_ids)
     stop = StopMatcher(req.params.stop)
     clock = _Clock(fe.metrics)
     done = False

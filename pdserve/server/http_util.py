@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pdserve.edge import body
+from pdserve.edge.auth import key_matches
 from pdserve.edge.errors import ClientGone, error_body
 from pdserve.server.generation import RequestError
 
@@ -47,12 +47,10 @@ def parse(model: type[M], data: Any) -> M:
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """RequestError 401 unless `Authorization: Bearer <api_key>` (when a key is set)."""
-    if not api_key:
-        return
-    got = request.headers.get("authorization", "")
-    scheme, _, token = got.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+    """RequestError 401 unless `Authorization: Bearer <api_key>` (when a key is set).
+    The app's RequireKey (edge/auth.py) checks every route already; this stays as the
+    handlers' own guard."""
+    if api_key and not key_matches(request.headers.get("authorization"), api_key):
         raise RequestError("invalid or missing API key", status=401)
 
 

@@ -96,9 +96,8 @@ def _thread_plan(engine_args: list[str], engines: int, state_dir: str) -> list[l
 # A decode sharing its host with a prefill runs at this niceness: when both compute (and
 # the router, the HTTP servers and clients want CPU too) the prefill wins the contended
 # core. Its step is on every waiting request's first token, while a decode step that
-# runs later delays each stream by a step. 48 prompts, 24 in flight (compare.py
-# --pdserve-args "--nice 0" against the default, 4 rounds taking turns): TTFT p50 365-509
-# ms (median 439) -> 333-406 (378), tok/s and TPOT unchanged.
+# runs later delays each stream by a step: first tokens come sooner, tokens/s and TPOT
+# stay (compare.py --pdserve-args "--nice 0" against the default, taking turns).
 DECODE_NICE = 10
 
 

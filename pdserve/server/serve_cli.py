@@ -156,6 +156,10 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
             "bootstrap_port",
             "port of the bootstrap socket decodes connect to",
         )
+    if role == "decode":
+        _flag(g, "--data-port", TransferConfig, "data_port",
+              "port the KV data socket binds (0: a free one; fixed where a firewall or a "
+              "NetworkPolicy names it)")  # fmt: skip
     _flag(
         g,
         "--kv-ready-timeout",
@@ -205,7 +209,12 @@ def _add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"bearer key for generation endpoints (or env {ENV.API_KEY.name})",
+        help=f"bearer key required on every route but /health (or env {ENV.API_KEY.name})",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
     _flag(p, "--max-body-bytes", ServerConfig, "max_body_bytes", "larger request bodies get 413")
     _flag(
@@ -265,7 +274,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     server = ServerConfig(
         role=role, model_path=model, host=args.host, port=args.port,
         served_model_name=args.served_model_name or resolved.name,
-        api_key=args.api_key or ENV.API_KEY.get(),
+        api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
         log_level=getattr(args, "log_level", "info"),
     )  # fmt: skip

@@ -13,7 +13,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: str | None = None  # default: the model folder's name
-    api_key: str | None = None  # bearer key for generation and control endpoints
+    api_key: str | None = None  # bearer key required on every route but /health
+    metrics_public: bool = False  # True: /metrics answers without the key (a scraper's)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     engine_start_timeout_s: float = 600.0
     engine_heartbeat_timeout_s: float = 60.0  # engine silent this long: considered dead

@@ -25,7 +25,7 @@ from pdserve.server.chat_template import (
     select_template,
 )
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplateError", "Tokenizer"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTemplateError", "Tokenizer", "byte_piece_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,18 @@ def _token_content(tok: object) -> str | None:
     return tok if isinstance(tok, str) else None
 
 
+def byte_piece_ids(hf: HFTokenizer) -> frozenset[int]:
+    """Ids a run of byte-fallback pieces is made of, for a tokenizer whose model falls back
+    to bytes (SentencePiece-style BPE): `<0x00>` .. `<0xFF>`, and the special tokens,
+    which decoding skips, so bytes on both sides of one join into one run. Empty for
+    any other tokenizer."""
+    if not getattr(hf.model, "byte_fallback", False):
+        return frozenset()
+    ids = {hf.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    ids |= {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    return frozenset(i for i in ids if i is not None)
+
+
 def _as_id_list(v: object) -> list[int]:
     if isinstance(v, int):
         return [v]
@@ -65,6 +77,7 @@ class Tokenizer:
                 f"{d}: no tokenizer.json (a model folder needs its fast tokenizer)"
             )
         self.hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        self.byte_piece_ids = byte_piece_ids(self.hf)  # the detokenizer holds their runs
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
         gcfg = _read_json(d / "generation_config.json")

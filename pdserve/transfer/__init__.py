@@ -1,4 +1,4 @@
-"""pdserve.transfer: the prefill -> decode KV transfer over ZeroMQ (DESIGN §5).
+"""pdserve.transfer: the prefill -> decode KV transfer over ZeroMQ (docs/architecture.md §5).
 
 messages.py   wire types (msgspec, tagged, versioned)
 checksum.py   XXH3-64 block checksums and the transfer digest

@@ -1,10 +1,13 @@
 """What a prefill and a decode must agree on to share KV: the served model's identity.
 
-    fingerprint = "arch=<architecture>;vocab=<vocab_size>;config=<hash>;kv=<KV layout>"
+    fingerprint = "arch=<architecture>;vocab=<vocab_size>;layers=<per layer attention>;
+                   config=<hash>;kv=<KV layout>"
 
 `config` hashes every ModelArch field that changes the computation (all of them but
 those in NOT_COMPUTATION), so a field added to ModelArch is covered without a change
-here. Two engines whose fingerprints differ would hand each other KV (or token ids)
+here. `layers` spells out what differs from layer to layer (window and rope, e.g.
+Gemma 3's sliding and full layers) in runs, "5x(w512,r10000)+1x(full,r1e+06)", so a
+mismatch there is named, not only a hash. Two engines whose fingerprints differ would hand each other KV (or token ids)
 that mean something else; the transfer refuses such a pair by room, naming the part.
 """
 
@@ -29,10 +32,26 @@ def config_hash(arch: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def layers_part(arch: Any) -> str:
+    """Each layer's attention window and rope theta (a ModelArch), in runs."""
+    runs: list[list[Any]] = []
+    for window in arch.layer_windows:  # the rule of ModelArch.layer_rope
+        sliding = arch.sliding_rope is not None and window
+        theta, scaling = arch.sliding_rope if sliding else (arch.rope_theta, arch.rope_scaling)
+        kind = scaling.get("rope_type", "") if isinstance(scaling, dict) else ""
+        layer = f"{f'w{window}' if window else 'full'},r{theta:g}{kind}"
+        if runs and runs[-1][1] == layer:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, layer])
+    return "+".join(f"{n}x({layer})" for n, layer in runs)
+
+
 def model_fingerprint(arch: Any, layout: KVLayout) -> str:
     parts = {
         "arch": arch.architecture,
         "vocab": str(arch.vocab_size),
+        "layers": layers_part(arch),
         "config": config_hash(arch),
         "kv": layout.fingerprint(),
     }

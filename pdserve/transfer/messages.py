@@ -1,6 +1,6 @@
 """Wire messages of the prefill <-> decode KV transfer (typed msgspec msgpack structs).
 
-Channels (DESIGN §5):
+Channels (docs/architecture.md §5):
     control  decode DEALER ──▶ prefill ROUTER (bootstrap port):  Ready, Ack, Abort, Heartbeat
              prefill ROUTER ──▶ decode DEALER:                    Abort, Heartbeat
     data     prefill PUSH   ──▶ decode PULL (data_endpoint):      KVChunk + raw frames, KVDone

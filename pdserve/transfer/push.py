@@ -15,20 +15,16 @@ writes it, while V is gathered; the next piece's K is gathered while V is on the
     libzmq I/O (decode)                    read K_i ─────────read V_i ──────────▶
     decode I/O thread                           verify, scatter K_i │ verify, scatter V_i
 
-(Sending K and V as one two-frame message serialised them: at 1k tokens one message
-is the whole transfer, and nothing overlapped. benchmarks/kv_transfer.py, two runs each
-taking turns: 1k 0.39/0.39 -> 0.41/0.43 of raw TCP, 8k 0.64/0.64 -> 0.77/0.75, 32k
-0.72/0.71 -> 0.80/0.76.)
+(K and V go as two messages: one two-frame message would serialise them, and at 1k
+tokens one message is the whole transfer, with nothing to overlap.)
 The staging buffer a frame is gathered into is the buffer libzmq sends from (copy=False);
 it goes back to the pool only when its tracker says libzmq is done. On a CPU pool whose
 request slots are whole pages (as the pool hands them out) the native kernel gathers
 page by page, layer after layer on the engine's kernel threads, and hashes each layer
 while it is still in the cache of the core that copied it (kernels/native/page_copy.py
 gather_runs); the kind's frame then carries runs [n], its layers' segments one after
-another (messages.py), and the checksum is the one in-place pieces have. Against torch's
-gather and xxhash after it, taking turns per transfer in one process pair (shuffled
-pages, docs/benchmarks.md, twenty-ninth round): 1k tokens 1.99 / 1.91 / 1.87 GB/s
-against 1.84 / 1.78 / 1.74, 8k 2.25 / 2.79 / 2.33 against 2.04 / 2.58 / 2.20.
+another (messages.py), and the checksum is the one in-place pieces have. That reads
+each byte from memory once, where torch's gather and a hash after it read it twice.
 
 In place: where a piece's slots lie in at most MAX_RUNS runs of consecutive slots (a
 prefill pool hands a request's pages out in ascending runs, kvcache/pools.py), each
@@ -64,7 +60,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.kernels.native.page_copy import PageCopy
+from pdserve.kernels.page_io import PORTABLE, PageIO
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
@@ -170,11 +166,11 @@ class Pusher:
         self,
         layout: KVLayout,
         max_frame_bytes: int,
-        native: PageCopy | None = None,
+        pages: PageIO = PORTABLE,
         native_send: bool = False,
     ) -> None:
-        """`native`: pieces whose pages are scattered over a CPU pool are gathered and
-        hashed by kernels/native/page_copy.py (gather_runs), else by torch and xxhash.
+        """`pages`: the engine's page I/O (kernels/page_io.py), which gathers and hashes
+        pieces whose pages are scattered over a CPU pool (gather_runs) and hashes the rest.
         `native_send`: the sockets send numpy frames through libzmq's C API
         (zmq_native.py), so prepare() makes a piece's frames for that, else pyzmq's."""
         self.layout = layout
@@ -192,7 +188,7 @@ class Pusher:
                 f" would not fit in a header of {MAX_HEADER_BYTES // 2} bytes"
             )
         self._staging: StagingPool | None = None  # made on first use (pool dtype, device)
-        self._native = native
+        self._pages = pages
         self._pool_pages = PoolPages()
         # pieces sent each way (KVSender.stats): how often serving's pages allow in place
         self.pieces = {"pieces_in_place": 0, "pieces_gathered": 0}
@@ -209,8 +205,8 @@ class Pusher:
         p = piece.prepared
         if p is not None and p.hashes is None:
             with stages.timed("prepare"):
-                native = self._native
-                p.hashes = (block_hashes(p.frames[0], native), block_hashes(p.frames[1], native))
+                pages = self._pages
+                p.hashes = (block_hashes(p.frames[0], pages), block_hashes(p.frames[1], pages))
                 p.zframes = (self._make(p.frames[0]), self._make(p.frames[1]))
 
     def send_chunk(self, sock: MsgSocket, st: Room, piece: Piece) -> None:
@@ -239,10 +235,10 @@ class Pusher:
             staging.hold(buf, trackers)
 
     def _paged(self, piece: Piece) -> tuple[PageViews, np.ndarray, int] | None:
-        """Where the native gather reads `piece`: its pool as pages, the pages holding
+        """Where the page gather reads `piece`: its pool as pages, the pages holding
         its positions in order, and its first position's row in the first of them; None
-        without the native gather, for a pool on a GPU, or slots not in whole pages."""
-        if self._native is None or piece.pool.k.is_cuda:
+        for a pool on a GPU, or slots not in whole pages."""
+        if piece.pool.k.is_cuda:
             return None
         size = self.layout.page_size
         base = piece.start - piece.start % size
@@ -266,11 +262,10 @@ class Pusher:
         of its layers' segments one after another (runs [n]: messages.py), each layer
         hashed on the kernel threads as soon as it is filled, while it is still in that
         core's cache."""
-        assert self._native is not None
         tok, n = piece.start, piece.end - piece.start
         for kind, src in zip("kv", views):
             assert src is not None
-            buf, rows, hashes = staging.gather_pages(src, pages, t0, n, self._native)
+            buf, rows, hashes = staging.gather_pages(src, pages, t0, n, self._pages)
             hdr = self._header(st, kind, tok, n, list(rows), rows.nbytes, [n], hashes)
             with stages.timed("send"):
                 trackers = sock.send(hdr, [rows.reshape(-1)])
@@ -307,7 +302,7 @@ class Pusher:
         assert st.ready is not None
         if hashes is None:
             with stages.timed("checksum"):
-                hashes = block_hashes(segments, self._native)
+                hashes = block_hashes(segments, self._pages)
         hdr = KVChunk(
             room=st.room,
             session=st.ready.session,

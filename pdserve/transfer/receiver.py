@@ -19,17 +19,18 @@ Invariants:
 
 from __future__ import annotations
 
-import random
+import secrets
 import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.native.page_copy import PageWriter, page_copy
+from pdserve.kernels.page_io import Writer, page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
 from pdserve.transfer.curve import authorize
@@ -62,27 +63,29 @@ class KVReceiver:
         model: str = "",
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
-        """`native_scatter`: write whole pages with the native scatter, and hash chunks
-        from C, on as many threads as the engine's kernels use (kernels/native/page_copy.py),
-        built (once per machine, about a second) and loaded here at start-up, never
-        inside a transfer; None where no C compiler is. False: numpy's assignment and
-        Python's xxhash (--disable-compile)."""
+        """`native_scatter`: write whole pages and hash chunks in C, on as many threads
+        as the engine's kernels use, `kernel_threads` (kernels/core_share.Cores; None:
+        torch's thread count), built (once per machine, about a second) and loaded here
+        at start-up, never inside a transfer; False, or no C compiler: numpy and
+        Python's xxhash (--disable-compile). Either is the page I/O of
+        kernels/page_io.py, chosen here once."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
-        self._page_copy = page_copy(cache_root(), split=True) if native_scatter else None
+        self._pages = page_io(cache_root() if native_scatter else None, kernel_threads)
         self.kv_timeout_s = kv_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint(); sent in Ready
         self._next_hb = 0.0
         self._hb_seq = 0
-        self.decode_id = f"decode-{random.getrandbits(48):012x}"
+        self.decode_id = f"decode-{secrets.randbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
         self._pool_pages = PoolPages()  # I/O thread
         # pool -> (the views a writer was made for, the writer): KVReceiver._writer
-        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, PageWriter | None]]
+        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, Writer]]
         self._writers = weakref.WeakKeyDictionary()
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
@@ -111,7 +114,9 @@ class KVReceiver:
         endpoint = f"tcp://{req.bootstrap_host}:{req.bootstrap_port}"
         if slots.dtype != torch.int64 or slots.device != pool.k.device:
             slots = slots.to(pool.k.device, torch.int64)
-        x = Transfer(req, pool, slots, random.getrandbits(62) + 1, endpoint)
+        # NOTE: `secrets`, not `random`: the session proves a chunk belongs to this reservation,
+        # so a peer must not predict it from sessions it has seen (random's state is recoverable)
+        x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.kv_timeout_s
         with self._lock:
             self._xfers[req.room] = x
@@ -200,17 +205,18 @@ class KVReceiver:
         views = self._pool_pages.of(x.pool)
         x.arm(views, self._writer(x.pool, views))
 
-    def _writer(self, pool: KVPool, views: PageViews) -> PageWriter | None:
-        """The native writer into `pool`'s pages `views`, made once per pool (about a
-        transfer's arming again, the first time) and reused while its views are the same."""
+    def _writer(self, pool: KVPool, views: PageViews) -> Writer | None:
+        """The writer into `pool`'s pages `views` (None: not a CPU pool of pages), made
+        once per pool (about a transfer's arming again, the first time) and reused while
+        its views are the same."""
         k, v = views
-        if self._page_copy is None or k is None or v is None:
+        if k is None or v is None:
             return None
         hit = self._writers.get(pool)
         if hit is None or hit[0] is not views:
             hit = self._writers[pool] = (
                 views,
-                self._page_copy.writer((k, v), pool.layout.page_size),
+                self._pages.writer((k, v), pool.layout.page_size),
             )
         return hit[1]
 
@@ -239,12 +245,12 @@ class KVReceiver:
             return
         self._last_seen[x.endpoint] = time.monotonic()
         bufs = segments(self.layout, hdr, [f.buffer for f in frames])
-        reason = check_chunk(self.layout, x, hdr, bufs, self._page_copy)
+        reason = check_chunk(self.layout, x, hdr, bufs, self._pages)
         try:
             with x.lock:
                 if not reason and x.open:  # NOTE: cancel() may have closed it since the lookup
                     # "" unless a block failed its hash as it was about to be written
-                    reason = write_chunk(x, hdr, bufs, self._page_copy)
+                    reason = write_chunk(x, hdr, bufs, self._pages)
         except Exception as e:  # fail closed: partially written KV is never reported ok
             self._fail(x, f"internal error while writing KV: {e!r}")
             return

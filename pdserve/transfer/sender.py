@@ -23,13 +23,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.native.page_copy import page_copy
+from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
@@ -64,21 +65,23 @@ class KVSender:
         fault_hook: SendHook | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         native: bool = True,
+        kernel_threads: Callable[[], int] | None = None,
     ) -> None:
         """`native`: gather and hash pieces whose pages are scattered over the pool with
         the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
         (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
         torch's index_select, Python's xxhash and pyzmq's zero-copy send
-        (--disable-compile)."""
+        (--disable-compile). `kernel_threads`: the engine's (kernels/core_share.Cores),
+        else torch's thread count."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.heartbeat_s = heartbeat_s
         self.model = model  # identity.model_fingerprint() of the served model
-        gather = page_copy(cache_root(), split=True) if native else None
+        pages = page_io(cache_root() if native else None, kernel_threads)  # chosen once
         send = native_send(cache_root()) if native else None
-        self._pusher = Pusher(layout, max_frame_bytes, gather, native_send=send is not None)
+        self._pusher = Pusher(layout, max_frame_bytes, pages, native_send=send is not None)
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}

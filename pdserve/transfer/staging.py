@@ -30,7 +30,7 @@ from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK
 
 if TYPE_CHECKING:
-    from pdserve.kernels.native.page_copy import PageCopy
+    from pdserve.kernels.page_io import PageIO
     from pdserve.transfer.zmq_io import Tracker
 
 PageViews = tuple[np.ndarray | None, np.ndarray | None]  # a pool's K, V: [L, pages, page bytes]
@@ -73,20 +73,20 @@ class StagingPool:
         return buf, _rows(out)  # NOTE: as bytes: numpy has no bfloat16
 
     def gather_pages(
-        self, src: np.ndarray, tpages: np.ndarray, t0: int, n: int, native: PageCopy
-    ) -> tuple[torch.Tensor, np.ndarray, bytes | None]:
+        self, src: np.ndarray, tpages: np.ndarray, t0: int, n: int, pages: PageIO
+    ) -> tuple[torch.Tensor, np.ndarray, bytes]:
         """Copy positions t0 .. t0 + n - 1 of `src` (a CPU pool's K or V as pages,
         paged_view; position p in page tpages[p // page_size]) into a staging buffer,
-        layer after layer, each layer hashed as soon as it is filled (native.gather_runs,
-        on the kernel threads). Returns (buffer, the bytes as [layers, n * row bytes],
-        their block hashes or None); the hash counts as part of the gather. Same
+        layer after layer, each layer hashed as soon as it is filled (pages.gather_runs,
+        natively on the kernel threads). Returns (buffer, the bytes as [layers, n * row
+        bytes], their block hashes); the hash counts as part of the gather. Same
         precondition as `gather`."""
         with stages.timed("send"):  # NOTE: waits here when every buffer is still in flight
             buf = self._take()
         t0_s = time.perf_counter()
         layers, row = src.shape[0], src.shape[2] // self.page_size
         out = buf.view(torch.uint8)[: layers * n * row].numpy().reshape(layers, n * row)
-        hashes = native.gather_runs(src, tpages, self.page_size, t0, [n], list(out), HASH_BLOCK)
+        hashes = pages.gather_runs(src, tpages, self.page_size, t0, [n], list(out), HASH_BLOCK)
         stages.add("gather", time.perf_counter() - t0_s)
         return buf, out, hashes
 

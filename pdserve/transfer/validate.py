@@ -3,8 +3,8 @@
 Every header field is checked before anything of a chunk is written (room, session,
 ranges, byte counts, no overlap, the hash count, the checksum of the block hashes), and
 every payload block is checked against its hash before it is written (checksum.py):
-by the native scatter block by block, each right before its write, where it writes the
-chunk; otherwise all of them here, before the write. A block that fails stops the
+by the page writer (kernels/page_io.py; natively block by block, each right before its
+write), where it writes the chunk; otherwise all of them here, before the write. A block that fails stops the
 write: the chunk is refused and the transfer fails, its pages (the request's own, no
 one else's) freed unread.
 
@@ -15,12 +15,12 @@ a chunk overlapping cells already received is refused before writing).
 
 Writing: where the request's slots are whole pages in prompt order (as the decode's
 allocator hands them out) and the pool is on the CPU, a chunk's kind is written by one
-native call (kernels/native/page_copy.py PageWriter.scatter: scatter_runs with its C arguments
-made once per pool; its layers on the engine's kernel threads, as the chunk's frames
-are hashed), with its pages looked up once per transfer (`Transfer.arm`: on the I/O
-thread right after the Ready is sent, while the prefill's answer is on its way);
-elsewhere (other slots, no C compiler, --disable-compile) by numpy's assignment
-(staging.py), or by index_copy_ on a GPU pool.
+call of the engine's page writer (kernels/page_io.py; natively PageWriter.scatter, its
+C arguments made once per pool, its layers on the engine's kernel threads, as the
+chunk's frames are hashed), with its pages looked up once per transfer
+(`Transfer.arm`: on the I/O thread right after the Ready is sent, while the prefill's
+answer is on its way); elsewhere (other slots) by numpy's assignment (staging.py), or by
+index_copy_ on a GPU pool.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kernels.native.page_copy import MAX_RUNS, PageCopy, PageWriter
+from pdserve.kernels.native.page_copy import MAX_RUNS
+from pdserve.kernels.page_io import PORTABLE, PageIO, Writer
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer import stages
 from pdserve.transfer.base import Ticket
@@ -84,10 +85,10 @@ class Transfer:
         """Mark the cells chunk `h` wrote for `kind` (check_chunk found none set)."""
         self.cov[kind, h.layer_start : h.layer_end, h.tok_start : h.tok_end] = 1
 
-    def arm(self, views: PageViews | None = None, writer: PageWriter | None = None) -> None:
+    def arm(self, views: PageViews | None = None, writer: Writer | None = None) -> None:
         """Make what the first chunk needs (I/O thread, once the Ready is sent: the
         prefill's answer takes longer than this). `views`: the pool's (PoolPages.of);
-        `writer`: the receiver's native writer into that pool (KVReceiver._writer)."""
+        `writer`: the receiver's writer into that pool (KVReceiver._writer)."""
         _ = self.cov
         paged = self.paged(views)
         if paged is not None:
@@ -114,7 +115,7 @@ class Paged:
     kinds: tuple[np.ndarray, np.ndarray]  # the pool's K, V: uint8 [L, num_pages, page bytes]
     pages: np.ndarray  # int64, the request's pages in prompt order
     page_size: int
-    writer: PageWriter | None = None  # into `kinds`, where the transfer was armed with one
+    writer: Writer | None = None  # into `kinds`, where the transfer was armed with one
 
 
 def check_chunk(
@@ -122,19 +123,13 @@ def check_chunk(
     x: Transfer,
     h: KVChunk,
     bufs: list[memoryview],
-    native: PageCopy | None = None,
+    pages: PageIO = PORTABLE,
 ) -> str:
     """Why chunk `h` must be refused ("" if it may be written). Reads nothing but `x`.
-    `native`: the blocks are hashed on its threads (else here, in Python's xxhash), or
-    by its scatter as it writes them, where it writes this transfer (write_chunk)."""
+    `pages`: the engine's page I/O, which hashes the blocks, or checks them as its
+    writer writes them where it writes this transfer (write_chunk)."""
     with stages.timed("verify"):
-        return _check_chunk(layout, x, h, bufs, native)
-
-
-def _fused(x: Transfer, native: PageCopy | None) -> Paged | None:
-    """Where the native scatter writes `x`'s chunks, checking each block as it goes (None:
-    it does not; check_chunk compares every block before the write)."""
-    return x.paged() if native is not None and native.verifies else None
+        return _check_chunk(layout, x, h, bufs, pages)
 
 
 def hash_segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryview]:
@@ -184,7 +179,7 @@ def segments(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memor
 
 
 def _check_chunk(
-    layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None
+    layout: KVLayout, x: Transfer, h: KVChunk, bufs: list[memoryview], pages: PageIO
 ) -> str:
     n_layers, n_tok = layout.num_layers, x.req.prompt_len
     if not (0 <= h.layer_start < h.layer_end <= n_layers):
@@ -215,29 +210,27 @@ def _check_chunk(
     if chunk_checksum(h.hashes) != h.checksum:
         return "checksum mismatch (block hashes)"
     # NOTE: last, so a frame of the wrong size is never hashed
-    if _fused(x, native) is None and block_hashes(segs, native) != h.hashes:
+    if x.paged() is None and block_hashes(segs, pages) != h.hashes:  # else as written
         return "checksum mismatch"
     return ""
 
 
-def write_chunk(
-    x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None = None
-) -> str:
+def write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], pages: PageIO = PORTABLE) -> str:
     """Why the chunk was refused while it was written ("" if it was written whole).
-    Precondition: check_chunk passed with the same `native` (it leaves the payload's
+    Precondition: check_chunk passed with the same `pages` (it leaves the payload's
     blocks to this call exactly where this call checks them) and the caller holds x.lock
     with x.open set.
 
     Scatters straight from the frame's buffer (a read-only view, no copy) into the pool.
-    The native scatter checks each block right before writing it: a block that fails
-    leaves the chunk written in part, and the caller must fail the transfer."""
+    The page writer checks each block before writing it: a block that fails may
+    leave the chunk written in part, and the caller must fail the transfer."""
     with stages.timed("scatter"):
-        return _write_chunk(x, h, bufs, native)
+        return _write_chunk(x, h, bufs, pages)
 
 
-def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy | None) -> str:
-    if native is not None and (paged := _fused(x, native)) is not None:  # a call per kind
-        return _write_paged(x, h, bufs, native, paged)
+def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], pages: PageIO) -> str:
+    if (paged := x.paged()) is not None:  # a call per kind
+        return _write_paged(x, h, bufs, pages, paged)
     lay = x.pool.layout
     n_layers, n_tok = h.layer_end - h.layer_start, h.tok_end - h.tok_start
     idx = x.slots[h.tok_start : h.tok_end]
@@ -272,15 +265,14 @@ def _write_chunk(x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCo
 
 
 def _write_paged(
-    x: Transfer, h: KVChunk, bufs: list[memoryview], native: PageCopy, paged: Paged
+    x: Transfer, h: KVChunk, bufs: list[memoryview], pages: PageIO, paged: Paged
 ) -> str:
     runs, kinds = h.runs or [h.tok_end - h.tok_start], _KINDS[h.kind]
     segs = hash_segments(x.pool.layout, h, bufs)  # a view per layer and run: srcs, by kind
     per_kind, at = len(segs) // len(kinds), 0
     writer, layers = paged.writer, (h.layer_start, h.layer_end)
     if writer is None:  # not armed with the receiver's (tests, tools)
-        writer = paged.writer = native.writer(paged.kinds, paged.page_size)
-        assert writer is not None  # _fused: native.verifies
+        writer = paged.writer = pages.writer(paged.kinds, paged.page_size)
     for i, kind in enumerate(kinds):
         srcs = segs[i * per_kind : (i + 1) * per_kind]
         end = at + 8 * sum(blocks_of(s.nbytes) for s in srcs)

@@ -12,10 +12,8 @@ socket pyzmq made, through the functions of the libzmq pyzmq loaded; libzmq's I/
 counts a frame off in a `Pending` slot when it lets the frame go. A `Pending` is the
 tracker of the whole message (`done`, `wait`, as zmq.MessageTracker).
 
-Eight runs of benchmarks/kv_transfer.py each way, interleaved (--rounds 1 --repeats 9,
-PDSERVE_PYZMQ_SEND=1 for pyzmq's send; docs/benchmarks.md, thirtieth round): 1k tokens
-2.14 against 1.91 GB/s (median), 8k 2.82 against 2.72; CPU per byte, both processes,
-1.08 against 1.23 ns at 1k and 0.74 against 0.80 at 8k.
+So no thread wakes, and takes the GIL, once per frame: the prefill spends less CPU per
+byte sent (benchmarks/kv_transfer.py, against pyzmq's send).
 
 Where libzmq cannot be found as a library of its own (a pyzmq built with it inside the
 extension), or no C compiler is, `NativeSend.load` returns None and MsgSocket sends
@@ -44,7 +42,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.envs import ENV
 from pdserve.kernels.native.library import load
 
 log = logging.getLogger(__name__)
@@ -128,10 +125,17 @@ class Pending:
             pass
 
 
-class _ZmqApi(ctypes.Structure):  # zmq_send.c ZmqApi
+class ZmqApi(ctypes.Structure):  # checked against zmq_send.c's at load (kernels/native/abi.py)
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("init_size", "init_data", "data", "send", "close", "errno")
+        for name in (
+            "msg_init_size",
+            "msg_init_data",
+            "msg_data",
+            "msg_send",
+            "msg_close",
+            "errno_",
+        )
     ]
 
 
@@ -165,7 +169,7 @@ class NativeSend:
         names: tuple[str, ...] = ("zmq_msg_init_size", "zmq_msg_init_data", "zmq_msg_data")
         names += ("zmq_msg_send", "zmq_msg_close", "zmq_errno")
         fns = [ctypes.cast(getattr(libzmq, n), ctypes.c_void_p).value for n in names]
-        self._api = _ZmqApi(*fns)
+        self._api = ZmqApi(*fns)
         self._libzmq = libzmq  # NOTE: keeps the functions' library loaded
         self._send = lib.pd_zmq_send
         self._send.restype = ctypes.c_int
@@ -176,7 +180,7 @@ class NativeSend:
     def load(cls, cache_dir: Path) -> NativeSend | None:
         """None where libzmq is not a library of its own here, or no C compiler is."""
         libzmq = _libzmq()
-        lib = load("zmq_send", cache_dir, SRC_DIR) if libzmq is not None else None
+        lib = load("zmq_send", cache_dir, SRC_DIR, (ZmqApi,)) if libzmq is not None else None
         if libzmq is None or lib is None:
             log.info("KV frames go through pyzmq's zero-copy send (libzmq's C API not found)")
             return None
@@ -218,9 +222,4 @@ class Frames:
         self.sizes = (ctypes.c_int64 * n)(*(a.nbytes for a in arrays))
 
 
-_load = functools.cache(NativeSend.load)  # once per process and cache folder
-
-
-def native_send(cache_dir: Path) -> NativeSend | None:
-    """NativeSend.load, once per process (PDSERVE_PYZMQ_SEND=1: always pyzmq's send)."""
-    return None if ENV.PYZMQ_SEND.get() == "1" else _load(cache_dir)
+native_send = functools.cache(NativeSend.load)  # once per process and cache folder

@@ -116,11 +116,9 @@ static inline __attribute__((always_inline)) void quad_scores(
 /* One block of n keys for one quad: the online softmax update, then acc += p * V. While
    it multiplies key t's V row it prefetches rows pk[t] and pv[t] (t < npf), a block or
    two ahead: spread one row per key through the arithmetic, the misses stay in flight
-   while it computes. (Issued in a burst at the start of each block, as before the change,
-   they filled the miss buffers, and the loads behind them waited: batch 64 at context
-   512, shuffled pages, the layer's attention took 2.6-3.3 ms against 1.9-2.8 ms spread;
-   context 1024 6.2-6.9 against 4.6-5.0 ms; all in cache 1.0-1.2 ms: docs/benchmarks.md,
-   nineteenth round.) */
+   while it computes. (Issued in a burst at the start of each block they fill the miss
+   buffers, and the loads behind them wait: memory and arithmetic then take about the
+   sum of their times instead of overlapping; benchmarks/decode_attention.py.) */
 static inline __attribute__((always_inline)) void quad_block(
     Quad *qd, const float *const *krow, const float *const *vrow, int64_t n, const int D,
     const float *const *pk, const float *const *pv, int64_t npf) {

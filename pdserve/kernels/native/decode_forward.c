@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "kernel_args.h"
 
 #define MAX_WINDOWS 4 /* distinct attention windows a model may have (0: full) */
@@ -194,3 +195,41 @@ int pd_decode_forward(DecodePlan *p) {
     project(p, &p->head, x, p->logits);
     return 0;
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(Proj),
+    PD_ABI_FIELD(Proj, packed), PD_ABI_FIELD(Proj, bias), PD_ABI_FIELD(Proj, n),
+    PD_ABI_FIELD(Proj, k_dim), PD_ABI_FIELD(Proj, panels),
+    PD_ABI_STRUCT(DecodeLayer),
+    PD_ABI_FIELD(DecodeLayer, input_norm), PD_ABI_FIELD(DecodeLayer, post_norm),
+    PD_ABI_FIELD(DecodeLayer, q_norm), PD_ABI_FIELD(DecodeLayer, k_norm),
+    PD_ABI_FIELD(DecodeLayer, qkv), PD_ABI_FIELD(DecodeLayer, o),
+    PD_ABI_FIELD(DecodeLayer, gate_up), PD_ABI_FIELD(DecodeLayer, down),
+    PD_ABI_FIELD(DecodeLayer, k_pool), PD_ABI_FIELD(DecodeLayer, v_pool),
+    PD_ABI_FIELD(DecodeLayer, window),
+    PD_ABI_STRUCT(DecodePlan),
+    PD_ABI_FIELD(DecodePlan, linear), PD_ABI_FIELD(DecodePlan, attend),
+    PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, norm),
+    PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, silu_mul),
+    PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
+    PD_ABI_FIELD(DecodePlan, layers), PD_ABI_FIELD(DecodePlan, hidden),
+    PD_ABI_FIELD(DecodePlan, heads), PD_ABI_FIELD(DecodePlan, kv_heads),
+    PD_ABI_FIELD(DecodePlan, head_dim), PD_ABI_FIELD(DecodePlan, inter),
+    PD_ABI_FIELD(DecodePlan, vocab), PD_ABI_FIELD(DecodePlan, num_slots),
+    PD_ABI_FIELD(DecodePlan, max_pos), PD_ABI_FIELD(DecodePlan, eps),
+    PD_ABI_FIELD(DecodePlan, scale), PD_ABI_FIELD(DecodePlan, embed),
+    PD_ABI_FIELD(DecodePlan, cos), PD_ABI_FIELD(DecodePlan, sin),
+    PD_ABI_FIELD(DecodePlan, final_norm), PD_ABI_FIELD(DecodePlan, head),
+    PD_ABI_FIELD(DecodePlan, layer), PD_ABI_FIELD(DecodePlan, threads),
+    PD_ABI_FIELD(DecodePlan, share), PD_ABI_FIELD(DecodePlan, share_engines),
+    PD_ABI_FIELD(DecodePlan, share_slot), PD_ABI_FIELD(DecodePlan, share_own),
+    PD_ABI_FIELD(DecodePlan, host_busy), PD_ABI_FIELD(DecodePlan, b),
+    PD_ABI_FIELD(DecodePlan, ids), PD_ABI_FIELD(DecodePlan, positions),
+    PD_ABI_FIELD(DecodePlan, out_slots), PD_ABI_FIELD(DecodePlan, slots),
+    PD_ABI_FIELD(DecodePlan, slot_stride), PD_ABI_FIELD(DecodePlan, bounds),
+    PD_ABI_FIELD(DecodePlan, scratch), PD_ABI_FIELD(DecodePlan, logits),
+    PD_ABI_FIELD(DecodePlan, status),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

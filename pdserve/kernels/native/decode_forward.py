@@ -16,38 +16,10 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels.native.abi import DecodePlan
 from pdserve.kernels.native.library import load
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-MAX_WINDOWS = 4  # decode_forward.c MAX_WINDOWS
-
-
-class Proj(ctypes.Structure):  # decode_forward.c Proj
-    _fields_ = [("packed", _ptr), ("bias", _ptr), ("n", _i64), ("k_dim", _i64), ("panels", _i64)]
-
-
-class DecodeLayer(ctypes.Structure):  # decode_forward.c DecodeLayer
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("qkv", Proj), ("o", Proj),
-                ("gate_up", Proj), ("down", Proj), ("k_pool", _ptr), ("v_pool", _ptr),
-                ("window", _i64)]  # fmt: skip
-
-
-class DecodePlan(ctypes.Structure):  # decode_forward.c DecodePlan
-    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
-                ("head_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
-                ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
-                ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
-                ("max_pos", _i64), ("eps", _f32), ("scale", _f32),
-                ("embed", _ptr), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
-                ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
-                ("threads", _i64), ("share", _ptr), ("share_engines", _i64),
-                ("share_slot", _i64), ("share_own", _i64), ("host_busy", _ptr),
-                ("b", _i64), ("ids", _ptr), ("positions", _ptr), ("out_slots", _ptr),
-                ("slots", _ptr), ("slot_stride", _i64), ("bounds", _ptr * MAX_WINDOWS),
-                ("scratch", _ptr), ("logits", _ptr), ("status", _i32)]  # fmt: skip
-
-
 # pd_decode_forward's status -> what was wrong (nothing computed, except 4: see the C)
 STATUS = {
     1: "a token id outside the vocabulary",

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "exp_poly.h"
 
 #define LANES 8
@@ -206,3 +207,14 @@ static int64_t argmax_row(const float *x, int64_t n) {
 void pd_argmax(const float *x, int64_t m, int64_t n, int64_t ld, int64_t *out) {
     for (int64_t r = 0; r < m; r++) out[r] = argmax_row(x + r * ld, n);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(RowsArgs),
+    PD_ABI_FIELD(RowsArgs, x), PD_ABI_FIELD(RowsArgs, delta), PD_ABI_FIELD(RowsArgs, w),
+    PD_ABI_FIELD(RowsArgs, cos), PD_ABI_FIELD(RowsArgs, sin), PD_ABI_FIELD(RowsArgs, out),
+    PD_ABI_FIELD(RowsArgs, ld), PD_ABI_FIELD(RowsArgs, n), PD_ABI_FIELD(RowsArgs, heads),
+    PD_ABI_FIELD(RowsArgs, d), PD_ABI_FIELD(RowsArgs, eps),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

@@ -15,17 +15,12 @@ from typing import Any
 
 import torch
 
+from pdserve.kernels.native.abi import RowsArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split
+from pdserve.kernels.native.par import Split, Threads
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 CHUNK_ROWS = 64  # from this many rows (a prompt's) a pass is split over threads in chunks
-
-
-class _RowsArgs(ctypes.Structure):  # decode_ops.c RowsArgs
-    _fields_ = [("x", _ptr), ("delta", _ptr), ("w", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("out", _ptr), ("ld", _i64), ("n", _i64), ("heads", _i64), ("d", _i64),
-                ("eps", _f32)]  # fmt: skip
 
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
@@ -74,7 +69,7 @@ class DecodeOps:
         out = torch.empty_like(h)
         d = 0 if delta is None else delta.data_ptr()
         if self._chunked(t):
-            args = _RowsArgs(h.data_ptr(), d, w.data_ptr(), out=out.data_ptr(), n=n, eps=eps)
+            args = RowsArgs(h.data_ptr(), d, w.data_ptr(), out=out.data_ptr(), n=n, eps=eps)
             self._run("pd_add_rms_norm_range", args, t)
         else:
             self._norm(h.data_ptr(), d, w.data_ptr(), out.data_ptr(), t, n, eps)
@@ -83,7 +78,7 @@ class DecodeOps:
     def _chunked(self, rows: int) -> bool:
         return self._split is not None and rows >= CHUNK_ROWS
 
-    def _run(self, name: str, args: _RowsArgs, rows: int) -> None:
+    def _run(self, name: str, args: RowsArgs, rows: int) -> None:
         assert self._split is not None
         self._split(self._ranges[name], args, rows, max(8, rows // 16))
 
@@ -97,7 +92,7 @@ class DecodeOps:
             raise ValueError(f"decode_ops: head norm of {tuple(x.shape)} {x.stride()} by {w.shape}")
         if self._chunked(t):
             ptrs = {"x": x.data_ptr(), "w": w.data_ptr()}
-            args = _RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d, eps=eps)
+            args = RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d, eps=eps)
             self._run("pd_rms_norm_heads_range", args, t)
         else:
             self._norm_heads(x.data_ptr(), x.stride(0), w.data_ptr(), t, heads, d, eps)
@@ -111,7 +106,7 @@ class DecodeOps:
             raise ValueError(f"decode_ops: gate_up of odd width {two}")
         out = torch.empty(t, two // 2, dtype=torch.float32)
         if self._chunked(t):
-            args = _RowsArgs(gate_up.data_ptr(), out=out.data_ptr(), n=two // 2)
+            args = RowsArgs(gate_up.data_ptr(), out=out.data_ptr(), n=two // 2)
             self._run("pd_silu_mul_range", args, t)
         else:
             self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
@@ -129,7 +124,7 @@ class DecodeOps:
             raise ValueError(f"decode_ops: rope of {tuple(x.shape)} {x.stride()} by {cos.shape}")
         if self._chunked(t):
             ptrs = {"x": x.data_ptr(), "cos": cos.data_ptr(), "sin": sin.data_ptr()}
-            args = _RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d)
+            args = RowsArgs(**ptrs, ld=x.stride(0), heads=heads, d=d)
             self._run("pd_rope_range", args, t)
         else:
             self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
@@ -169,6 +164,7 @@ class DecodeOps:
         return out
 
 
-def decode_ops(cache_dir: Path) -> DecodeOps | None:
+def decode_ops(cache_dir: Path, kernel_threads: Threads | None = None) -> DecodeOps | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("decode_ops", cache_dir)
-    return None if lib is None else DecodeOps(lib, Split(cache_dir))
+    return None if lib is None else DecodeOps(lib, Split(cache_dir, kernel_threads))

@@ -33,6 +33,7 @@
 #endif
 #include <immintrin.h>
 
+#include "abi.h"
 #include "kernel_args.h" /* LinearArgs */
 
 #define NR 16
@@ -187,3 +188,14 @@ void pd_linear_f32_range(const void *args, int64_t lo, int64_t hi) {
     const LinearArgs *a = args;
     pd_linear_f32(a->x, a->packed, a->bias, a->y, a->m, a->n, a->k_dim, lo, hi);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(LinearArgs),
+    PD_ABI_FIELD(LinearArgs, x), PD_ABI_FIELD(LinearArgs, packed),
+    PD_ABI_FIELD(LinearArgs, bias), PD_ABI_FIELD(LinearArgs, y),
+    PD_ABI_FIELD(LinearArgs, m), PD_ABI_FIELD(LinearArgs, n),
+    PD_ABI_FIELD(LinearArgs, k_dim),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

@@ -7,15 +7,11 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels.native.abi import LinearArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class _LinearArgs(ctypes.Structure):  # linear_f32.c LinearArgs
-    _fields_ = [("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
-                ("n", _i64), ("k_dim", _i64)]  # fmt: skip
 
 
 class LinearF32:
@@ -59,7 +55,7 @@ class LinearF32:
         if m == 0:
             return y
         b = 0 if bias is None else bias.data_ptr()
-        args = _LinearArgs(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
+        args = LinearArgs(x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, n, k)
         panels = packed.shape[0]
         self._split(self._fn, args, panels, self.grain(m, panels))
         return y
@@ -76,6 +72,7 @@ class LinearF32:
         return max(2, panels // 16 // 2 * 2)
 
 
-def linear_f32(cache_dir: Path) -> LinearF32 | None:
+def linear_f32(cache_dir: Path, kernel_threads: Threads | None = None) -> LinearF32 | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("linear_f32", cache_dir)
-    return None if lib is None else LinearF32(lib, Split(cache_dir))
+    return None if lib is None else LinearF32(lib, Split(cache_dir, kernel_threads))

@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
+
 #if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -234,3 +236,23 @@ void pd_hash_blocks(const void *args, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++)
         hash_blocks(a->srcs[i], a->sizes[i], a->block, a->hash, a->out + a->first[i]);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(PageRuns),
+    PD_ABI_FIELD(PageRuns, pool), PD_ABI_FIELD(PageRuns, pool_ls),
+    PD_ABI_FIELD(PageRuns, num_pages), PD_ABI_FIELD(PageRuns, tpages),
+    PD_ABI_FIELD(PageRuns, n_tpages), PD_ABI_FIELD(PageRuns, ps),
+    PD_ABI_FIELD(PageRuns, rb), PD_ABI_FIELD(PageRuns, t0), PD_ABI_FIELD(PageRuns, runs),
+    PD_ABI_FIELD(PageRuns, n_runs), PD_ABI_FIELD(PageRuns, frames),
+    PD_ABI_FIELD(PageRuns, layers), PD_ABI_FIELD(PageRuns, hashes),
+    PD_ABI_FIELD(PageRuns, hash), PD_ABI_FIELD(PageRuns, block),
+    PD_ABI_FIELD(PageRuns, bad), PD_ABI_FIELD(PageRuns, sizes),
+    PD_ABI_FIELD(PageRuns, n_frames), PD_ABI_FIELD(PageRuns, n_hashes),
+    PD_ABI_STRUCT(HashArgs),
+    PD_ABI_FIELD(HashArgs, srcs), PD_ABI_FIELD(HashArgs, sizes),
+    PD_ABI_FIELD(HashArgs, first), PD_ABI_FIELD(HashArgs, out),
+    PD_ABI_FIELD(HashArgs, hash), PD_ABI_FIELD(HashArgs, block),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

@@ -28,12 +28,12 @@ Split: as many as the engine's kernels may use (Split.threads: --num-threads, or
 share of a host's cores that kernels/core_share.py gives), as the KVReceiver and the
 KVSender do (a call that finds the threads busy with a forward runs on its own thread).
 The last chunk's hash and write are the tail of a transfer, after its last byte
-arrived. Hashing a block just before writing it, against hashing the whole chunk and
-then writing it: see docs/benchmarks.md (thirty-first round).
+arrived. A block is hashed just before it is written, while it is in L1, so the
+received bytes are read from memory once instead of twice (hash the chunk, then write).
 
-Non-temporal stores where the CPU has them (page_copy.c says why): about 1.4x numpy's
-fancy-index assignment on one core here (8.8 vs 6.3 GB/s, 8 KiB pages, a 256 MiB
-pool, measured on the per-page call this one replaced). A request's slots that are not
+Non-temporal stores where the CPU has them (page_copy.c says why): the pages written are
+not read again soon, so they need not displace the cache, which makes the write faster
+than numpy's fancy-index assignment. A request's slots that are not
 whole pages in prompt order (never the decode's allocator) go through numpy instead
 (transfer/staging.py). The decode's KVReceiver loads it at start-up (library.load: once per
 process), unless --disable-compile. The wrapper checks what
@@ -50,8 +50,9 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kernels.native.abi import HashArgs, PageRuns
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -69,19 +70,6 @@ def _address(buf: Any) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):  # read-only (bytes, a view over them) or empty
         return int(np.frombuffer(buf, np.uint8).ctypes.data)
-
-
-class PageRuns(ctypes.Structure):  # page_copy.c PageRuns
-    _fields_ = [("pool", _ptr), ("pool_ls", _i64), ("num_pages", _i64), ("tpages", _ptr),
-                ("n_tpages", _i64), ("ps", _i64), ("rb", _i64), ("t0", _i64), ("runs", _ptr),
-                ("n_runs", _i64), ("frames", _ptr), ("layers", _i64), ("hashes", _ptr),
-                ("hash", _ptr), ("block", _i64), ("bad", _ptr), ("sizes", _ptr),
-                ("n_frames", _i64), ("n_hashes", _i64)]  # fmt: skip
-
-
-class HashArgs(ctypes.Structure):  # page_copy.c HashArgs
-    _fields_ = [("srcs", _ptr), ("sizes", _ptr), ("first", _ptr), ("out", _ptr),
-                ("hash", _ptr), ("block", _i64)]  # fmt: skip
 
 
 def xxh3_address() -> int | None:
@@ -253,13 +241,16 @@ class PageCopy:
             self._split.alone(fn, args, n, self._threads)
 
 
-def page_copy(cache_dir: Path, split: bool = False, threads: int = 0) -> PageCopy | None:
+def page_copy(
+    cache_dir: Path, split: bool = False, threads: int = 0, kernel_threads: Threads | None = None
+) -> PageCopy | None:
     """The native scatter, built and loaded once per process (None without a C
-    compiler); `split`: over par.c's workers (PageCopy)."""
+    compiler); `split`: over par.c's workers (PageCopy), as many as `kernel_threads`
+    says at each call (par.Split) where `threads` is 0."""
     lib = load("page_copy", cache_dir)
     if lib is None:
         return None
-    return PageCopy(lib, Split(cache_dir) if split else None, threads)
+    return PageCopy(lib, Split(cache_dir, kernel_threads) if split else None, threads)
 
 
 class PageWriter:

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h"
 #include "exp_poly.h"
 #include "kernel_args.h" /* PagedDecodeArgs */
 
@@ -357,3 +358,17 @@ void pd_paged_decode_range(const void *args, int64_t lo, int64_t hi) {
                                  a->scale, a->out);
     if (rc) __atomic_store_n(&((PagedDecodeArgs *)a)->status, rc, __ATOMIC_RELAXED);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(PagedDecodeArgs),
+    PD_ABI_FIELD(PagedDecodeArgs, q), PD_ABI_FIELD(PagedDecodeArgs, q_stride),
+    PD_ABI_FIELD(PagedDecodeArgs, k_pool), PD_ABI_FIELD(PagedDecodeArgs, v_pool),
+    PD_ABI_FIELD(PagedDecodeArgs, slots), PD_ABI_FIELD(PagedDecodeArgs, slot_stride),
+    PD_ABI_FIELD(PagedDecodeArgs, bounds), PD_ABI_FIELD(PagedDecodeArgs, h),
+    PD_ABI_FIELD(PagedDecodeArgs, kh), PD_ABI_FIELD(PagedDecodeArgs, d),
+    PD_ABI_FIELD(PagedDecodeArgs, scale), PD_ABI_FIELD(PagedDecodeArgs, out),
+    PD_ABI_FIELD(PagedDecodeArgs, status),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

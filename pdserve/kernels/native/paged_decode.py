@@ -7,17 +7,11 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels.native.abi import PagedDecodeArgs
 from pdserve.kernels.native.library import load
-from pdserve.kernels.native.par import Split, range_fn
+from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-class _PagedDecodeArgs(ctypes.Structure):  # paged_decode.c PagedDecodeArgs
-    _fields_ = [("q", _ptr), ("q_stride", _i64), ("k_pool", _ptr), ("v_pool", _ptr),
-                ("slots", _ptr), ("slot_stride", _i64), ("bounds", _ptr), ("h", _i64),
-                ("kh", _i64), ("d", _i64), ("scale", _f32), ("out", _ptr),
-                ("status", ctypes.c_int32)]  # fmt: skip
 
 
 class PagedDecode:
@@ -68,7 +62,7 @@ class PagedDecode:
         assert out.shape == (b, h, d) and out.is_contiguous() and out.dtype == q.dtype
         if b == 0:
             return out
-        args = _PagedDecodeArgs(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
+        args = PagedDecodeArgs(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
                                 slots.data_ptr(), slots.stride(0), bounds.data_ptr(), h,
                                 kc.shape[1], d, scale, out.data_ptr(), 0)  # fmt: skip
         self._split(self._fn, args, b, grain)  # requests
@@ -77,6 +71,7 @@ class PagedDecode:
         return out
 
 
-def paged_decode(cache_dir: Path) -> PagedDecode | None:
+def paged_decode(cache_dir: Path, kernel_threads: Threads | None = None) -> PagedDecode | None:
+    """None where the library cannot be built; `kernel_threads`: par.Split's."""
     lib = load("paged_decode", cache_dir)
-    return None if lib is None else PagedDecode(lib, Split(cache_dir))
+    return None if lib is None else PagedDecode(lib, Split(cache_dir, kernel_threads))

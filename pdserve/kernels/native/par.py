@@ -13,14 +13,19 @@ from pdserve.kernels.native.library import load
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _CFn = Any  # a ctypes foreign function (typeshed has no public name for its class)
+Threads = Callable[[], int]
 
 
 class Split:
     """Runs a kernel's range function `fn(args, lo, hi)` over [0, n) in parts: on
     kernels/native/par.c's workers, or on this thread alone where par.c is not built."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, kernel_threads: Threads | None = None) -> None:
+        """`kernel_threads`: how many threads a call may use, asked at every call (an
+        engine's core policy, kernels/core_share.Cores); None: the calling thread's torch
+        threads (--num-threads)."""
         lib = load("par", cache_dir)
+        self._threads: Threads = kernel_threads or torch.get_num_threads
         self._run: _CFn = None
         self._chunks: _CFn = None
         self._brief: _CFn = None
@@ -31,10 +36,6 @@ class Split:
             self._run.argtypes = [_ptr, _ptr, _i64, ctypes.c_int]
             self._chunks.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64]
             self._brief.argtypes = [_ptr, _ptr, _i64, ctypes.c_int, _i64, _i64]
-
-    # threads for each call; None: the calling thread's torch threads. An engine sharing
-    # its host's cores (kernels/core_share.py) sets CoreShare.kernel_threads here.
-    budget: Callable[[], int] | None = None
 
     def __call__(self, fn: _CFn, args: ctypes.Structure, n: int, grain: int = 0) -> None:
         """fn over [0, n): one near-equal range per thread, or (grain > 0) chunks of
@@ -48,11 +49,9 @@ class Split:
         else:
             self._run(ctypes.cast(fn, _ptr), ctypes.byref(args), n, parts)
 
-    @staticmethod
-    def threads() -> int:
-        """Threads a call may use now: the budget's, else this process's torch threads
-        (--num-threads)."""
-        return torch.get_num_threads() if Split.budget is None else Split.budget()
+    def threads(self) -> int:
+        """Threads a call may use now (kernel_threads)."""
+        return self._threads()
 
     def alone(self, fn: _CFn, args: ctypes.Structure, n: int, threads: int = 0) -> None:
         """fn over [0, n) one index at a time, taken in turn by `threads` threads (0: as

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "abi.h" /* kernels/native/abi.h, on the include path */
+
 typedef struct {
     _Alignas(8) unsigned char bytes[64];
 } zmq_msg;
@@ -74,3 +76,13 @@ int pd_zmq_send(const ZmqApi *z, void *socket, const void *head, int64_t head_le
     }
     return 0;
 }
+
+/* The layout transfer/zmq_native.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(ZmqApi),
+    PD_ABI_FIELD(ZmqApi, msg_init_size), PD_ABI_FIELD(ZmqApi, msg_init_data),
+    PD_ABI_FIELD(ZmqApi, msg_data), PD_ABI_FIELD(ZmqApi, msg_send),
+    PD_ABI_FIELD(ZmqApi, msg_close), PD_ABI_FIELD(ZmqApi, errno_),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)
