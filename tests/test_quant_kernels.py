@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels.native import library
+from pdserve.kernels.native import abi, library
 from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, linear_quant, row_bytes
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -50,7 +50,9 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     cache = tmp_path_factory.mktemp("native")
     path = library.build("linear_quant", cache, extra_flags=flags)
     assert path is not None
-    k = linear_quant(cache, ctypes.CDLL(str(path)))
+    lib = ctypes.CDLL(str(path))
+    abi.check(lib, "linear_quant", abi.STRUCTS["linear_quant"])  # as library.load checks
+    k = linear_quant(cache, lib)
     assert k is not None
     return k
 

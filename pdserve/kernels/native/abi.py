@@ -11,6 +11,7 @@ layout Python guessed.
     library          structs
     paged_decode     PagedDecodeArgs (kernel_args.h)
     linear_f32       LinearArgs (kernel_args.h)
+    linear_quant     QuantArgs
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
     decode_forward   Proj, DecodeLayer, DecodePlan
@@ -37,6 +38,12 @@ class PagedDecodeArgs(ctypes.Structure):
 class LinearArgs(ctypes.Structure):
     _fields_ = [("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
                 ("n", _i64), ("k_dim", _i64)]  # fmt: skip
+
+
+class QuantArgs(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
+                ("n", _i64), ("k_dim", _i64), ("ldy", _i64), ("row_bytes", _i64),
+                ("type", _i32), ("status", _i32)]  # fmt: skip
 
 
 class RowsArgs(ctypes.Structure):
@@ -90,6 +97,7 @@ Structs = Sequence[type[ctypes.Structure]]
 STRUCTS: dict[str, Structs] = {
     "paged_decode": (PagedDecodeArgs,),
     "linear_f32": (LinearArgs,),
+    "linear_quant": (QuantArgs,),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
     "decode_forward": (Proj, DecodeLayer, DecodePlan),

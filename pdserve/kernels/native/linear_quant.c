@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include "abi.h"
+
 #define TILE 4
 #define LANES 16
 
@@ -466,3 +468,15 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     }
     free(buf);
 }
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(QuantArgs),        PD_ABI_FIELD(QuantArgs, x),
+    PD_ABI_FIELD(QuantArgs, w),      PD_ABI_FIELD(QuantArgs, bias),
+    PD_ABI_FIELD(QuantArgs, y),      PD_ABI_FIELD(QuantArgs, m),
+    PD_ABI_FIELD(QuantArgs, n),      PD_ABI_FIELD(QuantArgs, k_dim),
+    PD_ABI_FIELD(QuantArgs, ldy),    PD_ABI_FIELD(QuantArgs, row_bytes),
+    PD_ABI_FIELD(QuantArgs, type),   PD_ABI_FIELD(QuantArgs, status),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels.native.abi import QuantArgs
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -40,12 +41,6 @@ class QuantTensor:
 
 
 TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
-
-
-class _QuantArgs(ctypes.Structure):  # linear_quant.c QuantArgs
-    _fields_ = [("x", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
-                ("n", _i64), ("k_dim", _i64), ("ldy", _i64), ("row_bytes", _i64),
-                ("type", _i32), ("status", _i32)]  # fmt: skip
 
 
 def row_bytes(type_id: int, k: int) -> int:
@@ -94,7 +89,7 @@ class LinearQuant:
             return
         b = 0 if bias is None else bias.data_ptr()
         y_ptr = y.data_ptr() + col * 4
-        args = _QuantArgs(x.data_ptr(), w.data_ptr(), b, y_ptr, m, n, k, y.shape[1], w.shape[1],
+        args = QuantArgs(x.data_ptr(), w.data_ptr(), b, y_ptr, m, n, k, y.shape[1], w.shape[1],
                           type_id, 0)  # fmt: skip
         tiles = -(-n // TILE)
         self._split(self._fn, args, tiles, self.grain(m, tiles))
