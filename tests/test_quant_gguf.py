@@ -39,6 +39,7 @@ def test_quantized_greedy_tokens_equal_transformers(tmp_path, monkeypatch, qtype
         model = llm.prefill.runner.model
         assert all(lin.quant is not None for lin in model.linears())
         assert model.embed_quant is not None
+        assert llm.decode.runner.native_forward is not None  # decode steps: one native call
         # the blocks are the file's: the weights held are about the file's size
         assert resident_bytes(model) <= 1.2 * path.stat().st_size
         ours = _greedy(llm)
@@ -46,6 +47,25 @@ def test_quantized_greedy_tokens_equal_transformers(tmp_path, monkeypatch, qtype
         llm.close()
     for p, out in zip(PROMPTS, ours):
         assert out == hf_greedy_gguf(path, p, NEW), (qtype, p)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_per_call_decode_gives_the_native_forwards_tokens(tmp_path, monkeypatch, qtype):
+    """The decode's one native call and the per-call path (model/linear.py) run the same
+    kernel on the same blocks."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_random_gguf(tmp_path / f"r-{qtype}.gguf", qtype)
+    runs = []
+    for per_call in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_PER_CALL_DECODE", per_call)
+        llm = _llm(path, "quantized")
+        try:
+            assert (llm.decode.runner.native_forward is None) == (per_call == "1")
+            params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=True)
+            runs.append([(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, params)])
+        finally:
+            llm.close()
+    assert runs[0] == runs[1]
 
 
 def test_float32_weights_hold_no_blocks(tmp_path, monkeypatch):

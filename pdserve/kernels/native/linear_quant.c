@@ -32,21 +32,13 @@
 #endif
 
 #include "abi.h"
+#include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
 #define LANES 16
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-typedef struct {
-    const float *x;     /* [m][k_dim] */
-    const uint8_t *w;   /* [n] rows of row_bytes */
-    const float *bias;  /* [n] or NULL */
-    float *y;           /* [m][ldy], columns [0, n) written */
-    int64_t m, n, k_dim, ldy, row_bytes;
-    int32_t type;       /* a GGML type number (the enum above) */
-    int32_t status;     /* 1: a type without a kernel (nothing written) */
-} QuantArgs;
 
 /* IEEE half -> float, exact (subnormals, infinities and NaN included). */
 static float half(const uint8_t *p) {
