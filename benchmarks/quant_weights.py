@@ -10,6 +10,9 @@ turns, so a busy machine's noisy stretches fall on both) and reports, per mode:
     TPOT ms      one stream's time per output token: offline LLM, greedy, ignore_eos;
                  (time for 1 + N tokens - time for 1 token) / N, the prompt's prefill
                  cancelling out; the median over --reps generations
+    proj ms      one decode step's projections alone at batch 1 (every Linear once, as
+                 the engine holds them: native float32 panels or GGUF blocks), the
+                 fastest of 20: the part of a step the weights' format changes
 
     python benchmarks/quant_weights.py [--model smollm2|FILE.gguf] [--rounds 3]
         [--tokens 64] [--reps 3] [--threads 0] [--json]
@@ -56,6 +59,7 @@ def worker(model: str, mode: str, tokens: int, reps: int, threads: int) -> dict[
         llm.generate([PROMPT], params)
         return time.perf_counter() - start
 
+    proj = _projections_ms(llm.decode.runner.model)
     timed(4)  # warm
     tpot = []
     for _ in range(reps):
@@ -63,7 +67,21 @@ def worker(model: str, mode: str, tokens: int, reps: int, threads: int) -> dict[
         tpot.append((many - one) / tokens * 1e3)
     llm.close()
     return {"mode": mode, "weights_mb": weights / 1e6, "rss_mb": rss,
-            "tpot_ms": statistics.median(tpot), "tpot_all": tpot}  # fmt: skip
+            "tpot_ms": statistics.median(tpot), "tpot_all": tpot, "proj_ms": proj}  # fmt: skip
+
+
+def _projections_ms(model: object) -> float:
+    import torch
+
+    lins = model.linears()  # type: ignore[attr-defined]
+    xs = {n: torch.randn(1, n) for n in {lin.in_features for lin in lins}}
+    best = float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        for lin in lins:
+            lin(xs[lin.in_features])
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def gguf_size(model: str) -> int:
@@ -100,13 +118,17 @@ def main() -> int:
                 ratio = row["weights_mb"] * 1e6 / size if size else float("nan")
                 print(f"round {r} {mode:9s} weights {row['weights_mb']:7.1f} MB "
                       f"({ratio:.2f}x the GGUF's {size / 1e6:.1f} MB)  rss +{row['rss_mb']:7.1f} MB  "
-                      f"TPOT {row['tpot_ms']:6.2f} ms", flush=True)  # fmt: skip
+                      f"TPOT {row['tpot_ms']:6.2f} ms  proj {row['proj_ms']:6.2f} ms", flush=True)  # fmt: skip
     if a.json:
         print(json.dumps({"gguf_bytes": size, "rows": rows}))
         return 0
     for mode in MODES:
         tp = [x["tpot_ms"] for x in rows if x["mode"] == mode]
-        print(f"{mode:9s} TPOT median {statistics.median(tp):.2f} ms over {len(tp)} rounds")
+        pj = [x["proj_ms"] for x in rows if x["mode"] == mode]
+        print(
+            f"{mode:9s} TPOT median {statistics.median(tp):.2f} ms, projections "
+            f"{statistics.median(pj):.2f} ms, over {len(tp)} rounds"
+        )
     return 0
 
 
