@@ -71,14 +71,16 @@ class QuantSource:
 
         # copy-on-write mapping: writable views (no torch warning), pages shared with
         # every other process mapping the file until written, which nothing does
-        self.reader = gguf.GGUFReader(str(path), "c")
+        reader = gguf.GGUFReader(str(path), "c")
         self.path = path
-        arch_name = str(self.reader.fields["general.architecture"].contents())
+        arch_name = str(reader.fields["general.architecture"].contents())
         self.arch: GGUFArch = ARCHES[arch_name]
         self.heads = heads
         self.tensors: dict[str, gguf.ReaderTensor] = {
-            hf_name(t.name, arch_name, self.arch): t for t in self.reader.tensors
+            hf_name(t.name, arch_name, self.arch): t for t in reader.tensors
         }
+        # NOTE: the reader is not kept: its metadata (a vocabulary's strings, as numpy
+        # parts) would hold ~100 MB; the tensors' views keep the mapping alive
         self.fallback: dict[str, str] = {}  # HF name -> why it stays float32
 
     def servable(self, name: str) -> bool:

@@ -36,9 +36,15 @@ def iter_weights(
 
 
 def load_state(
-    model_dir: str | Path, dtype: torch.dtype, device: str, skip: Collection[str] = ()
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str,
+    skip: Collection[str] = (),
+    copy: bool = False,
 ) -> dict[str, torch.Tensor]:
+    """`copy`: each tensor in memory of its own, not a view of the file's mapping (which
+    stays mapped, its read pages resident, while any view of it lives)."""
     out = {}
     for k, v in iter_weights(model_dir, skip):
-        out[k] = v.to(dtype=dtype) if v.is_meta else v.to(dtype=dtype, device=device)
+        out[k] = v.to(dtype=dtype) if v.is_meta else v.to(dtype=dtype, device=device, copy=copy)
     return out

@@ -63,7 +63,9 @@ def load_model(
         else gguf_quant.plan(quant[0], arch.num_layers, arch.tie_word_embeddings)
     )
     skip = gguf_quant.meta_names(groups)
-    model = build(load_state(cfg.model_path, dtype, cfg.device, skip))
+    # NOTE: copies where blocks serve: a view would keep the whole float32 file mapped,
+    # the dropped float embedding's pages resident with it
+    model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
     if quant is not None:
         gguf_quant.apply(model, quant[0], groups, quant[1])
     log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
