@@ -253,25 +253,42 @@ static float lanes_sum(const float *s) {
 #else
 #define XR 2
 #endif
-static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE]) {
-    float s[XR][TILE][LANES];
 #if defined(__AVX512F__)
+/* inlined at each constant `rows` (dots' switch): a short block computes only its rows */
+static inline __attribute__((always_inline)) void dots512(const float *const *xr,
+                                                          const float *w, int64_t k,
+                                                          float out[XR][TILE], const int rows) {
     __m512 c[XR][TILE];
-    for (int r = 0; r < XR; r++)
+    for (int r = 0; r < rows; r++)
         for (int t = 0; t < TILE; t++) c[r][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += LANES) {
         __m512 wv[TILE];
         for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * k + i);
-        for (int r = 0; r < XR; r++) {
+        for (int r = 0; r < rows; r++) {
             __m512 xv = _mm512_loadu_ps(xr[r] + i);
             for (int t = 0; t < TILE; t++) c[r][t] = _mm512_fmadd_ps(xv, wv[t], c[r][t]);
         }
     }
-    for (int r = 0; r < XR; r++) /* the 16 lanes added by the compiler's own tree */
+    for (int r = 0; r < rows; r++) /* the 16 lanes added by the compiler's own tree */
         for (int t = 0; t < TILE; t++) out[r][t] = _mm512_reduce_add_ps(c[r][t]);
+}
+#endif
+
+static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE],
+                 int rows) {
+    float s[XR][TILE][LANES];
+#if defined(__AVX512F__)
     (void)s;
-    return;
+    switch (rows) {
+    case 1: dots512(xr, w, k, out, 1); return;
+    case 2: dots512(xr, w, k, out, 2); return;
+    case 3: dots512(xr, w, k, out, 3); return;
+    case 4: dots512(xr, w, k, out, 4); return;
+    case 5: dots512(xr, w, k, out, 5); return;
+    default: dots512(xr, w, k, out, 6); return;
+    }
 #elif defined(__AVX2__) && defined(__FMA__)
+    (void)rows; /* XR = 2: the zero row costs little */
     __m256 c[XR][TILE][2];
     for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++) c[r][t][0] = c[r][t][1] = _mm256_setzero_ps();
@@ -291,6 +308,7 @@ static void dots(const float *const *xr, const float *w, int64_t k, float out[XR
             _mm256_storeu_ps(s[r][t] + 8, c[r][t][1]);
         }
 #else
+    (void)rows;
     memset(s, 0, sizeof s);
     for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++)
@@ -451,7 +469,7 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
             const float *xr[XR];
             for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k : zero;
             float out[XR][TILE];
-            dots(xr, buf, k, out);
+            dots(xr, buf, k, out, rows);
             for (int i = 0; i < rows; i++)
                 for (int t = 0; t < cols; t++)
                     a->y[(r + i) * a->ldy + n0 + t] =
