@@ -25,6 +25,7 @@ tensor of blocks, computed by kernels/native/linear_quant.c into its columns of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +50,9 @@ def _onednn_ok(w: torch.Tensor) -> bool:
 class Linear:
     """y = x @ W.T + b for x [T, in] -> [T, out]."""
 
-    __slots__ = ("bias", "in_features", "native", "onednn", "out_features", "quant", "weight")
+    __slots__ = (
+        "_apply", "bias", "in_features", "native", "onednn", "out_features", "quant", "weight"
+    )  # fmt: skip
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """`w`: [out, in] as in the checkpoint; `bias`: [out] or None."""
@@ -62,6 +65,10 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _BATCH_HINT)
         else:
             self.weight = w.t().contiguous()  # [in, out]
+        # how y is computed, chosen with the weight's layout (here, use_native or use_quant)
+        self._apply: Callable[[torch.Tensor], torch.Tensor] = (
+            self._by_onednn if self.onednn else self._by_mm
+        )
 
     def use_native(self, kernel: LinearF32) -> None:
         """Repack W (and b) for `kernel`; a no-op when it is on already or W is not fp32."""
@@ -69,7 +76,7 @@ class Linear:
             return
         w = self.weight.to_dense() if self.onednn else self.weight.t()  # [out, in]
         self.weight, self.bias = kernel.pack(w, self.bias)
-        self.native, self.onednn = kernel, False
+        self.native, self.onednn, self._apply = kernel, False, self._by_kernel
 
     def use_quant(self, parts: list[QuantTensor], kernel: LinearQuant) -> None:
         """Compute from GGUF blocks: `parts` stacked by rows are W [out, in] (the float W,
@@ -78,9 +85,9 @@ class Linear:
         if rows != self.out_features or any(p.cols != self.in_features for p in parts):
             raise ValueError(f"quantized parts {[p.name for p in parts]} are not W {self.shape}")
         self.quant, self.native, self.onednn = (kernel, parts), None, False
-        self.weight = torch.empty(0)
+        self.weight, self._apply = torch.empty(0), self._by_blocks
 
-    def _quant_call(self, x: torch.Tensor) -> torch.Tensor:
+    def _by_blocks(self, x: torch.Tensor) -> torch.Tensor:
         assert self.quant is not None
         kernel, parts = self.quant
         x = x.contiguous()  # NOTE: the kernel reads rows K floats apart
@@ -99,12 +106,16 @@ class Linear:
         return held + ([] if self.bias is None else [self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self._quant_call(x)
-        if self.native is not None:
-            return self.native(x, self.weight, self.bias, self.out_features)
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self._apply(x)
+
+    def _by_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.native is not None  # use_native
+        return self.native(x, self.weight, self.bias, self.out_features)
+
+    def _by_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _by_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
