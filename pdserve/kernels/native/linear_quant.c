@@ -40,7 +40,15 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 
-/* IEEE half -> float, exact (subnormals, infinities and NaN included). */
+/* IEEE half -> float, exact (subnormals, infinities and NaN included): one instruction
+ * with F16C, else by its bits. A block's scales are converted once per block per row. */
+#if defined(__F16C__)
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+#else
 static float half(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -62,6 +70,7 @@ static float half(const uint8_t *p) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
 /* y[0, 16) = s * q[0, 16) + m: the only float arithmetic of a de-quantize (the q are
  * exact small integers, so where gguf computes d * q + m this is the same). */
@@ -437,6 +446,23 @@ static fused_fn fused_of(int32_t type) {
 #endif
 }
 
+/* Ask for the bytes [from, to) of W ahead of use: a row of blocks is a few cache lines,
+ * computed in less time than memory takes to send the next, so without asking the
+ * kernel waits on every row (the weights, unlike float32 panels, are read so fast that
+ * memory latency, not bandwidth, sets the pace). Clipped to W's end. */
+static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
+#if defined(__SSE__)
+    int64_t end = a->n * a->row_bytes;
+    to = to < end ? to : end;
+    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
+        _mm_prefetch((const char *)(a->w + off), _MM_HINT_T0);
+#else
+    (void)a, (void)from, (void)to;
+#endif
+}
+
+#define AHEAD_ROWS 4 /* fused path: rows of W asked for ahead of the one computed */
+
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
@@ -449,8 +475,13 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     fused_fn one = a->m == 1 ? fused_of(a->type) : 0;
     if (one) { /* one row of x: no tile buffer */
         int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
-        for (int64_t n = lo * TILE; n < end; n++)
-            a->y[n] = one(a->x, a->w + n * a->row_bytes, k) + (a->bias ? a->bias[n] : 0.0f);
+        int64_t rb = a->row_bytes, stop = end * rb;
+        ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
+        for (int64_t n = lo * TILE; n < end; n++) {
+            int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
+            if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
+            a->y[n] = one(a->x, a->w + n * rb, k) + (a->bias ? a->bias[n] : 0.0f);
+        }
         return;
     }
     float *buf = aligned_alloc(64, (size_t)((TILE + 1) * k) * sizeof(float));
@@ -462,6 +493,8 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     memset(zero, 0, (size_t)k * sizeof(float));
     for (int64_t tile = lo; tile < hi; tile++) {
         int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
+        if (tile + 1 < hi) /* the next tile's rows, while this one computes */
+            ahead(a, (n0 + TILE) * a->row_bytes, (n0 + 2 * TILE) * a->row_bytes);
         for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
             f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes, buf + t * k, k);
         for (int64_t r = 0; r < a->m; r += XR) {
