@@ -72,10 +72,14 @@ class TimedAttention:
         return out
 
 
+WEIGHTS = [EngineConfig.weights]  # --weights: a GGUF model's projections, blocks or float32
+
+
 def make_runner(model: str, batch: int, context: int, compile_: bool) -> ModelRunner:
     tokens = batch * (context + 2 * PAGE)
     cfg = EngineConfig(
         model_path=model,
+        weights=WEIGHTS[0],
         cache=CacheConfig(page_size=PAGE, max_total_tokens=tokens, max_context=context + PAGE),
         scheduler=SchedulerConfig(max_running_requests=batch),
     )
@@ -215,10 +219,13 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=["native", "per-call"],
                     choices=["native", "per-call"], help="forward paths to time")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batch 8 and 64, context 128, 1 thread")
+    ap.add_argument("--weights", default=EngineConfig.weights, choices=["quantized", "float32"],
+                    help="a GGUF model (--model FILE.gguf's folder): its blocks or float32")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.context, args.threads, args.reps = [8, 64], [128], [1], 8
+    WEIGHTS[0] = args.weights
     model = args.model or str(default_model_path("bench"))
     rows = [
         measure(model, b, c, n, args.reps, not args.disable_compile, path)

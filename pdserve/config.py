@@ -107,12 +107,17 @@ PREFILL_ORDERS = ("shortest", "arrival")
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # weights and KV; model/runner.py maps them
+WEIGHTS = ("quantized", "float32")  # a GGUF's projections on the CPU (model/weights.py)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    # a GGUF model on the CPU: "quantized" computes its projections from the file's blocks
+    # (model/gguf_quant.py), "float32" from the converted folder's float32 weights; a
+    # Hugging Face folder and CUDA always take the folder's weights
+    weights: str = "quantized"
     device: str = "cpu"  # cpu | cuda
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
@@ -138,6 +143,7 @@ class EngineConfig:
         # NOTE: backends are refused by name where they are built (kernels/future_map.py,
         # model/attention_registry.py); dtype is checked here because DTYPES is the list
         _one_of(self, "dtype", DTYPES)
+        _one_of(self, "weights", WEIGHTS)
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

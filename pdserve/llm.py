@@ -45,6 +45,7 @@ class LLM:
         max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
         disable_overlap: bool = False,
         dtype: str = "float32",
+        weights: str = EngineConfig.weights,
         device: str = EngineConfig.device,
         kernel_backend: str = "torch",
     ) -> None:
@@ -53,6 +54,7 @@ class LLM:
         self.cfg = EngineConfig(
             model_path=str(resolved.path),
             dtype=dtype,
+            weights=weights,
             device=device,
             kernel_backend=kernel_backend,
             cache=CacheConfig(

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.model.activations import ACTIVATIONS
 from pdserve.model.attention import AttentionBackend
@@ -140,7 +139,7 @@ class Gemma3Model(LlamaModel):
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """As LlamaModel.forward: logits [B, vocab] at each request's last token."""
-        h = F.embedding(batch.input_ids, self.embed) * self.embed_scale
+        h = self.embed_rows(batch.input_ids) * self.embed_scale
         tables = [r.tables(batch.positions) for r in self.ropes]  # shared by the layers
         delta = None  # the last sublayer's normed output, added to h by the next norm
         for i, layer in enumerate(self.layers):

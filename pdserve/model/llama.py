@@ -8,6 +8,7 @@ layout the device's fast GEMM reads (pdserve.model.linear). The passes between t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class LayerWeights:
 
 
 class LlamaModel:
+    # the embedding as quantized row look-ups (model/gguf_quant.py); None: self.embed
+    embed_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], max_positions: int) -> None:
         """`state`: Hugging Face tensor names -> tensors. Raises CheckpointMismatch when a
         tensor the config implies is missing or a tensor is left unused."""
@@ -53,6 +57,20 @@ class LlamaModel:
         self.rope = RotaryEmbedding(
             arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, dtype, str(device)
         )
+
+    def quant_embed_ok(self) -> bool:
+        """Whether the forward looks tokens up through embed_rows (a subclass's own
+        forward may index self.embed instead, which a quantized embedding empties)."""
+        return "embed_rows" in inspect.unwrap(type(self).forward).__code__.co_names
+
+    def use_quant_embed(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Look tokens up through `lookup`; the float embedding is dropped."""
+        self.embed_quant = lookup
+        self.embed = torch.empty(0, self.arch.hidden_size, dtype=self.embed.dtype)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        lookup = self.embed_quant
+        return F.embedding(ids, self.embed) if lookup is None else lookup(ids)
 
     def linears(self) -> list[Linear]:
         """Every projection, in the order a forward applies them."""
@@ -114,7 +132,7 @@ class LlamaModel:
         `between_layers` runs before every layer but the first (the core share's thread
         count, read again)."""
         ops, eps = self.ops, self.arch.rms_norm_eps
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed_rows(batch.input_ids)
         rope = self.rope.tables(batch.positions)
         delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):

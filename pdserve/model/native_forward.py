@@ -3,8 +3,8 @@
 `NativeDecodeForward.build` binds a model's weights, its KV pool and the rotary tables
 into a plan once (a decode runner's warm-up); each pure decode step then fills in the
 step's inputs and makes one ctypes call. It fits when the decode runs entirely on the
-native kernels already (fp32 on the CPU, every projection on the native linear, the
-native norms and decode attention) with SiLU; otherwise `build` says why not and the
+native kernels already (fp32 on the CPU, every projection on the native linear or in a
+GGUF's blocks (linear_quant), the native norms and decode attention) with SiLU; otherwise `build` says why not and the
 per-call path (LlamaModel.forward) runs, with the same results.
 
 The per-call path computes the same values with the same kernels in the same order:
@@ -13,15 +13,18 @@ the logits are equal bit for bit (tests/test_decode_forward.py).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.native.abi import MAX_WINDOWS, DecodeLayer, Proj
+from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
 from pdserve.model.attention import TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.gguf_quant import QuantEmbedding
 from pdserve.model.linear import Linear
 from pdserve.model.llama import LlamaModel
 from pdserve.model.ops import NativeOps
@@ -34,10 +37,14 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
         return f"{a.architecture}'s layer is not the native forward's (Llama's)"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
+    if model.embed_quant is not None and not isinstance(model.embed_quant, QuantEmbedding):
+        return "the embedding is looked up by a function the native forward does not know"
     if not isinstance(model.ops, NativeOps) or model.act is not F.silu:
         return "the native norms are off or the activation is not SiLU"
-    if not all(lin.native is not None for lin in model.linears()):
+    if not all(lin.native is not None or lin.quant is not None for lin in model.linears()):
         return "a projection is not on the native linear"
+    if any(lin.quant is not None and len(lin.quant[1]) > MAX_PARTS for lin in model.linears()):
+        return f"a projection in GGUF blocks has more than {MAX_PARTS} parts"
     if not isinstance(attn, TorchAttention) or not attn.native:
         return "the native decode attention is off"
     if len({attn.window(i) for i in range(a.num_layers)}) > MAX_WINDOWS:
@@ -45,9 +52,17 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
     return None
 
 
-def _proj(lin: Linear) -> Proj:
-    return Proj(float_ptr(lin.weight), float_ptr(lin.bias), lin.out_features,
-                lin.in_features, lin.weight.shape[0])  # fmt: skip
+def _proj(lin: Linear, keep: list[QuantProj]) -> Proj:
+    """The plan's view of a projection; a QuantProj it points at is kept in `keep`."""
+    if lin.quant is None:
+        return Proj(float_ptr(lin.weight), float_ptr(lin.bias), lin.out_features,
+                    lin.in_features, lin.weight.shape[0])  # fmt: skip
+    q = QuantProj(parts=len(lin.quant[1]))
+    for i, part in enumerate(lin.quant[1]):
+        q.w[i], q.rows[i] = part.data.data_ptr(), part.data.shape[0]
+        q.row_bytes[i], q.type[i] = part.data.shape[1], part.type_id
+    keep.append(q)
+    return Proj(0, float_ptr(lin.bias), lin.out_features, lin.in_features, 0, ctypes.pointer(q))
 
 
 class NativeDecodeForward:
@@ -66,11 +81,13 @@ class NativeDecodeForward:
         per_layer = [attn.window(i) for i in range(a.num_layers)]
         self.windows = sorted(set(per_layer))  # the plan's bounds[k] is windows[k]'s
         layers = (DecodeLayer * a.num_layers)()
+        keep: list[QuantProj] = []
+        self._quant = keep  # NOTE: the plan's Projs point into them: kept alive with the plan
         for i, w in enumerate(model.layers):
             layers[i] = DecodeLayer(
                 float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(w.q_norm),
-                float_ptr(w.k_norm), _proj(w.qkv), _proj(w.o), _proj(w.gate_up),
-                _proj(w.down), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
+                float_ptr(w.k_norm), _proj(w.qkv, keep), _proj(w.o, keep),
+                _proj(w.gate_up, keep), _proj(w.down, keep), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
                 self.windows.index(per_layer[i]),
             )  # fmt: skip
         self._layers = layers  # NOTE: the plan points into it: kept alive with the plan
@@ -81,8 +98,12 @@ class NativeDecodeForward:
         p.num_slots, p.max_pos = pool.k.shape[1], model.rope.cos.shape[0]
         p.eps, p.scale = a.rms_norm_eps, attn.scale
         p.embed, p.final_norm = float_ptr(model.embed), float_ptr(model.norm)
+        if isinstance(model.embed_quant, QuantEmbedding):
+            blocks = model.embed_quant.tensor
+            p.embed, p.embed_blocks = 0, blocks.data.data_ptr()
+            p.embed_row_bytes, p.embed_type = blocks.data.shape[1], blocks.type_id
         p.cos, p.sin = float_ptr(model.rope.cos), float_ptr(model.rope.sin_signed)
-        p.head, p.layer = _proj(model.lm_head), layers
+        p.head, p.layer = _proj(model.lm_head, keep), layers
         if share is not None:
             p.share, p.share_engines, p.share_slot, p.share_own = share.records()
         self.host = host  # NOTE: the plan points into it: kept alive with the plan
@@ -102,6 +123,9 @@ class NativeDecodeForward:
     ) -> tuple[NativeDecodeForward | None, str | None]:
         """(the forward, None), or (None, why not)."""
         why = "the native decode forward was not built" if kernel is None else refusal(model, attn)
+        blocks = any(lin.quant is not None for lin in model.linears()) or model.embed_quant
+        if why is None and kernel is not None and blocks and not kernel.kernels["quant_linear"]:
+            why = "the GGUF blocks' kernel (linear_quant) was not built"
         if why is not None or kernel is None or not isinstance(attn, TorchAttention):
             return None, why
         return cls(kernel, model, attn, share, host), None

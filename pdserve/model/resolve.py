@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,25 @@ def gguf_folder(gguf_path: str | Path) -> Path:
 
         convert(src, tmp)
 
-    return make.build_once(target, build)
+    folder = make.build_once(target, build)
+    _link_source(folder, src)
+    return folder
+
+
+def _link_source(folder: Path, src: Path) -> None:
+    """folder/source.gguf -> the GGUF it came from, where --weights quantized reads the
+    blocks (model/gguf_quant.py); made atomically, and also for a folder converted before
+    the link existed. A read-only cache leaves it out: the engine then serves float32."""
+    link = folder / "source.gguf"
+    if link.is_symlink() and link.resolve() == src:
+        return
+    tmp = folder / f".source.gguf.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(src)
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def resolve_model(spec: str | Path | None = None) -> ResolvedModel:

@@ -20,10 +20,10 @@ from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import load_state
 from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.ops import NativeOps
+from pdserve.model.weights import load_model
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,11 @@ class ModelRunner:
         self.device = cfg.device
         self.max_context = cfg.cache.context_length(self.arch.max_position_embeddings)
         if model is None:
-            state = load_state(cfg.model_path, self.dtype, self.device)
-            model = MODEL_REGISTRY[self.arch.architecture](self.arch, state, self.max_context)
+            cls = MODEL_REGISTRY[self.arch.architecture]
+            model = load_model(
+                cfg, self.arch, self.dtype, self.native_dir(),
+                lambda state: cls(self.arch, state, self.max_context),
+            )  # fmt: skip
         self.model = model
         self.layout = KVLayout(
             num_layers=self.arch.num_layers,

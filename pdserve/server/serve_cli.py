@@ -46,6 +46,13 @@ def _flag(p: Any, flag: str, cls: type, field: str, help: str) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     _flag(g, "--dtype", EngineConfig, "dtype", "weights and KV dtype: float32 | bfloat16 | float16")
+    _flag(
+        g,
+        "--weights",
+        EngineConfig,
+        "weights",
+        "a GGUF on the CPU: quantized (the file's blocks) | float32 (de-quantized at load)",
+    )
     _flag(g, "--device", EngineConfig, "device", "cpu | cuda")
     _flag(
         g, "--kernel-backend", EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton"
@@ -268,7 +275,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
     resolved = resolve_model(args.model)
     model = str(resolved.path)
     engine = EngineConfig(
-        model_path=model, dtype=args.dtype, device=args.device,
+        model_path=model, dtype=args.dtype, weights=args.weights, device=args.device,
         kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
         num_threads=args.num_threads, compile=not args.disable_compile,
         cuda_graph=not args.disable_cuda_graph,

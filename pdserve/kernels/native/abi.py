@@ -11,9 +11,10 @@ layout Python guessed.
     library          structs
     paged_decode     PagedDecodeArgs (kernel_args.h)
     linear_f32       LinearArgs (kernel_args.h)
+    linear_quant     QuantArgs
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
-    decode_forward   Proj, DecodeLayer, DecodePlan
+    decode_forward   QuantProj, Proj, DecodeLayer, DecodePlan
     zmq_send         ZmqApi (transfer/zmq_native.py declares it, beside its own C file)
 """
 
@@ -39,6 +40,12 @@ class LinearArgs(ctypes.Structure):
                 ("n", _i64), ("k_dim", _i64)]  # fmt: skip
 
 
+class QuantArgs(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
+                ("n", _i64), ("k_dim", _i64), ("ldy", _i64), ("row_bytes", _i64),
+                ("type", _i32), ("status", _i32)]  # fmt: skip
+
+
 class RowsArgs(ctypes.Structure):
     _fields_ = [("x", _ptr), ("delta", _ptr), ("w", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("out", _ptr), ("ld", _i64), ("n", _i64), ("heads", _i64), ("d", _i64),
@@ -58,8 +65,18 @@ class HashArgs(ctypes.Structure):
                 ("hash", _ptr), ("block", _i64)]  # fmt: skip
 
 
+MAX_PARTS = 3  # decode_forward.c MAX_PARTS: parts of a fused projection in blocks
+
+
+class QuantProj(ctypes.Structure):
+    _fields_ = [("w", _ptr * MAX_PARTS), ("rows", _i64 * MAX_PARTS),
+                ("row_bytes", _i64 * MAX_PARTS), ("type", _i32 * MAX_PARTS),
+                ("parts", _i32)]  # fmt: skip
+
+
 class Proj(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("bias", _ptr), ("n", _i64), ("k_dim", _i64), ("panels", _i64)]
+    _fields_ = [("packed", _ptr), ("bias", _ptr), ("n", _i64), ("k_dim", _i64), ("panels", _i64),
+                ("quant", ctypes.POINTER(QuantProj))]  # fmt: skip
 
 
 class DecodeLayer(ctypes.Structure):
@@ -72,10 +89,12 @@ class DecodeLayer(ctypes.Structure):
 class DecodePlan(ctypes.Structure):
     _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
                 ("head_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
+                ("quant_linear", _ptr), ("quant_rows", _ptr),
                 ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
                 ("max_pos", _i64), ("eps", _f32), ("scale", _f32),
-                ("embed", _ptr), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+                ("embed", _ptr), ("embed_blocks", _ptr), ("embed_row_bytes", _i64),
+                ("embed_type", _i32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
                 ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
                 ("threads", _i64), ("share", _ptr), ("share_engines", _i64),
                 ("share_slot", _i64), ("share_own", _i64), ("host_busy", _ptr),
@@ -90,9 +109,10 @@ Structs = Sequence[type[ctypes.Structure]]
 STRUCTS: dict[str, Structs] = {
     "paged_decode": (PagedDecodeArgs,),
     "linear_f32": (LinearArgs,),
+    "linear_quant": (QuantArgs,),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
-    "decode_forward": (Proj, DecodeLayer, DecodePlan),
+    "decode_forward": (QuantProj, Proj, DecodeLayer, DecodePlan),
 }
 
 

@@ -48,9 +48,19 @@ typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t,
 typedef int (*kv_fn)(float *, float *, int64_t, const int64_t *, const float *, int64_t,
                      const float *, int64_t, int64_t, int64_t);
 
-typedef struct { /* a projection: weights in 16-column panels (linear_f32.c) */
-    const float *packed, *bias; /* bias padded to whole panels, or NULL */
+#define MAX_PARTS 3 /* the parts of a fused projection in GGUF blocks (q, k, v) */
+
+typedef struct { /* a projection's weights in GGUF blocks (linear_quant.c), part by part */
+    const uint8_t *w[MAX_PARTS];  /* each part's rows, stacked into W */
+    int64_t rows[MAX_PARTS], row_bytes[MAX_PARTS];
+    int32_t type[MAX_PARTS];
+    int32_t parts;
+} QuantProj;
+
+typedef struct { /* a projection: weights in 16-column panels (linear_f32.c), or blocks */
+    const float *packed, *bias; /* bias padded to whole panels (blocks: [n]), or NULL */
     int64_t n, k_dim, panels;
+    const QuantProj *quant;     /* NULL: the panels */
 } Proj;
 
 typedef struct {
@@ -70,10 +80,15 @@ typedef struct {
     silu_fn silu_mul;
     rope_fn rope;
     kv_fn kv_write;
+    pd_range_fn quant_linear; /* NULL where no projection is in blocks */
+    pd_rows_fn quant_rows;    /* NULL where the embedding is not in blocks */
     /* the model */
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, num_slots, max_pos;
     float eps, scale;
-    const float *embed;     /* [vocab, hidden] */
+    const float *embed;     /* [vocab, hidden], or NULL: embed_blocks */
+    const uint8_t *embed_blocks; /* [vocab] rows of embed_row_bytes, GGUF type embed_type */
+    int64_t embed_row_bytes;
+    int32_t embed_type;
     const float *cos, *sin; /* [max_pos, D] rope tables (sin's first half negated) */
     const float *final_norm;
     Proj head;
@@ -124,6 +139,15 @@ static void split(const DecodePlan *p, pd_range_fn fn, const void *args, int64_t
 }
 
 static void project(const DecodePlan *p, const Proj *w, const float *x, float *y) {
+    const QuantProj *q = w->quant;
+    if (q) { /* each part into its columns of y, as model/linear.py's per-call path */
+        for (int32_t i = 0, col = 0; i < q->parts; col += (int32_t)q->rows[i], i++) {
+            QuantArgs a = {x, q->w[i], w->bias ? w->bias + col : NULL, y + col, p->b, q->rows[i],
+                           w->k_dim, w->n, q->row_bytes[i], q->type[i], 0};
+            split(p, p->quant_linear, &a, (q->rows[i] + 3) / 4); /* linear_quant.c TILE */
+        }
+        return;
+    }
     LinearArgs a = {x, w->packed, w->bias, y, p->b, w->n, w->k_dim};
     split(p, p->linear, &a, w->panels);
 }
@@ -179,8 +203,11 @@ int pd_decode_forward(DecodePlan *p) {
     float *h = p->scratch, *x = h + b * hd, *delta = x + b * hd, *qkv = delta + b * hd;
     float *attn = qkv + b * qkv_width(p), *gu = attn + b * p->heads * p->head_dim;
     float *act = gu + 2 * b * p->inter;
-    for (int64_t i = 0; i < b; i++)
-        memcpy(h + i * hd, p->embed + p->ids[i] * hd, (size_t)hd * sizeof(float));
+    if (p->embed_blocks)
+        p->quant_rows(p->embed_type, p->embed_blocks, p->embed_row_bytes, p->ids, b, hd, h);
+    else
+        for (int64_t i = 0; i < b; i++)
+            memcpy(h + i * hd, p->embed + p->ids[i] * hd, (size_t)hd * sizeof(float));
     for (int64_t l = 0; l < p->layers; l++) {
         const DecodeLayer *w = &p->layer[l];
         p->norm(h, l ? delta : NULL, w->input_norm, x, b, hd, p->eps);
@@ -198,9 +225,13 @@ int pd_decode_forward(DecodePlan *p) {
 
 /* The layouts kernels/native/abi.py checks at load (abi.h). */
 static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(QuantProj),
+    PD_ABI_FIELD(QuantProj, w), PD_ABI_FIELD(QuantProj, rows),
+    PD_ABI_FIELD(QuantProj, row_bytes), PD_ABI_FIELD(QuantProj, type),
+    PD_ABI_FIELD(QuantProj, parts),
     PD_ABI_STRUCT(Proj),
     PD_ABI_FIELD(Proj, packed), PD_ABI_FIELD(Proj, bias), PD_ABI_FIELD(Proj, n),
-    PD_ABI_FIELD(Proj, k_dim), PD_ABI_FIELD(Proj, panels),
+    PD_ABI_FIELD(Proj, k_dim), PD_ABI_FIELD(Proj, panels), PD_ABI_FIELD(Proj, quant),
     PD_ABI_STRUCT(DecodeLayer),
     PD_ABI_FIELD(DecodeLayer, input_norm), PD_ABI_FIELD(DecodeLayer, post_norm),
     PD_ABI_FIELD(DecodeLayer, q_norm), PD_ABI_FIELD(DecodeLayer, k_norm),
@@ -213,12 +244,15 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, norm),
     PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, silu_mul),
     PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
+    PD_ABI_FIELD(DecodePlan, quant_linear), PD_ABI_FIELD(DecodePlan, quant_rows),
     PD_ABI_FIELD(DecodePlan, layers), PD_ABI_FIELD(DecodePlan, hidden),
     PD_ABI_FIELD(DecodePlan, heads), PD_ABI_FIELD(DecodePlan, kv_heads),
     PD_ABI_FIELD(DecodePlan, head_dim), PD_ABI_FIELD(DecodePlan, inter),
     PD_ABI_FIELD(DecodePlan, vocab), PD_ABI_FIELD(DecodePlan, num_slots),
     PD_ABI_FIELD(DecodePlan, max_pos), PD_ABI_FIELD(DecodePlan, eps),
     PD_ABI_FIELD(DecodePlan, scale), PD_ABI_FIELD(DecodePlan, embed),
+    PD_ABI_FIELD(DecodePlan, embed_blocks), PD_ABI_FIELD(DecodePlan, embed_row_bytes),
+    PD_ABI_FIELD(DecodePlan, embed_type),
     PD_ABI_FIELD(DecodePlan, cos), PD_ABI_FIELD(DecodePlan, sin),
     PD_ABI_FIELD(DecodePlan, final_norm), PD_ABI_FIELD(DecodePlan, head),
     PD_ABI_FIELD(DecodePlan, layer), PD_ABI_FIELD(DecodePlan, threads),

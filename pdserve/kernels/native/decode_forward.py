@@ -36,7 +36,13 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 class DecodeForward:
     """The loaded decode_forward library with the kernel pointers it calls."""
 
-    def __init__(self, libs: dict[str, ctypes.CDLL], par: ctypes.CDLL | None) -> None:
+    def __init__(
+        self,
+        libs: dict[str, ctypes.CDLL],
+        par: ctypes.CDLL | None,
+        quant: ctypes.CDLL | None = None,
+    ) -> None:
+        """`quant`: linear_quant, for projections and an embedding in GGUF blocks."""
         lib = libs["decode_forward"]
         self._run = lib.pd_decode_forward
         self._run.restype, self._run.argtypes = ctypes.c_int, [ctypes.POINTER(DecodePlan)]
@@ -52,7 +58,10 @@ class DecodeForward:
             "silu_mul": _address(ops, "pd_silu_mul"),
             "rope": _address(ops, "pd_rope"),
             "kv_write": _address(ops, "pd_kv_write"),
+            "quant_linear": 0 if quant is None else _address(quant, "pd_quant_linear_range"),
+            "quant_rows": 0 if quant is None else _address(quant, "pd_quant_rows"),
         }
+        self._quant = quant  # stays loaded while used
 
     def plan(self) -> DecodePlan:
         """A zeroed plan with the kernel pointers filled in."""
@@ -78,7 +87,8 @@ def decode_forward(cache_dir: Path) -> DecodeForward | None:
     libs = {name: load(name, cache_dir) for name in names}
     if any(lib is None for lib in libs.values()):
         return None
-    return DecodeForward({k: v for k, v in libs.items() if v is not None}, load("par", cache_dir))
+    libs_ok = {k: v for k, v in libs.items() if v is not None}
+    return DecodeForward(libs_ok, load("par", cache_dir), load("linear_quant", cache_dir))
 
 
 def float_ptr(t: torch.Tensor | None) -> int:

@@ -17,6 +17,22 @@ typedef struct {
     int64_t m, n, k_dim;
 } LinearArgs;
 
+/* pd_quant_linear_range: y [m][ldy] columns [0, n) = x @ W^T + bias over tiles [lo, hi)
+ * of 4 rows of W, W in GGUF blocks (linear_quant.c) */
+typedef struct {
+    const float *x;     /* [m][k_dim] */
+    const uint8_t *w;   /* [n] rows of row_bytes */
+    const float *bias;  /* [n] or NULL */
+    float *y;           /* [m][ldy], columns [0, n) written */
+    int64_t m, n, k_dim, ldy, row_bytes;
+    int32_t type;       /* a GGML type number (the enum above) */
+    int32_t status;     /* 1: a type without a kernel (nothing written) */
+} QuantArgs;
+
+/* pd_quant_rows: out [count][k] = the de-quantized rows ids of W (embedding look-ups) */
+typedef int (*pd_rows_fn)(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
+                          int64_t count, int64_t k, float *out);
+
 /* pd_paged_decode_range: requests [lo, hi). Every part checks the same shape limits,
  * so `status` ends the same whichever part writes it. */
 typedef struct {

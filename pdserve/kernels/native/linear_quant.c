@@ -1,0 +1,525 @@
+/* y = x @ W^T + b with W kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
+ * Q5_K, Q6_K), float32 activations, float32 sums.
+ *
+ * Why: a decode step reads every weight once; GGUF blocks hold 4.5-8.5 bits a weight
+ * where float32 holds 32, so the step reads 4-7x fewer bytes. The values are the ones
+ * `gguf`'s de-quantize gives (the same float operations, per block: d * q, d * q + m,
+ * (d * sc) * q, (d * sc) * q - dmin * m), so a projection computes what "de-quantize,
+ * then the float32 matmul" computes up to summation order (and one rounding where the
+ * compiler fuses a multiply-add of a weight's value).
+ *
+ * Layout: W [N][K] as the file stores it: each row its K / block_size blocks, rows
+ * `row_bytes` apart (the GGUF tensor's bytes, rows permuted for Llama's Q/K).
+ *
+ * Compute, per tile of TILE output rows (a thread's range is whole tiles):
+ *     de-quantize the tile's rows into a per-thread buffer [TILE][K] (L1/L2-resident);
+ *     for each row of x (in pairs): TILE dot products over k, sums kept per lane of 16:
+ *     lane l adds the products at k = l, l + 16, ... in ascending k; the 16 lanes then
+ *     sum in a tree (AVX-512: _mm512_reduce_add_ps's; otherwise lanes_sum's). The tile is de-quantized once and reused by every row of
+ *     x, so a batch of 64 pays the de-quantizing once.
+ *
+ *     AVX-512   a lane set is one zmm; 2 x rows x TILE rows = 8 sums in registers
+ *     AVX2      a lane set is two ymm
+ *     portable  plain C with the same lanes (the compiler vectorizes what it can)
+ * Every path adds the same products in the same order per lane; a decode's single row
+ * of x (m = 1) takes a fused path that never stores the weights (see fused_fn). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "abi.h"
+#include "kernel_args.h" /* QuantArgs */
+
+#define TILE 4
+#define LANES 16
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+
+/* IEEE half -> float, exact (subnormals, infinities and NaN included): one instruction
+ * with F16C, else by its bits. A block's scales are converted once per block per row. */
+#if defined(__F16C__)
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+#else
+static float half(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* y[0, 16) = s * q[0, 16) + m: the only float arithmetic of a de-quantize (the q are
+ * exact small integers, so where gguf computes d * q + m this is the same). */
+static inline void scale16(const int8_t *q, float s, float m, float *y) {
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s), f), _mm512_set1_ps(m)));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 16; h += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(q + h));
+        __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        _mm256_storeu_ps(y + h, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s), f),
+                                              _mm256_set1_ps(m)));
+    }
+#else
+    for (int l = 0; l < 16; l++) y[l] = s * (float)q[l] + m;
+#endif
+}
+
+/* lo[l] = (src[l] & 15) - off, hi[l] = (src[l] >> 4) - off for l < n (n: 16 or 32) */
+static inline void nibbles(const uint8_t *src, int n, int off, int8_t *lo, int8_t *hi) {
+#if defined(__SSE2__)
+    const __m128i mask = _mm_set1_epi8(0xf), o = _mm_set1_epi8((char)off);
+    for (int l = 0; l < n; l += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + l));
+        _mm_storeu_si128((__m128i *)(lo + l), _mm_sub_epi8(_mm_and_si128(v, mask), o));
+        __m128i h = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        _mm_storeu_si128((__m128i *)(hi + l), _mm_sub_epi8(h, o));
+    }
+#else
+    for (int l = 0; l < n; l++) {
+        lo[l] = (int8_t)((src[l] & 0xf) - off);
+        hi[l] = (int8_t)((src[l] >> 4) - off);
+    }
+#endif
+}
+
+/* The integer stage of each type fills q[] (exact small integers as int8, byte loops the
+ * compiler vectorizes); scale16 applies the block's scale (and min). */
+
+static void row_q8_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k; i += 32, b += 34, y += 32) {
+        float d = half(b);
+        scale16((const int8_t *)(b + 2), d, 0.0f, y);
+        scale16((const int8_t *)(b + 18), d, 0.0f, y + 16);
+    }
+}
+
+static void row_q4_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 18, y += 32) {
+        float d = half(b);
+        nibbles(b + 2, 16, 8, q, q + 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
+    }
+}
+
+static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 20, y += 32) {
+        float d = half(b), m = half(b + 2);
+        nibbles(b + 4, 16, 0, q, q + 16);
+        scale16(q, d, m, y);
+        scale16(q + 16, d, m, y + 16);
+    }
+}
+
+static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 22, y += 32) {
+        float d = half(b);
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        nibbles(b + 6, 16, 0, q, q + 16);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)((q[l] | (((qh >> l) & 1) << 4)) - 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
+    }
+}
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes */
+static void scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32, value (d * sc) * q - dmin * m; q[256] filled */
+static void scale_k(const uint8_t *b, const int8_t *q, float *y) {
+    float d = half(b), dmin = half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min(b + 4, j, &sc, &mn);
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        scale16(q + 32 * j, ds, -dm, y + 32 * j); /* + (-dm) is - dm exactly */
+        scale16(q + 32 * j + 16, ds, -dm, y + 32 * j + 16);
+    }
+}
+
+static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 144, y += 256) {
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) nibbles(qs + 32 * c, 32, 0, q + 64 * c, q + 64 * c + 32);
+        scale_k(b, q, y);
+    }
+}
+
+static void row_q5_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 176, y += 256) {
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int c = 0; c < 4; c++) {
+            int8_t *lo = q + 64 * c, *hi = lo + 32;
+            nibbles(qs + 32 * c, 32, 0, lo, hi);
+            for (int l = 0; l < 32; l++) {
+                lo[l] |= (int8_t)(((qh[l] >> (2 * c)) & 1) << 4);
+                hi[l] |= (int8_t)(((qh[l] >> (2 * c + 1)) & 1) << 4);
+            }
+        }
+        scale_k(b, q, y);
+    }
+}
+
+static void row_q6_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 210, y += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = half(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            int8_t *o = q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (int8_t)(((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = (int8_t)(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        for (int s = 0; s < 16; s++) scale16(q + 16 * s, d * (float)sc[s], 0.0f, y + 16 * s);
+    }
+}
+
+typedef void (*row_fn)(const uint8_t *, float *, int64_t);
+
+static row_fn row_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return row_q8_0;
+    case Q4_0: return row_q4_0;
+    case Q4_1: return row_q4_1;
+    case Q5_0: return row_q5_0;
+    case Q4_K: return row_q4_k;
+    case Q5_K: return row_q5_k;
+    case Q6_K: return row_q6_k;
+    default: return 0;
+    }
+}
+
+/* 1 if `type` has a kernel here (the wrapper asks before it keeps a tensor's blocks) */
+int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
+
+/* out [count][k] = the de-quantized rows ids[i] of w (embedding lookups); 1: no kernel */
+int pd_quant_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
+                  int64_t count, int64_t k, float *out) {
+    row_fn f = row_of(type);
+    if (!f) return 1;
+    for (int64_t i = 0; i < count; i++) f(w + ids[i] * row_bytes, out + i * k, k);
+    return 0;
+}
+
+/* the 16 lane sums of one dot product, added in one fixed tree (every path alike) */
+static float lanes_sum(const float *s) {
+    float a[8];
+    for (int l = 0; l < 8; l++) a[l] = s[l] + s[l + 8];
+    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* out[r][t] = x_r . w_t for XR rows of x (xr[r]: a row, or zeros past the batch) and
+ * TILE weight rows (k apart); k a multiple of 16 (every type's block is). A weight
+ * vector loaded once feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers. */
+#if defined(__AVX512F__)
+#define XR 6
+#else
+#define XR 2
+#endif
+#if defined(__AVX512F__)
+/* inlined at each constant `rows` (dots' switch): a short block computes only its rows */
+static inline __attribute__((always_inline)) void dots512(const float *const *xr,
+                                                          const float *w, int64_t k,
+                                                          float out[XR][TILE], const int rows) {
+    __m512 c[XR][TILE];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < TILE; t++) c[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += LANES) {
+        __m512 wv[TILE];
+        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * k + i);
+        for (int r = 0; r < rows; r++) {
+            __m512 xv = _mm512_loadu_ps(xr[r] + i);
+            for (int t = 0; t < TILE; t++) c[r][t] = _mm512_fmadd_ps(xv, wv[t], c[r][t]);
+        }
+    }
+    for (int r = 0; r < rows; r++) /* the 16 lanes added by the compiler's own tree */
+        for (int t = 0; t < TILE; t++) out[r][t] = _mm512_reduce_add_ps(c[r][t]);
+}
+#endif
+
+static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE],
+                 int rows) {
+    float s[XR][TILE][LANES];
+#if defined(__AVX512F__)
+    (void)s;
+    switch (rows) {
+    case 1: dots512(xr, w, k, out, 1); return;
+    case 2: dots512(xr, w, k, out, 2); return;
+    case 3: dots512(xr, w, k, out, 3); return;
+    case 4: dots512(xr, w, k, out, 4); return;
+    case 5: dots512(xr, w, k, out, 5); return;
+    default: dots512(xr, w, k, out, 6); return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    (void)rows; /* XR = 2: the zero row costs little */
+    __m256 c[XR][TILE][2];
+    for (int r = 0; r < XR; r++)
+        for (int t = 0; t < TILE; t++) c[r][t][0] = c[r][t][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += LANES) {
+        for (int h = 0; h < 2; h++) {
+            __m256 x0 = _mm256_loadu_ps(xr[0] + i + 8 * h), x1 = _mm256_loadu_ps(xr[1] + i + 8 * h);
+            for (int t = 0; t < TILE; t++) {
+                __m256 wv = _mm256_loadu_ps(w + t * k + i + 8 * h);
+                c[0][t][h] = _mm256_fmadd_ps(x0, wv, c[0][t][h]);
+                c[1][t][h] = _mm256_fmadd_ps(x1, wv, c[1][t][h]);
+            }
+        }
+    }
+    for (int r = 0; r < XR; r++)
+        for (int t = 0; t < TILE; t++) {
+            _mm256_storeu_ps(s[r][t], c[r][t][0]);
+            _mm256_storeu_ps(s[r][t] + 8, c[r][t][1]);
+        }
+#else
+    (void)rows;
+    memset(s, 0, sizeof s);
+    for (int r = 0; r < XR; r++)
+        for (int t = 0; t < TILE; t++)
+            for (int64_t i = 0; i < k; i += LANES)
+                for (int l = 0; l < LANES; l++) s[r][t][l] += xr[r][i + l] * w[t * k + i + l];
+#endif
+    for (int r = 0; r < XR; r++)
+        for (int t = 0; t < TILE; t++) out[r][t] = lanes_sum(s[r][t]);
+}
+
+/* One row of x (m = 1, a decode step of one request) against one weight row, its blocks
+ * de-quantized in registers and never stored: the weights' bytes are the only memory
+ * traffic, so a step reads 4.5-8.5 bits a weight. Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2;
+ * 0 where a type has none here (the tile path computes it). Lane l of the two sums adds
+ * the products at k = 32 b + l (first) and 32 b + 16 + l (second) in ascending b. */
+typedef float (*fused_fn)(const float *, const uint8_t *, int64_t);
+
+#if defined(__AVX512F__)
+static inline float sum16x2(__m512 a, __m512 b) {
+    float s[LANES], t[LANES];
+    _mm512_storeu_ps(s, a);
+    _mm512_storeu_ps(t, b);
+    for (int l = 0; l < LANES; l++) s[l] += t[l];
+    return lanes_sum(s);
+}
+
+/* Q4_0 (off 8, no min) and Q4_1 (off 0, min): y = sum x * (d * (q - off) + m) */
+static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
+    for (int64_t i = 0; i < k; i += 32, b += size) {
+        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+        w0 = _mm512_add_ps(_mm512_mul_ps(d, w0), m);
+        w1 = _mm512_add_ps(_mm512_mul_ps(d, w1), m);
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
+    }
+    return sum16x2(c0, c1);
+}
+
+static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32, b += 34) {
+        __m512 d = _mm512_set1_ps(half(b));
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
+    }
+    return sum16x2(c0, c1);
+}
+#define HAVE_FUSED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float sum8x4(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+    float s[LANES], t[LANES];
+    _mm256_storeu_ps(s, a0);
+    _mm256_storeu_ps(s + 8, a1);
+    _mm256_storeu_ps(t, b0);
+    _mm256_storeu_ps(t + 8, b1);
+    for (int l = 0; l < LANES; l++) s[l] += t[l];
+    return lanes_sum(s);
+}
+
+static inline __m256 f8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
+    for (int64_t i = 0; i < k; i += 32, b += size) {
+        __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(min ? half(b + 2) : 0.0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
+        __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++) {
+            __m256 w = _mm256_add_ps(_mm256_mul_ps(d, f8(q[j])), m);
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), w, c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+
+static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 32, b += 34) {
+        __m256 d = _mm256_set1_ps(half(b));
+        for (int j = 0; j < 4; j++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_mul_ps(d, f8(q)), c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+#define HAVE_FUSED 1
+#endif
+
+#ifdef HAVE_FUSED
+static float fused_q4_0(const float *x, const uint8_t *b, int64_t k) {
+    return fused_q4(x, b, k, 18, 0);
+}
+static float fused_q4_1(const float *x, const uint8_t *b, int64_t k) {
+    return fused_q4(x, b, k, 20, 1);
+}
+#endif
+
+static fused_fn fused_of(int32_t type) {
+#ifdef HAVE_FUSED
+    switch (type) {
+    case Q8_0: return fused_q8_0;
+    case Q4_0: return fused_q4_0;
+    case Q4_1: return fused_q4_1;
+    default: return 0;
+    }
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* Ask for the bytes [from, to) of W ahead of use: a row of blocks is a few cache lines,
+ * computed in less time than memory takes to send the next, so without asking the
+ * kernel waits on every row (the weights, unlike float32 panels, are read so fast that
+ * memory latency, not bandwidth, sets the pace). Clipped to W's end. */
+static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
+#if defined(__SSE__)
+    int64_t end = a->n * a->row_bytes;
+    to = to < end ? to : end;
+    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
+        _mm_prefetch((const char *)(a->w + off), _MM_HINT_T0);
+#else
+    (void)a, (void)from, (void)to;
+#endif
+}
+
+#define AHEAD_ROWS 4 /* fused path: rows of W asked for ahead of the one computed */
+
+/* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
+void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
+    QuantArgs *a = (QuantArgs *)args;
+    row_fn f = row_of(a->type);
+    int64_t k = a->k_dim;
+    if (!f) {
+        a->status = 1;
+        return;
+    }
+    fused_fn one = a->m == 1 ? fused_of(a->type) : 0;
+    if (one) { /* one row of x: no tile buffer */
+        int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
+        int64_t rb = a->row_bytes, stop = end * rb;
+        ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
+        for (int64_t n = lo * TILE; n < end; n++) {
+            int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
+            if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
+            a->y[n] = one(a->x, a->w + n * rb, k) + (a->bias ? a->bias[n] : 0.0f);
+        }
+        return;
+    }
+    float *buf = aligned_alloc(64, (size_t)((TILE + 1) * k) * sizeof(float));
+    if (!buf) {
+        a->status = 2;
+        return;
+    }
+    float *zero = buf + TILE * k; /* the rows of x past the batch in a short block */
+    memset(zero, 0, (size_t)k * sizeof(float));
+    for (int64_t tile = lo; tile < hi; tile++) {
+        int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
+        if (tile + 1 < hi) /* the next tile's rows, while this one computes */
+            ahead(a, (n0 + TILE) * a->row_bytes, (n0 + 2 * TILE) * a->row_bytes);
+        for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
+            f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes, buf + t * k, k);
+        for (int64_t r = 0; r < a->m; r += XR) {
+            int rows = a->m - r >= XR ? XR : (int)(a->m - r);
+            const float *xr[XR];
+            for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k : zero;
+            float out[XR][TILE];
+            dots(xr, buf, k, out, rows);
+            for (int i = 0; i < rows; i++)
+                for (int t = 0; t < cols; t++)
+                    a->y[(r + i) * a->ldy + n0 + t] =
+                        out[i][t] + (a->bias ? a->bias[n0 + t] : 0.0f);
+        }
+    }
+    free(buf);
+}
+
+/* The layouts kernels/native/abi.py checks at load (abi.h). */
+static const PdAbiField abi[] = {
+    PD_ABI_STRUCT(QuantArgs),        PD_ABI_FIELD(QuantArgs, x),
+    PD_ABI_FIELD(QuantArgs, w),      PD_ABI_FIELD(QuantArgs, bias),
+    PD_ABI_FIELD(QuantArgs, y),      PD_ABI_FIELD(QuantArgs, m),
+    PD_ABI_FIELD(QuantArgs, n),      PD_ABI_FIELD(QuantArgs, k_dim),
+    PD_ABI_FIELD(QuantArgs, ldy),    PD_ABI_FIELD(QuantArgs, row_bytes),
+    PD_ABI_FIELD(QuantArgs, type),   PD_ABI_FIELD(QuantArgs, status),
+    PD_ABI_END,
+};
+PD_ABI_EXPORT(abi)

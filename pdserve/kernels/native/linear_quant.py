@@ -1,0 +1,124 @@
+"""kernels/native/linear_quant.c: y = x @ W.T + b, W in its GGUF block format."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.native.abi import QuantArgs
+from pdserve.kernels.native.library import load
+from pdserve.kernels.native.par import Split, range_fn
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+# GGML type number -> (name, elements a block, bytes a block): the types the C computes
+TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One GGUF tensor's blocks: uint8 [rows, row bytes] of GGML type `type_id`."""
+
+    name: str  # the Hugging Face name
+    data: torch.Tensor
+    type_id: int
+    cols: int  # elements a row (K)
+
+    @property
+    def type_name(self) -> str:
+        return TYPES[self.type_id][0]
+
+
+TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    """Bytes of one row of k elements in type `type_id` (k a whole number of blocks)."""
+    name, block, size = TYPES[type_id]
+    if k % block:
+        raise ValueError(f"{name}: a row of {k} is not a whole number of {block}-blocks")
+    return k // block * size
+
+
+class LinearQuant:
+    """kernels/native/linear_quant.c: projections and row look-ups over GGUF blocks."""
+
+    def __init__(self, lib: ctypes.CDLL, split: Split) -> None:
+        self._fn = range_fn(lib, "pd_quant_linear_range")
+        self._rows = lib.pd_quant_rows
+        self._rows.restype = ctypes.c_int
+        self._rows.argtypes = [_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr]
+        self._split = split
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        type_id: int,
+        bias: torch.Tensor | None,
+        y: torch.Tensor,
+        col: int = 0,
+    ) -> None:
+        """y[:, col : col + N] = x [M, K] @ W.T (+ bias [N]), W = `w` uint8 [N, row bytes]
+        of type `type_id`; y [M, ldy] float32, contiguous."""
+        m, k = x.shape
+        n = w.shape[0]
+        # NOTE: the kernel trusts these (it reads M * K floats of x, N rows of W)
+        ok = x.dtype == y.dtype == torch.float32 and w.dtype == torch.uint8
+        ok = ok and x.is_contiguous() and y.is_contiguous() and w.is_contiguous()
+        ok = ok and type_id in TYPES and w.shape[1] == row_bytes(type_id, k)
+        ok = ok and y.shape[0] == m and col + n <= y.shape[1]
+        ok = ok and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)))
+        if not ok:
+            raise ValueError(
+                f"linear_quant: x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)} "
+                f"type {type_id}, y {tuple(y.shape)} at column {col}"
+            )
+        if m == 0 or n == 0:
+            return
+        b = 0 if bias is None else bias.data_ptr()
+        y_ptr = y.data_ptr() + col * 4
+        args = QuantArgs(x.data_ptr(), w.data_ptr(), b, y_ptr, m, n, k, y.shape[1], w.shape[1],
+                          type_id, 0)  # fmt: skip
+        tiles = -(-n // TILE)
+        self._split(self._fn, args, tiles, self.grain(m, tiles))
+        if args.status:
+            raise MemoryError("linear_quant: no memory for a tile buffer")
+
+    def rows(self, w: torch.Tensor, type_id: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """The de-quantized rows `ids` of W ([len(ids), k] float32): an embedding look-up.
+        Precondition: every id is within W's rows (the caller checks)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        if w.shape[1] != row_bytes(type_id, k) or not w.is_contiguous():
+            raise ValueError(f"linear_quant rows: W {tuple(w.shape)} for {k} of type {type_id}")
+        rc = self._rows(type_id, w.data_ptr(), w.shape[1], ids.data_ptr(), ids.numel(), k,
+                        out.data_ptr())  # fmt: skip
+        if rc:
+            raise ValueError(f"linear_quant rows: type {type_id} has no kernel")
+        return out
+
+    CHUNK_ROWS = 32  # from this many rows (a prompt's) a call is split in chunks
+
+    @staticmethod
+    def grain(m: int, tiles: int) -> int:
+        """Tiles per chunk: 0 (one range per thread) for a decode's few rows; for a
+        prompt's rows about 16 chunks a call, so a preempted thread holds up little."""
+        return 0 if m < LinearQuant.CHUNK_ROWS else max(1, tiles // 16)
+
+
+def linear_quant(cache_dir: Path, lib: ctypes.CDLL | None = None) -> LinearQuant | None:
+    """The kernel (`lib`: a library built otherwise, as tests build each vector path)."""
+    lib = load("linear_quant", cache_dir) if lib is None else lib
+    return None if lib is None else LinearQuant(lib, Split(cache_dir))

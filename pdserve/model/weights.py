@@ -1,0 +1,94 @@
+"""Load a model's weights: the folder's tensors, or a GGUF's blocks where they serve.
+
+    --weights quantized (default)  a converted GGUF folder, CPU, float32, native kernels
+                                   built: projections (and the embedding) from the GGUF's
+                                   blocks (model/gguf_quant.py); the rest from the folder
+    otherwise                      every tensor from the folder, in --dtype
+
+Either way the engine logs the bytes its weights hold (`resident_bytes`), so the memory
+a process needs is known before it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.kernels.native.linear_quant import LinearQuant, linear_quant
+from pdserve.model import gguf_quant
+from pdserve.model.hf_config import ModelArch
+from pdserve.model.linear import Linear
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import load_state
+
+log = logging.getLogger(__name__)
+
+Build = Callable[[dict[str, torch.Tensor]], LlamaModel]
+
+
+def _quant_source(
+    cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native_dir: str | None
+) -> tuple[gguf_quant.QuantSource, LinearQuant] | None:
+    """The GGUF and the kernel to serve its blocks with, or None (said why when it was
+    asked for and cannot be)."""
+    path = gguf_quant.source_gguf(cfg.model_path)
+    if cfg.weights != "quantized" or path is None:
+        return None
+    why = ""
+    if not cfg.device.startswith("cpu") or dtype != torch.float32:
+        why = "quantized weights run on the CPU with --dtype float32"
+    elif native_dir is None:
+        why = "native kernels are off (--disable-compile or PDSERVE_DISABLE_COMPILE)"
+    kernel = None if why else linear_quant(Path(native_dir or "."))
+    if kernel is None:
+        log.info("weights from the folder in %s: %s", dtype, why or "linear_quant not built")
+        return None
+    heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}
+    return gguf_quant.QuantSource(path, heads), kernel
+
+
+def load_model(
+    cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native_dir: str | None, build: Build
+) -> LlamaModel:
+    """The model `build` makes from the folder's tensors, its projections then moved onto
+    the GGUF's blocks where --weights quantized applies; logs its resident weight bytes."""
+    quant = _quant_source(cfg, arch, dtype, native_dir)
+    groups = (
+        []
+        if quant is None
+        else gguf_quant.plan(quant[0], arch.num_layers, arch.tie_word_embeddings)
+    )
+    skip = gguf_quant.meta_names(groups)
+    # NOTE: copies where blocks serve: a view would keep the whole float32 file mapped,
+    # the dropped float embedding's pages resident with it
+    model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
+    if quant is not None:
+        gguf_quant.apply(model, quant[0], groups, quant[1])
+    log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
+    return model
+
+
+def resident_bytes(model: LlamaModel) -> int:
+    """Bytes the model's weights hold: tensors, blocks (mapped from the file: resident
+    once read), each storage once."""
+    seen: dict[int, int] = {}
+
+    def add(t: object) -> None:
+        if isinstance(t, torch.Tensor) and not t.is_meta and t.numel():
+            key = id(t) if t.is_mkldnn else t.data_ptr()  # an opaque layout has no pointer
+            seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+
+    for lin in model.linears():
+        for t in lin.held():
+            add(t)
+    for obj in [model, *model.layers]:
+        for value in vars(obj).values():
+            if not isinstance(value, Linear):
+                add(value)
+    if isinstance(model.embed_quant, gguf_quant.QuantEmbedding):
+        add(model.embed_quant.tensor.data)
+    return sum(seen.values())
