@@ -68,7 +68,7 @@ class Gemma3Model(LlamaModel):
         self.embed = w.take("model.embed_tokens.weight")
         dtype, device = self.embed.dtype, self.embed.device
         # transformers keeps sqrt(hidden) as a float32 scalar and casts it to the weights'
-        # dtype (bfloat16 rounds sqrt(640) = 25.30 to 25.25)
+        # dtype (in bfloat16 sqrt(640) = 25.30 becomes 25.25)
         self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype=dtype, device=device)
         self.layers = [self._gemma_layer(w, i) for i in range(arch.num_layers)]
         self.norm = _plus_one(w.take("model.norm.weight"))
