@@ -162,7 +162,17 @@ def test_generate_sampling_params_refused_by_name(server):
     r = post(server, "/generate", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.min_new_tokens"
     body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, "sglang_extra": 1}
-    assert post(server, "/generate", body).status_code == 200  # top level: ignored (sglang-router)
+    r = post(server, "/generate", body)  # the top level too: never ignored
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sglang_extra"
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, "return_hidden_states": True}
+    r = post(server, "/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
+    # what sglang-router writes into every /generate body, at its defaults
+    router_fields = {"model": None, "return_text_in_logprobs": False, "log_metrics": True,
+                     "return_hidden_states": False, "background": False, "no_logs": False,
+                     "return_bytes": False, "return_entropy": False}  # fmt: skip
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, **router_fields}
+    assert post(server, "/generate", body).status_code == 200
     body = {"text": "x", "sampling_params": {"regex": "a+"}}
     assert post(server, "/generate", body).status_code == 200
     assert httpx.get(server.url + "/server_info").json()["last_grammar"] == 1

@@ -143,7 +143,7 @@ def test_generate_native(server, tok):
     ids = tok.encode("Hello world")
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
             "return_logprob": True, "rid": "native-1", "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": 1234, "bootstrap_room": 77, "unknown_field": {"x": 1}}  # fmt: skip
+            "bootstrap_port": 1234, "bootstrap_room": 77}  # fmt: skip
     r = httpx.post(server.url + "/generate", json=body).json()
     out, text = echo(tok, ids, 5)
     assert (r["text"], r["output_ids"]) == (text, out)

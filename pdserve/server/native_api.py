@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
@@ -45,7 +45,7 @@ from pdserve.server.openai_routes import (
     engine_error_status,
     stream_failure,
 )
-from pdserve.server.request_fields import N_FIELD, FieldRefused, SamplingKnobs
+from pdserve.server.request_fields import N_FIELD, Body, FieldRefused, SamplingKnobs
 from pdserve.server.server_config import ServerConfig
 from pdserve.server.structured import request_grammar
 
@@ -78,10 +78,9 @@ class NativeSampling(SamplingKnobs):
     }
 
 
-class GenerateIn(BaseModel):
-    """The body; unknown top-level fields are ignored (sglang-router adds its own)."""
-
-    model_config = ConfigDict(extra="ignore")
+class GenerateIn(Body):
+    """The body: every field known, implemented or refused by name, as in the OpenAI
+    routes (sglang-router writes its own fields into every body, at their defaults)."""
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -92,6 +91,24 @@ class GenerateIn(BaseModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    model: str | None = None  # one model per server: a name changes nothing
+    # sglang's; log_metrics and no_logs steer only the server's own logs
+    log_metrics: Any = None
+    no_logs: Any = None
+    return_text_in_logprobs: Any = None
+    return_hidden_states: Any = None
+    return_bytes: Any = None
+    return_entropy: Any = None
+    background: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "log_metrics": (True, False),
+        "no_logs": (True, False),
+        "return_text_in_logprobs": (False,),
+        "return_hidden_states": (False,),
+        "return_bytes": (False,),
+        "return_entropy": (False,),
+        "background": (False,),
+    }
 
     def bootstrap(self) -> Bootstrap:
         return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
@@ -179,7 +196,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         check_api_key(request, cfg.api_key)
         body = parse(GenerateIn, await read_json(request, cfg.max_body_bytes))
         try:
-            body.sampling_params.check_fields(cfg.unknown_fields, "sampling_params.")
+            body.check_fields(cfg.unknown_fields)
         except FieldRefused as e:
             raise RequestError(str(e), e.param) from e
         ids = _prompt_ids(fe, body)
