@@ -154,3 +154,28 @@ def test_required_and_named_grammars(model_dir) -> None:
     assert accepts(named, add, model_dir) and not accepts(named, weather, model_dir)
     bad = '<tool_call>\n{"name":"add","arguments":{"a":"x","b":2}}\n</tool_call>'
     assert not accepts(named, bad, model_dir)  # the parameters' schema holds
+
+
+def test_tags_held_as_added_tokens_are_forced_by_id(model_dir, tmp_path) -> None:
+    """Qwen2.5's vocabulary holds `<tool_call>` / `</tool_call>` as added tokens, which
+    llguidance reads as special: a quoted tag offers the token, then refuses it once
+    consumed (the answer ended at `<tool_call>`). Named by id, the call goes through."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "m", dirs_exist_ok=True)
+    path = tmp_path / "m" / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    n = 1 + max(
+        [*spec["model"]["vocab"].values(), *(t["id"] for t in spec.get("added_tokens", []))]
+    )
+    for i, tag in enumerate(("<tool_call>", "</tool_call>")):
+        spec.setdefault("added_tokens", []).append({"id": n + i, "content": tag, "single_word": False,
+            "lstrip": False, "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    path.write_text(json.dumps(spec))
+    tok = Tokenizer(tmp_path / "m")
+    tags = (tok.added_token_id("<tool_call>"), tok.added_token_id("</tool_call>"))
+    assert tags == (n, n + 1)
+    add = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    assert tok.encode(add, add_special_tokens=False)[0] == n  # the tag is one token
+    assert not accepts(tool_grammar(TWO, "required", None), add, tmp_path / "m")
+    assert accepts(tool_grammar(TWO, "required", None, tags), add, tmp_path / "m")

@@ -51,7 +51,7 @@ def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]]
     # one max_tokens for the batch: the smallest any prompt allows when none is given
     max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
     params = body.params(max_tokens, logprobs)
-    grammar = request_grammar(body)
+    grammar = request_grammar(body, fe.tokenizer)
     if grammar is not None:
         params = msgspec.structs.replace(params, grammar=grammar)
     return Job(prompts, params, body.n, body.rid, body.bootstrap(), stamps)

@@ -86,8 +86,9 @@ def checked(grammar: str, param: str) -> str:
     return grammar
 
 
-def request_grammar(body: Any) -> str | None:
-    """The one grammar a request asks for (None: unconstrained); two asks are refused."""
+def request_grammar(body: Any, tok: Any = None) -> str | None:
+    """The one grammar a request asks for (None: unconstrained); two asks are refused.
+    `tok`: the server's Tokenizer, where tool calls may be forced."""
     asks: list[tuple[str, str]] = []
     rf = getattr(body, "response_format", None)
     if rf is not None and rf.get("type", "text") != "text":
@@ -105,7 +106,10 @@ def request_grammar(body: Any) -> str | None:
         asks.append(("guided_choice", choice_grammar(body.guided_choice, "guided_choice")))
     choice = getattr(body, "tool_choice", None)
     if getattr(body, "tools", None) and choice not in (None, "none", "auto"):
-        asks.append(("tool_choice", tool_grammar(body.tools, choice, body.parallel_tool_calls)))
+        tags = tool_tags(tok) if tok is not None else None
+        asks.append(
+            ("tool_choice", tool_grammar(body.tools, choice, body.parallel_tool_calls, tags))
+        )
     if len(asks) > 1:
         raise FieldRefused(f"only one of {', '.join(a for a, _ in asks)} may be given", asks[1][0])
     if asks and getattr(body, "ignore_eos", False):
@@ -123,10 +127,22 @@ def _tool_schema(tool: Any) -> tuple[str, Any]:
     return fn["name"], schema
 
 
-def tool_grammar(tools: list[Any], choice: Any, parallel: bool | None) -> str:
+def tool_tags(tok: Any) -> tuple[int, int] | None:
+    """The ids of `<tool_call>` and `</tool_call>` where the vocabulary holds each as one
+    added token (Qwen2.5's), else None."""
+    ids = tok.added_token_id("<tool_call>"), tok.added_token_id("</tool_call>")
+    return None if None in ids else ids
+
+
+def tool_grammar(
+    tools: list[Any], choice: Any, parallel: bool | None, tags: tuple[int, int] | None = None
+) -> str:
     """`tool_choice` "required" (some tool) or {"type": "function", "function": {"name"}}
     (that one) as a grammar of Hermes-style calls: `<tool_call>\n{json}\n</tool_call>`,
-    one, or several when parallel_tool_calls is not false."""
+    one, or several when parallel_tool_calls is not false. `tags`: the tags' token ids
+    when each is one added token: llguidance reads an added token as a special token,
+    which a quoted "<tool_call>" never matches (its mask would offer the token, and
+    consuming it would put the matcher in error), so the grammar names them by id."""
     schemas = dict(_tool_schema(t) for t in tools)
     if choice == "required":
         schema: Any = {"anyOf": list(schemas.values())}
@@ -137,6 +153,8 @@ def tool_grammar(tools: list[Any], choice: Any, parallel: bool | None) -> str:
         schema = schemas[name]
     schema = {**schema, "x-guidance": _JSON_OPTIONS}
     block = '"<tool_call>\\n" call "\\n</tool_call>"'
+    if tags is not None:
+        block = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
     repeat = "" if parallel is False else ' ("\\n" block)*'
     lark = f"start: block{repeat}\nblock: {block}\ncall: %json {json.dumps(schema)}"
     try:

@@ -113,6 +113,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of `text` where the vocabulary holds it as one added token, else None."""
+        return next((i for i, t in self.hf.get_added_tokens_decoder().items() if t.content == text), None)  # fmt: skip
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
