@@ -102,7 +102,9 @@ def test_a_room_whose_decode_announced_then_vanished_is_freed_by_its_silence() -
         req = make_req("doomed", 77, N, p.tx.bootstrap_port)
         p.tx.on_queue(req)
         push_prompt(p.tx, req, side, chunk=8)  # computed; no Ready will ever come
-        dealer.close()  # the decode dies: no heartbeat from now on
+        # the decode dies: no heartbeat from now on (its Announce delivered first: with
+        # linger 0 a close before the connection is up would drop it)
+        dealer.close(linger=1000)
         [ev] = wait_for(p.tx.poll, 1, 1.0 + SLACK_S)
         assert not ev.ok and "silent" in ev.reason, ev
         serves(p)
