@@ -14,6 +14,12 @@ The emitted context (prefix_offset..read_offset) always decodes to some text, so
 tokens decoded after it are never treated as the start of the sequence.
 `flush()` emits whatever is left at the end of the request.
 
+Not tokenizers' `decoders.DecodeStream`: it streams most vocabularies the same way,
+but raises on a SentencePiece byte-fallback run that turns invalid after a byte that
+was valid alone ('A' <0xC3> ...: the one-shot decode makes the whole run U+FFFD), and it
+has no flush, so an incomplete character at the end is lost. benchmarks/detokenize.py
+compares the two.
+
 StopMatcher: text is held back while its tail could be the start of a stop
 string, so a stop string split across chunks is still found; on a match the
 output is cut right before it.
