@@ -249,6 +249,8 @@ def test_c_structs_are_declared_only_in_the_abi_module() -> None:
 def test_the_native_rules_catch_what_they_forbid() -> None:
     assert native_violations("from pdserve.kernels import core_share", f"{NATIVE}.par")
     assert native_violations("from pdserve.envs import ENV", f"{NATIVE}.library")
+    assert native_violations("from pdserve.model.ops import NativeOps", f"{NATIVE}.decode_ops")
+    assert native_violations("def f():\n    from pdserve.scheduler import build", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels.native import abi", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels import core_share", "pdserve.model.runner")
     src = "import ctypes\nclass Args(ctypes.Structure):\n    _fields_ = []"
