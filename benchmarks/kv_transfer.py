@@ -78,10 +78,10 @@ from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
-from pdserve.transfer.push import Pusher
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
-from pdserve.transfer.staging import pool_views, request_pages
+from pdserve.transfer.pages import pool_views, request_pages
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.push import Pusher
+from pdserve.transfer.sending.sender import MAX_FRAME_BYTES, KVSender
 from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")

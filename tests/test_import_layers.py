@@ -130,7 +130,7 @@ def test_no_import_runs_up_the_stack_or_across() -> None:
     ("module", "source"),
     [
         ("pdserve.model.runner", "from pdserve.scheduler.request import Req"),
-        ("pdserve.transfer.sender", "def f():\n    from pdserve.scheduler import decode"),
+        ("pdserve.transfer.sending.sender", "def f():\n    from pdserve.scheduler import decode"),
         (
             "pdserve.server.app",
             "import importlib\nimportlib.import_module('pdserve.scheduler.build')",

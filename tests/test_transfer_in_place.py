@@ -15,7 +15,7 @@ import zmq
 
 from pdserve.envs import cache_root
 from pdserve.kvcache.pools import KVLayout, slots_of
-from pdserve.transfer import sender, stages
+from pdserve.transfer import stages
 from pdserve.transfer.loopback import (
     Side,
     make_req,
@@ -25,10 +25,11 @@ from pdserve.transfer.loopback import (
     wait_for,
 )
 from pdserve.transfer.messages import Decoder, Ready
-from pdserve.transfer.peers import DataSockets
-from pdserve.transfer.push import MAX_RUNS, slot_runs
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending import sender
+from pdserve.transfer.sending.peers import DataSockets
+from pdserve.transfer.sending.pieces import MAX_RUNS, slot_runs
+from pdserve.transfer.sending.sender import KVSender
 from pdserve.transfer.zmq_io import MsgSocket, make_socket
 from pdserve.transfer.zmq_native import Frames, native_send
 from tests.test_transfer_roundtrip import arrives_exactly
@@ -231,12 +232,12 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
 
 
 def test_runs_copied_into_a_device_pool(monkeypatch) -> None:
-    """validate._copy_runs_to_device (a CPU prefill's frames, a GPU decode's pool) puts each
+    """writer._copy_runs_to_device (a CPU prefill's frames, a GPU decode's pool) puts each
     run's tokens of each layer at their slots; run here on a CPU pool, without the wait
     for the device."""
-    from pdserve.transfer import validate
+    from pdserve.transfer.receiving import writer
 
-    monkeypatch.setattr(validate, "land", lambda device: None)
+    monkeypatch.setattr(writer, "land", lambda device: None)
     pool = random_pool(LAYOUT, 64, 3)
     _, slots = reserve(pool, 10, 3)
     runs = [3, 7]
@@ -246,5 +247,5 @@ def test_runs_copied_into_a_device_pool(monkeypatch) -> None:
         for layer in range(LAYOUT.num_layers)
         for a, c in ((0, 3), (3, 7))
     ]
-    validate._copy_runs_to_device(pool.k, slots, runs, frames)
+    writer._copy_runs_to_device(pool.k, slots, runs, frames)
     assert torch.equal(pool.k[:, slots], want)

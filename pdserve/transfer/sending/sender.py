@@ -41,11 +41,11 @@ from pdserve.envs import cache_root
 from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
-from pdserve.transfer.bootstrap import BootstrapChannel
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Decoder, Heartbeat
-from pdserve.transfer.peers import (
+from pdserve.transfer.messages import Abort, Decoder
+from pdserve.transfer.sending.bootstrap import BootstrapChannel
+from pdserve.transfer.sending.peers import (
     MAX_ROOMS_PER_PEER,
     DataSockets,
     PeerClock,
@@ -53,8 +53,11 @@ from pdserve.transfer.peers import (
     Refusals,
     timeout_reason,
 )
-from pdserve.transfer.push import Piece, Pusher, Room, phase
-from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, Tracker, bind, make_socket
+from pdserve.transfer.sending.pieces import Piece
+from pdserve.transfer.sending.push import Pusher
+from pdserve.transfer.sending.release import Releases
+from pdserve.transfer.sending.room import Room, phase
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 from pdserve.transfer.zmq_native import native_send
 
 log = logging.getLogger(__name__)
@@ -105,7 +108,6 @@ class KVSender(BootstrapChannel):
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
-        self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
@@ -114,6 +116,7 @@ class KVSender(BootstrapChannel):
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
+        self._releases = Releases(self._io.emit)  # see _report
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
         if curve is not None:
@@ -291,22 +294,13 @@ class KVSender(BootstrapChannel):
             self._refused.add(st.room, reason)
 
     def _report(self, st: Room, event: SinkEvent) -> None:
-        """Emit `event` (the engine then frees st's pages) once libzmq reads none of them:
-        at once for frames it is already done with, else from a later tick (`_held`)."""
-        if settled(st.inflight):
-            self._io.emit(event)
-        else:
-            self._held.append((st.inflight, event))
+        """Emit `event` (the engine then frees st's pages) once libzmq reads none of them."""
+        self._releases.report(st.inflight, event)
 
     # ---- timers (I/O thread) --------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
-        held, self._held = self._held, []
-        for trackers, event in held:
-            if all(t.done for t in trackers):
-                self._io.emit(event)
-            else:
-                self._held.append((trackers, event))
+        self._releases.tick()
         boot = self.bootstrap_timeout_s
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
             try:
@@ -318,36 +312,8 @@ class KVSender(BootstrapChannel):
         self._refused.expire(now)
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_s
-            hb = Heartbeat(sender=f"prefill:{self.bootstrap_port}", seq=next(self._seq))
-            for peer in {s.peer for s in self._rooms.values() if s.peer}:
-                self._ctrl.send(hb, to=peer)
-
-    def _fail_silent_peers(self, now: float) -> None:
-        """A decode that stopped heartbeating is dead: fail every room held for it."""
-        for st in [s for s in self._rooms.values() if s.peer]:
-            silent = self._peers.silent_for(st.peer, now)
-            if silent > self._peers.timeout_s:
-                self._fail(st, f"decode silent for {silent:.1f}s (dead?)", notify=False)
-        self._peers.forget_except({s.peer for s in self._rooms.values() if s.peer})
+            self._heartbeat()
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
         self._data.close()
-
-
-SETTLE_S = 0.002  # how long a report waits for trackers libzmq is about to finish
-
-
-def settled(trackers: list[Tracker], wait_s: float = SETTLE_S) -> bool:
-    """Whether libzmq is done with every tracked frame, waiting up to `wait_s` in all:
-    a pyzmq frame's tracker is set by pyzmq's collector thread a moment after libzmq lets
-    go (a native send's at once, by libzmq's I/O thread)."""
-    end = time.monotonic() + wait_s
-    for t in trackers:
-        if t.done:
-            continue
-        try:
-            t.wait(max(0.0, end - time.monotonic()))
-        except zmq.NotDone:
-            return False
-    return True
