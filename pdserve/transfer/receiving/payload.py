@@ -29,9 +29,20 @@ class Chunk:
 
 
 def received(layout: KVLayout, h: KVChunk, raw: list[memoryview]) -> Chunk:
-    """Chunk `h` with payload frames `raw` (the module docstring)."""
+    """Chunk `h` with payload frames `raw` (the module docstring). Without runs each
+    kind's frame is cut into its layers whatever its size: check_chunk then refuses a
+    frame that is not the size the header announces, before any hash or write."""
     frames = unpack(layout, h, raw)
-    return Chunk(h, frames, _segments(layout, h, frames))
+    layers = h.layer_end - h.layer_start
+    bounded = 0 <= h.layer_start < h.layer_end <= layout.num_layers
+    if h.runs or not bounded or len(frames) != len(KINDS.get(h.kind, ())):
+        return Chunk(h, frames, frames)
+    segments = []
+    for b in frames:
+        whole = memoryview(b).cast("B")
+        step = whole.nbytes // layers
+        segments += [whole[j * step : (j + 1) * step] for j in range(layers)]
+    return Chunk(h, frames, segments)
 
 
 def frame_bytes(layout: KVLayout, h: KVChunk) -> list[int]:
@@ -59,20 +70,4 @@ def unpack(layout: KVLayout, h: KVChunk, bufs: list[memoryview]) -> list[memoryv
         for size in sizes:
             out.append(whole[at : at + size])
             at += size
-    return out
-
-
-def _segments(layout: KVLayout, h: KVChunk, frames: list[memoryview]) -> list[memoryview]:
-    """The frames as (kind, layer, run) segments: with runs as they are; without, each
-    kind's frame cut into its layers (whatever its size: check_chunk then refuses a frame
-    that is not the size the header announces, before any hash or write)."""
-    layers = h.layer_end - h.layer_start
-    bounded = 0 <= h.layer_start < h.layer_end <= layout.num_layers
-    if h.runs or not bounded or len(frames) != len(KINDS.get(h.kind, ())):
-        return frames
-    out = []
-    for b in frames:
-        whole = memoryview(b).cast("B")
-        step = whole.nbytes // layers
-        out += [whole[j * step : (j + 1) * step] for j in range(layers)]
     return out
