@@ -1,4 +1,4 @@
-"""KV frames sent in place from the prefill's pool (transfer/push.py): the bytes, when
+"""KV frames sent in place from the prefill's pool (transfer/sending/pieces.py): the bytes, when
 the path is taken, and the page lifetime it needs (the sender reports a room only once
 libzmq reads none of its pages)."""
 

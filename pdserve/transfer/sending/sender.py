@@ -19,7 +19,7 @@ Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
   SinkEvent only after the last read of that room's slots, its own or libzmq's, so
   once poll() reports a room the prefill may free its pages at once.
-- Pool memory reaches ZeroMQ only as frames sent in place (push.py): read by libzmq
+- Pool memory reaches ZeroMQ only as frames sent in place (pieces.py): read by libzmq
   until their trackers say done, so a room's SinkEvent waits for those (`_report`;
   a dead decode's queued frames are released when its socket is dropped). Any other
   chunk is gathered into a staging tensor, reused only once its trackers say done and
