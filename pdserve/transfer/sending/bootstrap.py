@@ -11,6 +11,9 @@
 
 A room a decode opens before this prefill has its request counts against that decode's
 share (PeerRooms) and all rooms (MAX_ROOMS); past either the Ready is refused by name.
+Refusals go both ways: a room the prefill refused before the decode was known gets an
+Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
+room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
 Mixed into KVSender, which owns the state and the failure paths named below.
 """
 

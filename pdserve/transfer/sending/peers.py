@@ -151,6 +151,11 @@ class DataSockets:
             self.drop(idle)
         return idle is not None
 
+    def drop_idle(self, endpoint: str) -> None:
+        """Close the PUSH to `endpoint` unless a room still uses it (`busy`)."""
+        if endpoint not in self._busy():
+            self.drop(endpoint)
+
     def drop(self, endpoint: str) -> None:
         """Close the PUSH to `endpoint` (no live room uses it), so KV queued for a dead
         or refusing decode is discarded instead of held forever."""

@@ -11,10 +11,6 @@ up to `ready_timeout_s` for the other side, but only while that decode heartbeat
 What a peer can make this side keep is bounded: rooms per peer and in all, refusals
 remembered, text kept (peers.py), data endpoints (netaddr-checked, at most MAX_DATA_SOCKETS).
 
-Refusals go both ways: a room the prefill refused before the decode was known gets an
-Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
-room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
-
 Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
   SinkEvent only after the last read of that room's slots, its own or libzmq's, so
@@ -267,10 +263,6 @@ class KVSender(BootstrapChannel):
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
 
-    def _drop_idle_endpoint(self, endpoint: str) -> None:
-        if not any(s.ready and s.ready.data_endpoint == endpoint for s in self._rooms.values()):
-            self._data.drop(endpoint)
-
     def _remove(self, st: Room) -> None:
         if self._rooms.get(st.room) is st:
             del self._rooms[st.room]
@@ -287,7 +279,7 @@ class KVSender(BootstrapChannel):
         elif tell_engine:  # queued in the prefill, not admitted: nothing of it was sent
             self._io.emit(SinkEvent("", False, reason, room=st.room))
         if st.ready is not None:
-            self._drop_idle_endpoint(st.ready.data_endpoint)
+            self._data.drop_idle(st.ready.data_endpoint)
         if st.req is None or st.ready is None:
             # NOTE: one side not known yet: a later on_admit / Ready of this room is
             # refused with the same reason (a prefill rejection must reach the decode)
