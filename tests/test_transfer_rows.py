@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.transfer.pages import page_split, request_pages
-from pdserve.transfer.receiving.writer import scatter_rows
+from pdserve.transfer.receiving.writer import scatter_runs
 from pdserve.transfer.sending.staging import gather_rows
 
 P = 4
@@ -39,7 +39,7 @@ def test_gather_and_scatter_match_indexing(dtype, case) -> None:
     dst = torch.zeros_like(pool)
     frame = out.view(3, len(idx), -1).view(torch.uint8).numpy().copy()
     frame.setflags(write=False)  # like a received ZeroMQ frame
-    scatter_rows(dst, idx, frame, P)
+    scatter_runs(dst, idx, [len(idx)], list(frame), P)  # one run, a frame per layer
     want = torch.zeros_like(pool)
     want[:, idx] = out
     assert torch.equal(dst, want)

@@ -95,13 +95,6 @@ def _write_device(x: Transfer, c: Chunk, kinds: tuple[int, ...]) -> None:
         land(dst.device)
 
 
-def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, frame: np.ndarray, page_size: int) -> None:
-    """dst[:, idx[i]] = frame[:, i] (CPU). frame: uint8 [L, len(idx), row bytes], e.g. a
-    view over a received ZeroMQ frame (read straight from it, no intermediate copy):
-    scatter_runs with one run, each layer's rows a frame."""
-    scatter_runs(dst, idx, [len(idx)], list(frame), page_size)
-
-
 def scatter_runs(
     dst: torch.Tensor, idx: torch.Tensor, runs: list[int], frames: list, page_size: int
 ) -> None:
