@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.netaddr import bootstrap_problem
-from pdserve.protocol import EngineRequest
+from pdserve.protocol import EngineRequest, PromptLogprobs, TopLogprobs
 from pdserve.sampling_params import SamplingParams, prompt_problem
 from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdserve.server.engine_client import EngineClient, EngineDead
@@ -158,6 +158,8 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked, one a token
+    prompt_logprobs: PromptLogprobs | None = None  # when asked, with the first token
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched: int | str | None = None
@@ -171,6 +173,8 @@ class SampleResult:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     matched: int | str | None = None
     error: str | None = None
@@ -180,6 +184,8 @@ class SampleResult:
         self.text += d.text
         self.output_ids += d.token_ids
         self.logprobs += d.logprobs
+        self.top_logprobs += d.top_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         if d.finished:
             self.finish_reason, self.matched, self.error = d.finish_reason, d.matched, d.error
             self.stages = d.stages
@@ -270,7 +276,8 @@ async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncItera
         while not done:
             ev = await q.get()
             clock.tokens(len(ev.token_ids))
-            d = Delta(index, stop.feed(detok.add(ev.token_ids)), ev.token_ids, ev.logprobs)
+            d = Delta(index, stop.feed(detok.add(ev.token_ids)), ev.token_ids, ev.logprobs,
+                      ev.top_logprobs, ev.prompt_logprobs)  # fmt: skip
             if stop.matched is not None:  # a stop string: cut here, stop the engine
                 fe.client.abort(req.rid, "stop string matched")
                 d.finished, d.finish_reason, d.matched = True, "stop", stop.matched

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import QUEUE_FULL
+from pdserve.sampling_params import prompt_logprobs_problem
 from pdserve.server import tokenize_routes
 from pdserve.server.engine_client import EngineDead
 from pdserve.server.generation import (
@@ -45,16 +46,32 @@ MAX_CHOICES = 256  # prompts × n of one request
 
 
 def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
-             wanted: int | None, logprobs: bool, stamps: dict[str, float]) -> Job:  # fmt: skip
+             wanted: int | None, logprobs: bool, stamps: dict[str, float],
+             top: int = 0, prompt_top: int | None = None) -> Job:  # fmt: skip
+    """`top`: the top k logprobs of each output token; `prompt_top`: the prompt's logprobs
+    with their top k (None: not asked)."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
     # one max_tokens for the batch: the smallest any prompt allows when none is given
     max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
+    for ids in prompts:
+        problem = prompt_logprobs_problem(len(ids), prompt_top)
+        if problem is not None:
+            raise RequestError(problem, "logprobs")
     params = body.params(max_tokens, logprobs)
+    params = msgspec.structs.replace(params, top_logprobs=top, prompt_logprobs=prompt_top)
     grammar = request_grammar(body, fe.tokenizer)
     if grammar is not None:
         params = msgspec.structs.replace(params, grammar=grammar)
     return Job(prompts, params, body.n, body.rid, body.bootstrap(), stamps)
+
+
+def echo_texts(fe: Frontend, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for echo: as sent when it was text, else decoded from its ids."""
+    texts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [prompt]  # fmt: skip
+    if all(isinstance(t, str) for t in texts) and len(texts) == len(prompts):
+        return list(texts)
+    return [fe.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def tool_parser(fe: Frontend, cfg: ServerConfig) -> str | None:
@@ -74,9 +91,12 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         body = parse_body(CompletionIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
         logprobs = body.logprobs is not None
-        job = make_job(fe, body, completion_prompts(fe, body.prompt), body.max_tokens, logprobs,
-                       stamps)  # fmt: skip
-        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, job, logprobs)
+        prompts = completion_prompts(fe, body.prompt)
+        job = make_job(fe, body, prompts, body.engine_max_tokens, logprobs, stamps,
+                       body.logprobs or 0, body.prompt_top)  # fmt: skip
+        echo = echo_texts(fe, body.prompt, prompts) if body.echo else None
+        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, job, logprobs,
+                              echo=echo, drop_output=body.max_tokens == 0)  # fmt: skip
         return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -86,8 +106,9 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         body = parse_body(ChatIn, await read_json(request, cfg.max_body_bytes), cfg)
         check_model(body.model, cfg)
         tools = body.parse_tools(parser)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
         job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
-                       stamps)  # fmt: skip
+                       stamps, top)  # fmt: skip
         fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools)
         return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 

@@ -310,7 +310,8 @@ class KVReceiver:
             return
         if self._close(x):
             stages = prefill_stages(done.stages)
-            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
+            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages,
+                             prefill_logprobs=done.logprobs)  # fmt: skip
             # NOTE: the Ack first: sent after the report, it reached the prefill together
             # with the engine's next Ready, which then waited for it (traced, 1k tokens
             # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)
