@@ -360,9 +360,13 @@ class DecodeEngine:
         req.output_logprobs.append(logprob)
         stop = check_stop(req, token, self.runner.arch.eos_token_ids)
         p = req.params
-        ev = TokenEvent(rid=req.rid, token_ids=[token], logprobs=[logprob] if p.wants_logprobs else [])
+        ev = TokenEvent(
+            rid=req.rid, token_ids=[token], logprobs=[logprob] if p.wants_logprobs else []
+        )
         if p.top_logprobs and top is not None:
-            ev.top_logprobs = [TopLogprobs(top.ids[: p.top_logprobs], top.logprobs[: p.top_logprobs])]
+            ev.top_logprobs = [
+                TopLogprobs(top.ids[: p.top_logprobs], top.logprobs[: p.top_logprobs])
+            ]
         if p.prompt_logprobs is not None:
             ev.prompt_logprobs = prompt
         self.events.append(ev)

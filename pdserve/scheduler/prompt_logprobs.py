@@ -67,7 +67,9 @@ def record(plan: list[tuple[Req, int, int]], logits: torch.Tensor, rows: LogitRo
             req.prompt_lps += lsm.gather(1, want[:, None]).squeeze(1).tolist()
             if k:
                 values, ids = lsm.topk(k, dim=-1)
-                req.prompt_tops += [TopLogprobs(a, b) for a, b in zip(ids.tolist(), values.tolist())]
+                req.prompt_tops += [
+                    TopLogprobs(a, b) for a, b in zip(ids.tolist(), values.tolist())
+                ]
             else:
                 req.prompt_tops += [TopLogprobs([], []) for _ in range(hi - lo)]
 
