@@ -100,12 +100,14 @@ def logprobs_of(
     k = max((p.top_logprobs for p in params), default=0) if top else 0
     if not (always or k or any(p.logprobs for p in params)):
         return Logprobs(torch.full(tokens.shape, float("nan"), device=logits.device), None, None)
-    lsm = torch.log_softmax(logits, dim=-1)
-    chosen = lsm.gather(1, tokens[:, None]).squeeze(1)
+    # log-softmax read at a few tokens only: logits minus their logsumexp (the top k of
+    # the logits are those of the log-softmax), no [B, V] result written
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
     if k == 0:
         return Logprobs(chosen, None, None)
-    values, ids = lsm.topk(k, dim=-1)
-    return Logprobs(chosen, values, ids)
+    values, ids = logits.topk(k, dim=-1)
+    return Logprobs(chosen, values - lse, ids)
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:
