@@ -36,7 +36,7 @@ from pdserve.model.resolve import resolve_model  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_task"
 TASK = "pdserve_mc"
-INSTALL = "python -m venv /work/venv-eval && /work/venv-eval/bin/pip install lm-eval==0.4.13"
+INSTALL = "python -m venv /work/venv-eval && /work/venv-eval/bin/pip install 'lm-eval[api]==0.4.13'"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -51,16 +51,17 @@ def run_lm_eval(lm_eval: str, model: str, model_args: str, out: Path) -> None:
     subprocess.run(argv, cwd=TASK_DIR, env=env, check=True, timeout=1800)
 
 
-def scores(out: Path) -> tuple[dict[str, float], dict[tuple[int, int], float]]:
-    """(the task's metrics, each (doc, choice)'s loglikelihood) from a run's files."""
+def scores(out: Path) -> tuple[dict[str, float], dict[tuple[int, int], tuple[float, bool]]]:
+    """(the task's accuracies, each (doc, choice)'s loglikelihood and whether the choice is
+    the greedy continuation) from a run's files."""
     results = json.loads(Path(glob.glob(f"{out}/**/results_*.json", recursive=True)[0]).read_text())
     metrics = {k.split(",")[0]: v for k, v in results["results"][TASK].items()
-               if k.startswith("acc")}  # fmt: skip
+               if k.startswith("acc") and "stderr" not in k}  # fmt: skip
     lls = {}
     for line in Path(glob.glob(f"{out}/**/samples_{TASK}_*.jsonl", recursive=True)[0]).open():
         s = json.loads(line)
-        for j, (ll, _greedy) in enumerate(s["filtered_resps"]):
-            lls[(s["doc_id"], j)] = float(ll)
+        for j, (ll, greedy) in enumerate(s["filtered_resps"]):
+            lls[(s["doc_id"], j)] = (float(ll), greedy == "True")
     return metrics, lls
 
 
@@ -90,13 +91,16 @@ def main() -> int:
     run_lm_eval(args.lm_eval, "hf", f"pretrained={folder},dtype=float32", work / "hf")
     (acc_p, ll_p), (acc_h, ll_h) = scores(work / "pdserve"), scores(work / "hf")
     assert ll_p.keys() == ll_h.keys(), "the runs scored different requests"
-    gap = max(abs(ll_p[k] - ll_h[k]) for k in ll_p)
+    gap = max(abs(ll_p[k][0] - ll_h[k][0]) for k in ll_p)
+    greedy_same = sum(ll_p[k][1] == ll_h[k][1] for k in ll_p)
     print(f"{TASK}: {len(ll_p)} (question, choice) loglikelihoods")
     for name in sorted(acc_p):
         print(f"  {name}: pdserve {acc_p[name]:.4f}, transformers {acc_h[name]:.4f}")
-    print(f"  max |Δ loglikelihood| {gap:.2e} (tolerance {args.tolerance:g})")
+    print(f"  max |Δ loglikelihood| {gap:.2e} (tolerance {args.tolerance:g}); is_greedy "
+          f"the same for {greedy_same} of {len(ll_p)}")  # fmt: skip
     print(f"  files: {work}")
-    return 0 if acc_p == acc_h and gap <= args.tolerance else 1
+    same = acc_p == acc_h and greedy_same == len(ll_p)
+    return 0 if same and gap <= args.tolerance else 1
 
 
 if __name__ == "__main__":

@@ -155,6 +155,15 @@ def test_echo_streamed_carries_the_prompt_first(server, ref) -> None:
     assert firsts[1]["logprobs"]["token_logprobs"][0] is None
 
 
+def test_the_longest_prompt_with_top_20_fits_the_transfer(server) -> None:
+    """The bound the frontend enforces (sampling_params.prompt_logprobs_problem) keeps the
+    prompt's logprobs inside the KV transfer's header limit, which drops larger ones."""
+    ids = [(17 * i) % 4000 + 100 for i in range(350)]
+    body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20}
+    lp = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 350 and all(len(t) >= 20 for t in lp["top_logprobs"][1:])
+
+
 def test_refusals_name_the_field(server) -> None:
     for body, param in [
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

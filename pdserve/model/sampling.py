@@ -98,7 +98,7 @@ def logprobs_of(
     `top_logprobs`): a batch where none did pays nothing. `always`: the chosen ones
     regardless (NaN otherwise)."""
     k = max((p.top_logprobs for p in params), default=0) if top else 0
-    if not (always or k or any(p.logprobs for p in params)):
+    if not (always or k or any(p.wants_logprobs for p in params)):
         return Logprobs(torch.full(tokens.shape, float("nan"), device=logits.device), None, None)
     # log-softmax read at a few tokens only: logits minus their logsumexp (the top k of
     # the logits are those of the log-softmax), no [B, V] result written
