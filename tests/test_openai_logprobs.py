@@ -161,7 +161,9 @@ def test_the_longest_prompt_with_top_20_fits_the_transfer(server) -> None:
     ids = [(17 * i) % 4000 + 100 for i in range(350)]
     body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20}
     lp = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
-    assert len(lp["token_logprobs"]) == 350 and all(len(t) >= 20 for t in lp["top_logprobs"][1:])
+    assert len(lp["token_logprobs"]) == 350 and all(lp["top_logprobs"][1:])
+    # top k by text: tokens of one text (byte pieces shown as U+FFFD) share an entry
+    assert max(len(t) for t in lp["top_logprobs"][1:]) >= 20
 
 
 def test_refusals_name_the_field(server) -> None:
