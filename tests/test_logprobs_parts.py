@@ -103,6 +103,8 @@ def test_carried_values_are_checked_before_use() -> None:
     assert "prompt logprobs" in carried_problem(PrefillLogprobs(first_top=good.first_top,
                                                                 prompt=short), r, 10)  # fmt: skip
     assert "vocabulary" in carried_problem(good, r, vocab_size=5)
+    nan = PrefillLogprobs(first_top=TopLogprobs([4, 5], [-1.0, float("nan")]), prompt=good.prompt)
+    assert "finite" in carried_problem(nan, r, 10)
 
 
 class Texts:

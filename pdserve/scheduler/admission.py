@@ -118,15 +118,19 @@ def carried_problem(carried: PrefillLogprobs | None, req: Req, vocab_size: int) 
     if p.top_logprobs and (first is None or len(first.ids) < p.top_logprobs):
         return f"the prefill sent no top {p.top_logprobs} logprobs of the first token"
     tops = [first] if first else []
+    values: list[float] = []
     if p.prompt_logprobs is not None:
         try:
-            chosen, top = prompt.unpack() if prompt else ([], [])
+            values, top = prompt.unpack() if prompt else ([], [])
         except ValueError as e:
             return str(e)
-        if prompt is None or len(chosen) != req.prompt_len - 1 or prompt.k != p.prompt_logprobs:
+        if prompt is None or len(values) != req.prompt_len - 1 or prompt.k != p.prompt_logprobs:
             return "the prefill sent no prompt logprobs for each prompt token"
         tops += top
     for t in tops:
         if len(t.ids) != len(t.logprobs) or any(not 0 <= i < vocab_size for i in t.ids):
             return "top logprobs from the prefill hold token ids outside the vocabulary"
+        values += t.logprobs
+    if not all(math.isfinite(v) for v in values):  # they reach JSON, which has no NaN
+        return "logprobs from the prefill are not all finite"
     return ""
