@@ -28,8 +28,8 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
 from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import Logprobs, logprobs_of, pick
-from pdserve.protocol import EngineRequest, TokenEvent, TopLogprobs
+from pdserve.model.sampling import logprobs_of, pick
+from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler import prompt_logprobs
 from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
@@ -221,7 +221,7 @@ class PrefillEngine:
             # the first token's logprob (and top k) travel with the KV
             lps = logprobs_of(logits[idx], tokens, params, always=True)
             logprobs = lps.chosen.tolist()
-            tops = step_tops_of(lps, len(reqs))
+            tops = prompt_logprobs.first_tops(lps, len(reqs))
         for req, start, end in plan:
             req.prefilled = end
             assert req.slots is not None  # set at admission
@@ -355,10 +355,3 @@ def prefill_order(reqs: list[Req], sched: SchedulerConfig, now: float) -> list[R
     else:
         young.sort(key=lambda r: r.stages["arrive"])
     return aged + young
-
-
-def step_tops_of(lps: Logprobs, n: int) -> list[TopLogprobs | None]:
-    """Each request's top k (host values), None for all when none asked."""
-    if lps.top_values is None or lps.top_ids is None:
-        return [None] * n
-    return [TopLogprobs(i, v) for i, v in zip(lps.top_ids.tolist(), lps.top_values.tolist())]

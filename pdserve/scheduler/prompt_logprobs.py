@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model.sampling import Logprobs
 from pdserve.protocol import PrefillLogprobs, PromptLogprobs, TopLogprobs
 from pdserve.scheduler.request import Req
 
@@ -84,3 +85,10 @@ def carried(req: Req, first_top: TopLogprobs | None) -> PrefillLogprobs | None:
     if prompt is None and first_top is None:
         return None
     return PrefillLogprobs(first_top=first_top, prompt=prompt)
+
+
+def first_tops(lps: Logprobs, n: int) -> list[TopLogprobs | None]:
+    """Each first token's top k (host values), None for all when none asked."""
+    if lps.top_values is None or lps.top_ids is None:
+        return [None] * n
+    return [TopLogprobs(i, v) for i, v in zip(lps.top_ids.tolist(), lps.top_values.tolist())]
