@@ -14,6 +14,9 @@ frontend and an engine of different versions refuse each other's messages
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 import msgspec
 
 from pdserve.config import EngineConfig, TransferConfig
@@ -59,6 +62,61 @@ EDGE_STAMPS = ("router_at", "http_at")
 QUEUE_FULL = "server overloaded: the queue is full"
 
 
+class TopLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """The k most likely tokens at one position, most likely first, with their logprobs
+    (the model's distribution: before temperature, penalties and filters)."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """Prompt tokens 1 .. L-1 (token 0 has no context): each one's logprob given the
+    tokens before it, and the top k at its position. Packed little-endian (float32,
+    int32) so that it fits the KV transfer's header with the first token
+    (sampling_params.prompt_logprobs_problem bounds it)."""
+
+    k: int
+    chosen: bytes  # float32 [L-1]
+    top_ids: bytes  # int32 [L-1, k], most likely first
+    top_values: bytes  # float32 [L-1, k]
+
+    @classmethod
+    def pack(cls, chosen: list[float], top: list[TopLogprobs], k: int) -> PromptLogprobs:
+        ids = [i for t in top for i in t.ids]
+        values = [v for t in top for v in t.logprobs]
+        return cls(k, _pack("<f", chosen), _pack("<i", ids), _pack("<f", values))
+
+    def unpack(self) -> tuple[list[float], list[TopLogprobs]]:
+        """(each token's logprob, its top k); raises ValueError on inconsistent sizes."""
+        chosen = _unpack("<f", self.chosen)
+        ids, values = _unpack("<i", self.top_ids), _unpack("<f", self.top_values)
+        if len(ids) != len(values) or len(ids) != len(chosen) * self.k:
+            raise ValueError("prompt logprobs of inconsistent sizes")
+        k = self.k
+        top = [TopLogprobs(ids[j * k : j * k + k], values[j * k : j * k + k])
+               for j in range(len(chosen))]  # fmt: skip
+        return chosen, top
+
+
+def _pack(fmt: str, values: list[Any]) -> bytes:
+    return struct.pack(f"{fmt[0]}{len(values)}{fmt[1]}", *values)
+
+
+def _unpack(fmt: str, data: bytes) -> list[Any]:
+    if len(data) % 4:
+        raise ValueError("packed logprobs of a size not a multiple of 4")
+    return list(struct.unpack(f"{fmt[0]}{len(data) // 4}{fmt[1]}", data))
+
+
+class PrefillLogprobs(msgspec.Struct, kw_only=True, frozen=True):
+    """What the prefill computed for a request that asked, carried to the decode with the
+    first token: the top k at the first output position, and the prompt's logprobs."""
+
+    first_top: TopLogprobs | None = None
+    prompt: PromptLogprobs | None = None
+
+
 class TokenEvent(msgspec.Struct, kw_only=True):
     """Engine -> frontend: new tokens of one request, possibly its terminal state.
 
@@ -69,6 +127,10 @@ class TokenEvent(msgspec.Struct, kw_only=True):
     rid: str
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] = msgspec.field(default_factory=list)
+    # one per token of `token_ids` when the request asked for top_logprobs
+    top_logprobs: list[TopLogprobs] = msgspec.field(default_factory=list)
+    # with a request's first token, when it asked for prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None

@@ -6,6 +6,11 @@ import math
 
 import msgspec
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+# Prompt logprobs travel to the decode in the KV transfer's KVDone header (64 KiB at
+# most): 4 + 8 k bytes a prompt token, packed (protocol.PromptLogprobs)
+MAX_PROMPT_LOGPROBS_BYTES = 56 * 1024
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop.
@@ -25,6 +30,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    # the k most likely tokens' logprobs at each output position (0..MAX_TOP_LOGPROBS); k > 0
+    # implies `logprobs`
+    top_logprobs: int = 0
+    # the prompt tokens' logprobs with the top k at each prompt position (the prefill computes
+    # the head over every prompt position for such a request only); None: off
+    prompt_logprobs: int | None = None
     # vLLM's definitions (pdserve.model.penalties): off at 0, 0, 1 and empty
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -39,6 +50,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                      "repetition_penalty"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -64,6 +79,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"logit_bias token ids outside the vocabulary: {bad}")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def greedy(self) -> bool:
@@ -101,3 +120,15 @@ def prompt_problem(
             f"context length {max_context}"
         )
     return None
+
+
+def prompt_logprobs_problem(prompt_len: int, k: int | None) -> str | None:
+    """Why a prompt's logprobs with the top `k` cannot be carried (None if they can)."""
+    if k is None:
+        return None
+    size = (prompt_len - 1) * (4 + 8 * k)
+    if size <= MAX_PROMPT_LOGPROBS_BYTES:
+        return None
+    most = MAX_PROMPT_LOGPROBS_BYTES // (4 + 8 * k) + 1
+    return (f"prompt logprobs with the top {k} are served for prompts of at most {most} "
+            f"tokens (got {prompt_len}); ask for fewer top logprobs")  # fmt: skip

@@ -31,7 +31,7 @@ import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.protocol import QUEUE_FULL, EngineRequest, TokenEvent
+from pdserve.protocol import QUEUE_FULL, EngineRequest, PromptLogprobs, TokenEvent, TopLogprobs
 
 FAIL_SEED = 4242
 # numeric sampling parameters the fake reports in stats() as last_<name> (what it was sent)
@@ -55,6 +55,11 @@ class _Running:
     pages: int
     produced: int = 0
     stages: dict[str, float] = field(default_factory=dict)
+
+
+def _top(ids: list[int], i: int, k: int, first: float) -> TopLogprobs:
+    """The fake's top k at output (or prompt) position i: ids[i], ids[i + 1], ..."""
+    return TopLogprobs([ids[(i + j) % len(ids)] for j in range(k)], [first - j for j in range(k)])
 
 
 class FakeEngine:
@@ -113,6 +118,13 @@ class FakeEngine:
         tok = ids[r.produced % len(ids)]
         r.produced += 1
         ev = TokenEvent(rid=r.req.rid, token_ids=[tok], logprobs=[-r.produced / 10])
+        if p.top_logprobs:  # the token itself, then the next prompt tokens
+            ev.top_logprobs = [_top(ids, r.produced - 1, p.top_logprobs, -r.produced / 10)]
+        if p.prompt_logprobs is not None and r.produced == 1:
+            tops = [_top(ids, i, p.prompt_logprobs, -0.5) for i in range(1, len(ids))]
+            ev.prompt_logprobs = PromptLogprobs.pack(
+                [-0.5] * (len(ids) - 1), tops, p.prompt_logprobs
+            )
         if tok in p.stop_token_ids:
             ev.finish_reason, ev.matched_stop = "stop", tok
         elif r.produced >= p.max_tokens or self.role == "prefill":

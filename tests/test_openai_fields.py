@@ -160,6 +160,12 @@ def completion_logprobs(r: Any, c: Ctx) -> None:
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([-(i + 1) / 10 for i in range(MAX)])
     assert "".join(lp.tokens) == r.choices[0].text
+    assert max(len(t) for t in lp.top_logprobs) == 2  # the top 2 (the fake's first is the token)
+
+
+def echoed(r: Any, c: Ctx) -> None:
+    assert r.choices[0].text == PROMPT + echo_text(c.tok, c.prompt_ids, MAX)
+    assert r.choices[0].logprobs is None
 
 
 COMPLETION: dict[str, Case] = {
@@ -167,8 +173,8 @@ COMPLETION: dict[str, Case] = {
     "prompt": ("other words", lambda r, c: None),  # checked by the test itself
     "stop": ([" world"], stop_at(" world")),
     "best_of": (2, REFUSED),
-    "echo": (True, REFUSED),
-    "logprobs": (1, completion_logprobs),
+    "echo": (True, echoed),  # with logprobs: tests/test_openai_logprobs.py (SmolLM2)
+    "logprobs": (2, completion_logprobs),
     "suffix": (" the end", REFUSED),
 }
 
@@ -176,6 +182,12 @@ COMPLETION: dict[str, Case] = {
 def chat_logprobs(r: Any, c: Ctx) -> None:
     lps = [x.logprob for x in r.choices[0].logprobs.content]
     assert lps == pytest.approx([-(i + 1) / 10 for i in range(MAX)])
+
+
+def chat_top_logprobs(r: Any, c: Ctx) -> None:
+    chat_logprobs(r, c)
+    for x in r.choices[0].logprobs.content:
+        assert [t.token for t in x.top_logprobs][:1] == [x.token] and len(x.top_logprobs) == 2
 
 
 CHAT: dict[str, Case] = {
@@ -203,13 +215,16 @@ CHAT: dict[str, Case] = {
     "store": (True, REFUSED),
     "tool_choice": ("required", REFUSED),
     "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], REFUSED),
-    "top_logprobs": (2, REFUSED),
+    "top_logprobs": (2, chat_top_logprobs),  # with logprobs (alone: a 400 naming it)
     "verbosity": ("low", REFUSED),
     "web_search_options": ({}, REFUSED),
 }
 
 
-ALSO = {"stream_options": {"stream": True}}  # a field that needs another one
+ALSO = {
+    "stream_options": {"stream": True},
+    "top_logprobs": {"logprobs": True},
+}  # fields that need another one
 
 
 def call(client: openai.OpenAI, kind: str, field: str, value: Any) -> Any:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from pdserve.protocol import PrefillLogprobs, PromptLogprobs, TopLogprobs
 from pdserve.transfer.checksum import HASH_BLOCK
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
@@ -59,6 +60,19 @@ MESSAGES = [
         digest=7,
         stages={"prefill_arrive": 1.0, "prefill_start": 1.5, "prefill_end": 2.0},
     ),
+    KVDone(
+        room=1,
+        session=2,
+        first_token=3,
+        first_logprob=-0.25,
+        prompt_len=3,
+        num_chunks=1,
+        digest=7,
+        logprobs=PrefillLogprobs(
+            first_top=TopLogprobs([3, 5], [-0.25, -2.0]),
+            prompt=PromptLogprobs.pack([-1.5, -0.5], [TopLogprobs([9], [-0.5])] * 2, 1),
+        ),
+    ),  # fmt: skip
     Ack(room=1, session=2),
     Abort(room=1, reason="why"),
     Heartbeat(sender="p", seq=3),

@@ -9,6 +9,7 @@ with, with overlap on or off, and across the prefill/decode split.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,15 @@ from pdserve.model.penalties import PenaltyState, adjust
 from pdserve.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, index) pairs
+
+
+class Logprobs(NamedTuple):
+    """The model's log-softmax read at the sampled tokens, and its top k (k of the request
+    that asked the most; each request keeps its own first k)."""
+
+    chosen: torch.Tensor  # [B] float32 (NaN where nobody asked)
+    top_values: torch.Tensor | None  # [B, k] float32, most likely first; None: k == 0
+    top_ids: torch.Tensor | None  # [B, k] int64
 
 
 def sample(
@@ -29,14 +39,25 @@ def sample(
     states: list[PenaltyState | None] | None = None,
     masks: list[NextMask | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+    """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32): `pick` then
+    `logprobs_of` without the top k (arguments as theirs)."""
+    tokens = pick(logits, params, seeds, out_index, argmax, states, masks)
+    return tokens, logprobs_of(logits, tokens, params, bool(logprobs), top=False).chosen
+
+
+def pick(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    out_index: list[int],
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    states: list[PenaltyState | None] | None = None,
+    masks: list[NextMask | None] | None = None,
+) -> torch.Tensor:
+    """logits [B, V] float32 -> tokens [B] int64.
 
     `seeds[i]` is request i's seed (the engine fills one in when the user gave
     none); `out_index[i]` the index of the token being sampled in its output.
-    Logprobs are of the model's distribution (before temperature and filters). They
-    cost a log-softmax over [B, V] (as much as the argmax again), so by default they
-    are computed only when some request asked for them (`SamplingParams.logprobs`),
-    and are NaN otherwise; `logprobs=True` computes them regardless.
     `argmax`: the greedy pick, [B, V] -> [B] as logits.argmax(-1) (the model's ops,
     pdserve.model.ops; torch's when None).
     `states[i]`: request i's penalty state (penalties.py), read for its penalties and
@@ -60,10 +81,33 @@ def sample(
     for i, st in enumerate(states or ()):
         if st is not None:
             st.record(tokens[i])
-    if not (logprobs or any(p.logprobs for p in params)):
-        return tokens, torch.full(tokens.shape, float("nan"), device=logits.device)
-    lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, lp
+    return tokens
+
+
+def logprobs_of(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    params: list[SamplingParams],
+    always: bool = False,
+    top: bool = True,
+) -> Logprobs:
+    """The logprobs of the model's distribution (before temperature and filters) at
+    `tokens`, and (`top`) the top k of the request that asked the most. They cost a
+    log-softmax over [B, V] (as much as the argmax again) and a top-k, so they are
+    computed only when some request of the batch asked (`SamplingParams.logprobs`,
+    `top_logprobs`): a batch where none did pays nothing. `always`: the chosen ones
+    regardless (NaN otherwise)."""
+    k = max((p.top_logprobs for p in params), default=0) if top else 0
+    if not (always or k or any(p.wants_logprobs for p in params)):
+        return Logprobs(torch.full(tokens.shape, float("nan"), device=logits.device), None, None)
+    # log-softmax read at a few tokens only: logits minus their logsumexp (the top k of
+    # the logits are those of the log-softmax), no [B, V] result written
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
+    if k == 0:
+        return Logprobs(chosen, None, None)
+    values, ids = logits.topk(k, dim=-1)
+    return Logprobs(chosen, values - lse, ids)
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:

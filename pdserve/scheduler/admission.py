@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.runner import ModelRunner
-from pdserve.protocol import QUEUE_FULL
-from pdserve.sampling_params import prompt_problem
+from pdserve.protocol import QUEUE_FULL, PrefillLogprobs
+from pdserve.sampling_params import prompt_logprobs_problem, prompt_problem
 from pdserve.scheduler.request import Req
 from pdserve.transfer.base import SourceEvent
 
@@ -31,6 +31,9 @@ def refusal(
     )
     if problem is not None:
         return problem[1]
+    problem_lp = prompt_logprobs_problem(req.prompt_len, req.params.prompt_logprobs)
+    if problem_lp is not None:
+        return problem_lp
     alloc = runner.kv_pool.allocator
     if alloc.pages_for(kv_tokens) > alloc.total_pages:
         return (
@@ -72,7 +75,9 @@ def admit_cached(queue: deque[Req], runner: ModelRunner, cache: PrefixCache) -> 
     rows, alloc = runner.req_pool, runner.kv_pool.allocator
     while queue and rows.free_rows:
         req = queue[0]
-        hit = cache.acquire(req.prompt_ids, req.prompt_len - 1)  # NOTE: before evict
+        # a request asking for prompt logprobs computes its whole prompt (the head over it)
+        limit = req.prompt_len - 1 if req.params.prompt_logprobs is None else 0
+        hit = cache.acquire(req.prompt_ids, limit)  # NOTE: before evict
         need = alloc.pages_for(req.prompt_len) - len(hit)
         if need > alloc.free_pages:
             cache.evict(need - alloc.free_pages)
@@ -101,4 +106,31 @@ def arrival_problem(ev: SourceEvent, vocab_size: int) -> str:
         return f"first token {ev.first_token} outside the vocabulary (size {vocab_size})"
     if not math.isfinite(ev.first_logprob):
         return f"first token logprob {ev.first_logprob} is not finite"
+    return ""
+
+
+def carried_problem(carried: PrefillLogprobs | None, req: Req, vocab_size: int) -> str:
+    """Why the logprobs a peer computed for `req` cannot be used ("" if they can): what
+    the request asked for is missing, or their shape or token ids are wrong."""
+    p = req.params
+    first = carried.first_top if carried else None
+    prompt = carried.prompt if carried else None
+    if p.top_logprobs and (first is None or len(first.ids) < p.top_logprobs):
+        return f"the prefill sent no top {p.top_logprobs} logprobs of the first token"
+    tops = [first] if first else []
+    values: list[float] = []
+    if p.prompt_logprobs is not None:
+        try:
+            values, top = prompt.unpack() if prompt else ([], [])
+        except ValueError as e:
+            return str(e)
+        if prompt is None or len(values) != req.prompt_len - 1 or prompt.k != p.prompt_logprobs:
+            return "the prefill sent no prompt logprobs for each prompt token"
+        tops += top
+    for t in tops:
+        if len(t.ids) != len(t.logprobs) or any(not 0 <= i < vocab_size for i in t.ids):
+            return "top logprobs from the prefill hold token ids outside the vocabulary"
+        values += t.logprobs
+    if not all(math.isfinite(v) for v in values):  # they reach JSON, which has no NaN
+        return "logprobs from the prefill are not all finite"
     return ""

@@ -30,10 +30,22 @@ from pdserve.kernels.stream import Event, make_streams
 from pdserve.kvcache.pools import slots_of
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
-from pdserve.protocol import EngineRequest, TokenEvent
+from pdserve.protocol import (
+    EngineRequest,
+    PrefillLogprobs,
+    PromptLogprobs,
+    TokenEvent,
+    TopLogprobs,
+)
 from pdserve.scheduler import grow
-from pdserve.scheduler.admission import admit_fifo, arrival_problem, refusal, request_seed
-from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step
+from pdserve.scheduler.admission import (
+    admit_fifo,
+    arrival_problem,
+    carried_problem,
+    refusal,
+    request_seed,
+)
+from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step, step_tops
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req, State
@@ -214,7 +226,8 @@ class DecodeEngine:
             req = self.transfer.pop(ev.rid, None)
             if req is None:
                 continue  # cancelled meanwhile
-            bad = arrival_problem(ev, self.runner.arch.vocab_size)  # checked before use
+            vocab = self.runner.arch.vocab_size
+            bad = arrival_problem(ev, vocab) or carried_problem(ev.prefill_logprobs, req, vocab)
             if bad:
                 self.transfer_totals.failed += 1
                 req.error = f"KV transfer failed: {bad}"
@@ -233,7 +246,9 @@ class DecodeEngine:
             # row fence) or for room in the batch. It may end the request (a stop token,
             # max_tokens 1): _end takes it out of `prebuilt` and frees what it holds.
             req.stages["running"] = time.time()
-            self._append(req, req.first_token, req.first_logprob)
+            carried = ev.prefill_logprobs or PrefillLogprobs()
+            self._append(req, req.first_token, req.first_logprob, carried.first_top,
+                         carried.prompt)  # fmt: skip
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
@@ -303,9 +318,10 @@ class DecodeEngine:
         t = result.timing
         self.busy_s += t.get("end", 0.0) - t.get("start", 0.0)
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
-        for req, tok, lp in zip(result.reqs, tokens, logprobs):
+        tops = step_tops(result)
+        for i, (req, tok, lp) in enumerate(zip(result.reqs, tokens, logprobs)):
             if not req.finished:  # a finished request's redundant step is discarded
-                self._append(req, tok, lp)
+                self._append(req, tok, lp, tops[i] if tops else None)
 
     def _wait_publishing_arrivals(self, done: Event) -> None:
         """Wait for a step's tokens. Meanwhile KV that lands has its first token sent
@@ -330,13 +346,29 @@ class DecodeEngine:
             events, self.events = self.events, []
             self.publish(events)
 
-    def _append(self, req: Req, token: int, logprob: float) -> None:
+    def _append(
+        self,
+        req: Req,
+        token: int,
+        logprob: float,
+        top: TopLogprobs | None = None,
+        prompt: PromptLogprobs | None = None,
+    ) -> None:
+        """One output token; `top`: the top k at its position (cut to the request's k),
+        `prompt`: the prompt's logprobs, with the first token only."""
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         stop = check_stop(req, token, self.runner.arch.eos_token_ids)
+        p = req.params
         ev = TokenEvent(
-            rid=req.rid, token_ids=[token], logprobs=[logprob] if req.params.logprobs else []
+            rid=req.rid, token_ids=[token], logprobs=[logprob] if p.wants_logprobs else []
         )
+        if p.top_logprobs and top is not None:
+            ev.top_logprobs = [
+                TopLogprobs(top.ids[: p.top_logprobs], top.logprobs[: p.top_logprobs])
+            ]
+        if p.prompt_logprobs is not None:
+            ev.prompt_logprobs = prompt
         self.events.append(ev)
         if stop is not None:
             req.finish_reason, req.matched_stop = stop

@@ -31,7 +31,8 @@ from pdserve.model.forward_batch import ForwardBatch, device_tensor
 from pdserve.model.grammar import GrammarState, ll_tokenizer
 from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import sample
+from pdserve.model.sampling import logprobs_of, pick
+from pdserve.protocol import TopLogprobs
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req
 
@@ -47,6 +48,9 @@ class StepResult:
     out_index: list[int]  # output index each request samples in this step
     tokens: torch.Tensor  # [B] int64 host, filled on the forward stream
     logprobs: torch.Tensor  # [B] float32 host
+    # [B, k] host (k: the most any request of the step asked for), None when none asked
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
     copy_done: Event | None = None  # recorded by the launcher
     # NOTE: the step's device inputs, built on the schedule stream and read by the forward
     # stream. Held here until the result is processed (after copy_done), so the caching
@@ -55,6 +59,14 @@ class StepResult:
     timing: dict[str, float] = field(
         default_factory=dict
     )  # forward-stream start/end (perf_counter)
+
+
+def step_tops(result: StepResult) -> list[TopLogprobs] | None:
+    """Each request's top k of a processed step (host values; None: none asked)."""
+    if result.top_values is None or result.top_ids is None:
+        return None
+    ids, values = result.top_ids.tolist(), result.top_values.tolist()
+    return [TopLogprobs(i, v) for i, v in zip(ids, values)]
 
 
 def penalty_state(req: Req, vocab: int, device: str) -> PenaltyState | None:
@@ -127,6 +139,10 @@ def launch_step(
         inputs=batch,
     )
     params = [r.params for r in reqs]
+    k = max(p.top_logprobs for p in params)
+    if k:  # the top k's host buffers, only for a step where some request asked
+        result.top_values = torch.empty(n, k, dtype=torch.float32, pin_memory=pin)
+        result.top_ids = torch.empty(n, k, dtype=torch.int64, pin_memory=pin)
     req_seeds = [r.seed for r in reqs]
     states = [penalty_state(r, runner.arch.vocab_size, runner.device) for r in reqs]
     grammars = [grammar_state(r, runner) for r in reqs]
@@ -137,13 +153,18 @@ def launch_step(
         result.timing["start"] = time.perf_counter()
         batch.input_ids = future.resolve(batch.rows, batch.host_rows)
         logits = runner.forward(batch)
-        tokens, logprobs = sample(logits, params, req_seeds, out_index, argmax=argmax,
-                                  states=states, masks=masks)  # fmt: skip
+        tokens = pick(logits, params, req_seeds, out_index, argmax=argmax,
+                      states=states, masks=masks)  # fmt: skip
+        lps = logprobs_of(logits, tokens, params)
         if hook is not None:
             hook(result)
         future.publish(batch.rows, tokens)
         result.tokens.copy_(tokens, non_blocking=pin)
-        result.logprobs.copy_(logprobs, non_blocking=pin)
+        result.logprobs.copy_(lps.chosen, non_blocking=pin)
+        if result.top_values is not None and result.top_ids is not None:
+            assert lps.top_values is not None and lps.top_ids is not None
+            result.top_values.copy_(lps.top_values, non_blocking=pin)
+            result.top_ids.copy_(lps.top_ids, non_blocking=pin)
         result.timing["end"] = time.perf_counter()
 
     if schedule is not None:

@@ -28,8 +28,9 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
 from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import sample
+from pdserve.model.sampling import logprobs_of, pick
 from pdserve.protocol import EngineRequest, TokenEvent
+from pdserve.scheduler import prompt_logprobs
 from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed
 from pdserve.scheduler.engine_stats import busy_ratio, channel_stats, pool_stats
 from pdserve.scheduler.request import Req, State
@@ -196,20 +197,31 @@ class PrefillEngine:
             if start == req.prefix_hit:  # its first chunk computes now (the queue ends here)
                 req.stages["prefill_start"] = now
         batch = self._batch(plan)
+        rows = prompt_logprobs.logit_rows(plan)
+        if rows is not None:  # every row of the chunks whose prompt logprobs are asked for
+            self.runner.prepare(batch)
+            batch.last_index = torch.tensor(rows.index, device=self.runner.device)
         logits = self.runner.forward(batch)
+        if rows is not None:
+            prompt_logprobs.record(plan, logits, rows)
+            logits = logits[rows.last]
         finished = [(i, r) for i, (r, _, end) in enumerate(plan) if end == r.prompt_len]
         if finished:
             idx = [i for i, _ in finished]
             reqs = [r for _, r in finished]
-            tokens, logprobs = sample(
+            params = [r.params for r in reqs]
+            tokens = pick(
                 logits[idx],
-                [r.params for r in reqs],
+                params,
                 [r.seed for r in reqs],
                 [0] * len(reqs),
-                logprobs=True,  # the first token's logprob travels with the KV
                 states=[self._penalties(r, logits) for r in reqs],
                 masks=[self._grammar(r) for r in reqs],
             )
+            # the first token's logprob (and top k) travel with the KV
+            lps = logprobs_of(logits[idx], tokens, params, always=True)
+            logprobs = lps.chosen.tolist()
+            tops = prompt_logprobs.first_tops(lps, len(reqs))
         for req, start, end in plan:
             req.prefilled = end
             assert req.slots is not None  # set at admission
@@ -218,7 +230,8 @@ class PrefillEngine:
             lo = 0 if start == req.prefix_hit else start
             self.sink.on_chunk(req, self.runner.kv_pool, req.slots, lo, end)
         for j, (_, req) in enumerate(finished):
-            self._prompt_done(req, int(tokens[j]), float(logprobs[j]))
+            req.prefill_logprobs = prompt_logprobs.carried(req, tops[j])
+            self._prompt_done(req, int(tokens[j]), logprobs[j])
         self.busy_s += time.perf_counter() - t0
 
     def _penalties(self, req: Req, logits: torch.Tensor) -> PenaltyState | None:

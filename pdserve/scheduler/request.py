@@ -16,7 +16,7 @@ import torch
 
 from pdserve.model.grammar import GrammarState
 from pdserve.model.penalties import PenaltyState
-from pdserve.protocol import EDGE_STAMPS, EngineRequest
+from pdserve.protocol import EDGE_STAMPS, EngineRequest, PrefillLogprobs, TopLogprobs
 from pdserve.sampling_params import SamplingParams
 
 
@@ -56,6 +56,11 @@ class Req:
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0
+    # prefill side: what it computes for a request that asks (the prompt's logprobs chunk
+    # by chunk, the first token's top k), sent to the decode with the first token
+    prefill_logprobs: PrefillLogprobs | None = None
+    prompt_lps: list[float] = field(default_factory=list)
+    prompt_tops: list[TopLogprobs] = field(default_factory=list)
     # filled by the decode engine when it processes a finished step, one token each
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.netaddr import bootstrap_problem
-from pdserve.protocol import EngineRequest
+from pdserve.protocol import EngineRequest, PromptLogprobs, TopLogprobs
 from pdserve.sampling_params import SamplingParams, prompt_problem
 from pdserve.server.detokenizer import TextStream
 from pdserve.server.engine_client import EngineClient, EngineDead
@@ -106,6 +106,8 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked, one a token
+    prompt_logprobs: PromptLogprobs | None = None  # when asked, with the first token
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched: int | str | None = None
@@ -119,6 +121,8 @@ class SampleResult:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     matched: int | str | None = None
     error: str | None = None
@@ -128,6 +132,8 @@ class SampleResult:
         self.text += d.text
         self.output_ids += d.token_ids
         self.logprobs += d.logprobs
+        self.top_logprobs += d.top_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         if d.finished:
             self.finish_reason, self.matched, self.error = d.finish_reason, d.matched, d.error
             self.stages = d.stages
@@ -223,7 +229,8 @@ async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncItera
         while not done:
             ev = await q.get()
             clock.tokens(len(ev.token_ids))
-            d = Delta(index, text.step(ev.token_ids, ev.finished), ev.token_ids, ev.logprobs)
+            d = Delta(index, text.step(ev.token_ids, ev.finished), ev.token_ids, ev.logprobs,
+                      ev.top_logprobs, ev.prompt_logprobs)  # fmt: skip
             if text.matched is not None and not ev.finished:  # cut here, stop the engine
                 fe.client.abort(req.rid, "stop string matched")
                 d.finished, d.finish_reason, d.matched = True, "stop", text.matched

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import Field
 
+from pdserve.sampling_params import MAX_TOP_LOGPROBS
 from pdserve.server.generation import Bootstrap
 from pdserve.server.request_fields import (
     N_FIELD,
@@ -115,27 +116,39 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionIn(_OpenAIBody):
     prompt: Prompt
-    max_tokens: int | None = 16
-    # 0 or 1: the sampled token's logprob (top_logprobs beyond it are not implemented)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # 0 only with echo: the prompt's logprobs alone (the engines sample one token, left out)
+    max_tokens: int | None = Field(default=16, ge=0)
+    # k: each token's logprob and the top k (openai_logprobs.py)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIBody.NOT_IMPLEMENTED,
-        "logprobs": (0, 1),
-        "echo": (False,),
         "suffix": ("",),
     }
 
     def options(self) -> Options:
         """What the handler needs of the body beyond its plain fields, in one call."""
-        return Options(self.bootstrap(), self.include_usage, self.max_tokens, False)
+        return Options(self.bootstrap(), self.include_usage, self.engine_max_tokens, False)
 
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise FieldRefused("best_of other than n is not supported by this server", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldRefused("max_tokens 0 needs echo (the response would be empty)",
+                               "max_tokens")  # fmt: skip
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        """max_tokens 0 asks the engines for 1: the prefill samples a first token anyway."""
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @property
+    def prompt_top(self) -> int | None:
+        """The top k of the prompt's logprobs the engines compute (echo with logprobs)."""
+        return self.logprobs if self.echo else None
 
 
 class TextPart(Body):
@@ -190,7 +203,7 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -217,7 +230,6 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
     echo: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_OpenAIBody.NOT_IMPLEMENTED,
-        "top_logprobs": (0,),
         "modalities": (["text"],),
         "service_tier": ("auto", "default"),
         "store": (False,),
@@ -238,6 +250,8 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
 
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: top_logprobs needs logprobs
+            raise FieldRefused("top_logprobs needs logprobs true", "top_logprobs")
         choice = self.tool_choice
         named = isinstance(choice, dict) and choice.get("type") == "function"
         if choice not in (None, "none", "auto", "required") and not named:

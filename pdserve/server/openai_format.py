@@ -8,7 +8,9 @@ import uuid
 from typing import Any, Literal
 
 from pdserve.edge.stamps import ttft_breakdown
+from pdserve.protocol import PromptLogprobs
 from pdserve.server.generation import Delta, Job, SampleResult
+from pdserve.server.openai_logprobs import chat_logprobs, completion_logprobs
 from pdserve.server.tokenizer import Tokenizer
 from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -38,35 +40,17 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], offset: int) -> dict:
-    texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
-    offsets, pos = [], offset
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": lps,
-        "top_logprobs": [{t: lp} for t, lp in zip(texts, lps)],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float]) -> dict:
-    content = []
-    for t, lp in zip(ids, lps):
-        s = tok.decode([t], skip_special_tokens=False)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-    return {"content": content}
-
-
 class OpenAIFormatter:
     """Builds the response body or the stream chunks of one OpenAI request."""
 
     def __init__(
         self, kind: Literal["completion", "chat"], model: str, tok: Tokenizer, job: Job,
-        logprobs: bool, tools: bool = False,
+        logprobs: bool, tools: bool = False, echo: list[str] | None = None,
+        drop_output: bool = False,
     ) -> None:  # fmt: skip
+        """`echo`: each prompt's text, put before its choices' text (and with `logprobs`,
+        the prompt's tokens before theirs); `drop_output`: max_tokens 0 (the engines
+        sample one token, which the response leaves out)."""
         self.kind = kind
         self.model = model
         self.tok = tok
@@ -81,6 +65,8 @@ class OpenAIFormatter:
         self.completion_tokens = 0
         self.tools = tools  # parse tool calls out of the chat answers (tool_calls.py)
         self._calls: dict[int, ToolCallStream] = {}  # per choice, when streaming
+        self.echo = echo
+        self.drop_output = drop_output
 
     @property
     def _obj(self) -> str:
@@ -94,7 +80,8 @@ class OpenAIFormatter:
         choices = [self._choice(r) for r in results]
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         body = self._envelope(obj, choices)
-        body["usage"] = usage(self.prompt_tokens, sum(len(r.output_ids) for r in results))
+        out = 0 if self.drop_output else sum(len(r.output_ids) for r in results)
+        body["usage"] = usage(self.prompt_tokens, out)
         staged = next((r for r in results if r.stages), None)
         if staged is not None:  # the first sample's stages (pdserve extension, read by bench)
             body["ttft_breakdown"] = ttft_breakdown(staged.stages)
@@ -104,9 +91,13 @@ class OpenAIFormatter:
         c: dict[str, Any] = {"index": r.index, "finish_reason": finish_reason(r.finish_reason)}
         lp = None
         if self.kind == "completion":
-            c["text"] = r.text
+            if self.drop_output:
+                r = SampleResult(r.index, prompt_logprobs=r.prompt_logprobs, finish_reason="length")
+                c["finish_reason"] = "length"
+            c["text"] = self._echo_text(r.index) + r.text
             if self.logprobs:
-                lp = completion_logprobs(self.tok, r.output_ids, r.logprobs, 0)
+                lp = completion_logprobs(self.tok, r.output_ids, r.logprobs, r.top_logprobs, 0,
+                                         self._echo_logprobs(r.index, r.prompt_logprobs))  # fmt: skip
         else:
             c["message"] = {"role": "assistant", "content": r.text}
             if self.tools:
@@ -116,12 +107,15 @@ class OpenAIFormatter:
                                     "tool_calls": [_unindexed(x) for x in calls]}  # fmt: skip
                     c["finish_reason"] = "tool_calls"
             if self.logprobs:
-                lp = chat_logprobs(self.tok, r.output_ids, r.logprobs)
+                lp = chat_logprobs(self.tok, r.output_ids, r.logprobs, r.top_logprobs)
         c["logprobs"] = lp
         return c
 
     def chunk(self, d: Delta) -> dict[str, Any] | None:
         """The stream chunk of a Delta, or None when it carries nothing to send."""
+        if self.drop_output:
+            d = Delta(d.index, prompt_logprobs=d.prompt_logprobs, finished=d.finished,
+                      finish_reason=d.finish_reason and "length", error=d.error, stages=d.stages)  # fmt: skip
         self.completion_tokens += len(d.token_ids)
         first = d.index not in self._started
         if not (d.text or d.finished or (self.logprobs and d.token_ids) or first):
@@ -130,22 +124,32 @@ class OpenAIFormatter:
         c: dict[str, Any] = {"index": d.index, "finish_reason": finish_reason(d.finish_reason)}
         lp = None
         if self.kind == "completion":
-            c["text"] = d.text
+            c["text"] = (self._echo_text(d.index) if first else "") + d.text
             if self.logprobs:
                 pos = self._text_pos.get(d.index, 0)
-                lp = completion_logprobs(self.tok, d.token_ids, d.logprobs, pos)
-                self._text_pos[d.index] = pos + len(d.text)
+                echoed = self._echo_logprobs(d.index, d.prompt_logprobs) if first else None
+                lp = completion_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs, pos,
+                                         echoed)  # fmt: skip
+                self._text_pos[d.index] = pos + len(c["text"])
         else:
             c["delta"] = self._delta(d, first)
             if self.tools and d.finished and self._calls[d.index].calls:
                 c["finish_reason"] = "tool_calls"
             if self.logprobs:
-                lp = chat_logprobs(self.tok, d.token_ids, d.logprobs)
+                lp = chat_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs)
         c["logprobs"] = lp
         body = self._envelope(self._obj, [c])
         if d.finished and d.stages:  # a choice's final chunk (pdserve extension, read by bench)
             body["ttft_breakdown"] = ttft_breakdown(d.stages)
         return body
+
+    def _echo_text(self, index: int) -> str:
+        return self.echo[index // self.job.n] if self.echo is not None else ""
+
+    def _echo_logprobs(
+        self, index: int, prompt: PromptLogprobs | None
+    ) -> tuple[list[int], PromptLogprobs | None] | None:
+        return None if self.echo is None else (self.job.prompt_of(index), prompt)
 
     def _delta(self, d: Delta, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
+from pdserve.sampling_params import prompt_logprobs_problem
 from pdserve.server.chat_template import continue_final_message
 from pdserve.server.generation import Bootstrap, Frontend, Job, RequestError
 from pdserve.server.http_util import parse, read_model
@@ -34,6 +35,8 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: bool
     tools: bool = False  # parse tool calls out of a chat answer (tool_calls.py)
+    echo: list[str] | None = None  # each prompt's text, put before its choices (completions)
+    drop_output: bool = False  # max_tokens 0: the engines sample one token the answer leaves out
 
 
 async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
@@ -42,8 +45,11 @@ async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
     opts = body.options()
     logprobs = body.logprobs is not None
     prompts = completion_prompts(fe, body.prompt)
-    job = make_job(fe, body, prompts, opts.max_tokens, logprobs, stamps, opts.boot)
-    return OpenAIRequest(job, body.stream, opts.include_usage, logprobs)
+    job = make_job(fe, body, prompts, opts.max_tokens, logprobs, stamps, opts.boot,
+                   body.logprobs or 0, body.prompt_top)  # fmt: skip
+    echo = echo_texts(fe, body.prompt, prompts) if body.echo else None
+    return OpenAIRequest(job, body.stream, opts.include_usage, logprobs, echo=echo,
+                         drop_output=body.max_tokens == 0)  # fmt: skip
 
 
 async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: dict[str, float],
@@ -51,7 +57,8 @@ async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: d
     body = await read_body(request, ChatIn, cfg)
     opts = body.options(tool_parser)
     prompts = [chat_prompt_ids(fe, body)]
-    job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot)
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, top)
     return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools)
 
 
@@ -65,12 +72,19 @@ async def read_body(request: Request, model: type[B], cfg: ServerConfig) -> B:
 
 def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
              wanted: int | None, logprobs: bool, stamps: dict[str, float],
-             boot: Bootstrap) -> Job:  # fmt: skip
+             boot: Bootstrap, top: int = 0, prompt_top: int | None = None) -> Job:  # fmt: skip
+    """`top`: the top k logprobs of each output token; `prompt_top`: the prompt's logprobs
+    with their top k (None: not asked)."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
     # one max_tokens for the batch: the smallest any prompt allows when none is given
     max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
+    for ids in prompts:
+        problem = prompt_logprobs_problem(len(ids), prompt_top)
+        if problem is not None:
+            raise RequestError(problem, "logprobs")
     params = body.params(max_tokens, logprobs)
+    params = msgspec.structs.replace(params, top_logprobs=top, prompt_logprobs=prompt_top)
     grammar = request_grammar(body, fe.tokenizer)
     if grammar is not None:
         params = msgspec.structs.replace(params, grammar=grammar)
@@ -95,6 +109,14 @@ def check_model(model: str | None, cfg: ServerConfig) -> None:
     if model is not None and model not in (cfg.model_name, cfg.model_path):
         raise RequestError(f"model {model!r} does not exist; this server serves "
                            f"{cfg.model_name!r}", "model", status=404)  # fmt: skip
+
+
+def echo_texts(fe: Frontend, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for echo: as sent when it was text, else decoded from its ids."""
+    texts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [prompt]  # fmt: skip
+    if all(isinstance(t, str) for t in texts) and len(texts) == len(prompts):
+        return list(texts)
+    return [fe.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:

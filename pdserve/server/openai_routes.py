@@ -47,7 +47,8 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     async def completions(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         req = await read_completion(request, fe, cfg, stamps)
-        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, req.job, req.logprobs)
+        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, req.job, req.logprobs,
+                              echo=req.echo, drop_output=req.drop_output)  # fmt: skip
         return await respond(request, fe, fmt, req)
 
     @app.post("/v1/chat/completions")

@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from pdserve.kvcache.pools import KVPool
+from pdserve.protocol import PrefillLogprobs
 
 # The prefill's own time.time() stamps of a request, carried to the decode with the first
 # token for the TTFT breakdown (server/generation.py): its frontend's handler started,
@@ -62,6 +63,10 @@ class Ticket(Protocol):
     @property
     def bootstrap_port(self) -> int | None: ...
 
+    @property
+    def prefill_logprobs(self) -> PrefillLogprobs | None:  # prefill side: sent with KVDone
+        ...
+
 
 @dataclass(frozen=True)
 class KVTicket:
@@ -72,6 +77,7 @@ class KVTicket:
     prompt_len: int
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    prefill_logprobs: PrefillLogprobs | None = None
 
 
 class SinkEvent(msgspec.Struct, frozen=True):
@@ -95,6 +101,7 @@ class SourceEvent(msgspec.Struct, frozen=True):
     first_logprob: float = 0.0
     reason: str = ""
     stages: dict[str, float] = msgspec.field(default_factory=dict)  # the prefill's stamps
+    prefill_logprobs: PrefillLogprobs | None = None  # KVDone's (unchecked: the decode checks)
 
 
 class KVSink(Protocol):

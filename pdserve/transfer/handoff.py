@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvcache.pools import KVPool
+from pdserve.protocol import PrefillLogprobs
 from pdserve.transfer.base import SinkEvent, SourceEvent, Ticket
 
 
@@ -28,6 +29,7 @@ class _Prefilled:
     first_token: int
     first_logprob: float
     stages: dict[str, float]
+    logprobs: PrefillLogprobs | None = None
 
 
 @dataclass
@@ -71,6 +73,7 @@ class InProcessHandoff:
                 first_token=src.first_token,
                 first_logprob=src.first_logprob,
                 stages=src.stages,
+                prefill_logprobs=src.logprobs,
             )
         )
 
@@ -107,7 +110,7 @@ class _Sink:
             return  # the decode refused it; the release event is already out
         pool, slots = self.where.pop(req.rid)
         self.h.prefilled[req.room] = _Prefilled(
-            req.rid, pool, slots, first_token, first_logprob, stages or {}
+            req.rid, pool, slots, first_token, first_logprob, stages or {}, req.prefill_logprobs
         )
         self.h._try_copy(req.room)
 

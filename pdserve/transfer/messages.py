@@ -27,6 +27,7 @@ from typing import Annotated
 
 import msgspec
 
+from pdserve.protocol import PrefillLogprobs
 from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 
 # re-exported: the checksums of these messages
@@ -109,6 +110,9 @@ class KVDone(_Msg, tag="done", kw_only=True, frozen=True):
     prompt_len: int
     num_chunks: int
     digest: int  # done_digest(): every chunk's (index, checksum) and the fields above
+    # what the request asked for beyond the first token's logprob (its top k, the prompt's
+    # logprobs), outside the digest; the decode checks its shape before use
+    logprobs: PrefillLogprobs | None = None
     # The prefill's time.time() stamps of this request (PREFILL_STAGES), for the TTFT
     # breakdown only: informational, outside the digest, never used to decide anything.
     stages: dict[str, float] = msgspec.field(default_factory=dict)

@@ -116,7 +116,8 @@ class DataChannel:
             return
         if self._close(x):
             stamps = prefill_stages(done.stages)
-            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stamps)
+            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stamps,
+                             prefill_logprobs=done.logprobs)  # fmt: skip
             # NOTE: the Ack first: sent after the report, it reached the prefill together
             # with the engine's next Ready, which then waited for it (traced, 1k tokens
             # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)

@@ -219,6 +219,7 @@ class Pusher:
             num_chunks=len(st.sent),
             digest=done_digest(st.sent, *st.done, st.req.prompt_len),
             stages=st.stages,
+            logprobs=st.req.prefill_logprobs,
         )
         sock.send(done)
         st.done_sent = True
