@@ -103,8 +103,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
 
 def prompt_problem(
-    ids: list[int], vocab_size: int, max_context: int, max_tokens: int
-) -> tuple[str, str] | None:
+    ids: list[int], vocab_size: int, max_context: int, max_tokens: int,
+    prompt_top: int | None = None,
+) -> tuple[str, str] | None:  # fmt: skip
     """(param, message) when a prompt with `max_tokens` output tokens can never be served,
     else None. The one rule set: the frontends answer it with a 400, the engines refuse
     with it (a request that skipped a frontend, e.g. the offline LLM)."""
@@ -119,7 +120,8 @@ def prompt_problem(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
             f"context length {max_context}"
         )
-    return None
+    problem = prompt_logprobs_problem(len(ids), prompt_top)
+    return None if problem is None else ("logprobs", problem)
 
 
 def prompt_logprobs_problem(prompt_len: int, k: int | None) -> str | None:

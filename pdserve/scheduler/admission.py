@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import QUEUE_FULL, PrefillLogprobs
-from pdserve.sampling_params import prompt_logprobs_problem, prompt_problem
+from pdserve.sampling_params import prompt_problem
 from pdserve.scheduler.request import Req
 from pdserve.transfer.base import SourceEvent
 
@@ -26,14 +26,10 @@ def refusal(
         req.params.validate(runner.arch.vocab_size)
     except ValueError as e:
         return str(e)
-    problem = prompt_problem(
-        req.prompt_ids, runner.arch.vocab_size, runner.max_context, req.params.max_tokens
-    )
+    problem = prompt_problem(req.prompt_ids, runner.arch.vocab_size, runner.max_context,
+                             req.params.max_tokens, req.params.prompt_logprobs)  # fmt: skip
     if problem is not None:
         return problem[1]
-    problem_lp = prompt_logprobs_problem(req.prompt_len, req.params.prompt_logprobs)
-    if problem_lp is not None:
-        return problem_lp
     alloc = runner.kv_pool.allocator
     if alloc.pages_for(kv_tokens) > alloc.total_pages:
         return (

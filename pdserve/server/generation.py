@@ -171,10 +171,13 @@ class Frontend:
         _, gen = self.start(job)
         return await collect(gen, job.choices)
 
-    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
-        """Validate a prompt; return max_tokens (defaulting to the rest of the context)."""
+    def check_prompt(self, ids: list[int], max_tokens: int | None,
+                     prompt_top: int | None = None) -> int:  # fmt: skip
+        """Validate a prompt (and the size of its logprobs when `prompt_top` asks for them);
+        return max_tokens (defaulting to the rest of the context)."""
         wanted = max(1, self.max_context - len(ids)) if max_tokens is None else max_tokens
-        problem = prompt_problem(ids, self.tokenizer.vocab_size, self.max_context, wanted)
+        problem = prompt_problem(ids, self.tokenizer.vocab_size, self.max_context, wanted,
+                                 prompt_top)  # fmt: skip
         if problem is not None:
             raise RequestError(problem[1], problem[0])
         return wanted

@@ -35,6 +35,8 @@ class Options(NamedTuple):
     include_usage: bool
     max_tokens: int | None  # chat: max_completion_tokens, else max_tokens
     tools: bool  # chat: parse tool calls out of the answer (ChatIn.parse_tools)
+    top: int = 0  # the top k logprobs of each output token
+    prompt_top: int | None = None  # echo with logprobs: the prompt's, with their top k
 
 
 class StreamOptions(Body):
@@ -130,7 +132,8 @@ class CompletionIn(_OpenAIBody):
 
     def options(self) -> Options:
         """What the handler needs of the body beyond its plain fields, in one call."""
-        return Options(self.bootstrap(), self.include_usage, self.engine_max_tokens, False)
+        return Options(self.bootstrap(), self.include_usage, self.engine_max_tokens, False,
+                       self.logprobs or 0, self.prompt_top)  # fmt: skip
 
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
@@ -279,8 +282,9 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
 
     def options(self, tool_parser: str | None) -> Options:
         """What the handler needs of the body beyond its plain fields, in one call."""
+        top = (self.top_logprobs or 0) if self.logprobs else 0
         return Options(self.bootstrap(), self.include_usage, self.max_output,
-                       self.parse_tools(tool_parser))  # fmt: skip
+                       self.parse_tools(tool_parser), top)  # fmt: skip
 
     @property
     def max_output(self) -> int | None:

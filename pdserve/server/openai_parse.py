@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
-from pdserve.sampling_params import prompt_logprobs_problem
 from pdserve.server.chat_template import continue_final_message
 from pdserve.server.generation import Bootstrap, Frontend, Job, RequestError
 from pdserve.server.http_util import parse, read_model
@@ -46,7 +45,7 @@ async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
     logprobs = body.logprobs is not None
     prompts = completion_prompts(fe, body.prompt)
     job = make_job(fe, body, prompts, opts.max_tokens, logprobs, stamps, opts.boot,
-                   body.logprobs or 0, body.prompt_top)  # fmt: skip
+                   opts.top, opts.prompt_top)  # fmt: skip
     echo = echo_texts(fe, body.prompt, prompts) if body.echo else None
     return OpenAIRequest(job, body.stream, opts.include_usage, logprobs, echo=echo,
                          drop_output=body.max_tokens == 0)  # fmt: skip
@@ -57,8 +56,7 @@ async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: d
     body = await read_body(request, ChatIn, cfg)
     opts = body.options(tool_parser)
     prompts = [chat_prompt_ids(fe, body)]
-    top = (body.top_logprobs or 0) if body.logprobs else 0
-    job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, top)
+    job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, opts.top)
     return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools)
 
 
@@ -78,13 +76,8 @@ def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]]
     if len(prompts) * body.n > MAX_CHOICES:
         raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
     # one max_tokens for the batch: the smallest any prompt allows when none is given
-    max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
-    for ids in prompts:
-        problem = prompt_logprobs_problem(len(ids), prompt_top)
-        if problem is not None:
-            raise RequestError(problem, "logprobs")
-    params = body.params(max_tokens, logprobs)
-    params = msgspec.structs.replace(params, top_logprobs=top, prompt_logprobs=prompt_top)
+    max_tokens = min(fe.check_prompt(ids, wanted, prompt_top) for ids in prompts)
+    params = body.params(max_tokens, logprobs, top, prompt_top)
     grammar = request_grammar(body, fe.tokenizer)
     if grammar is not None:
         params = msgspec.structs.replace(params, grammar=grammar)

@@ -91,8 +91,10 @@ class SamplingKnobs(Body):
     min_tokens: int | None = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"min_tokens": (0,)}
 
-    def params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
-        """The engine's SamplingParams (call check_fields first)."""
+    def params(self, max_tokens: int, logprobs: bool, top: int = 0,
+               prompt_top: int | None = None) -> SamplingParams:  # fmt: skip
+        """The engine's SamplingParams (call check_fields first); `top`: the top k logprobs
+        of each output token, `prompt_top`: the prompt's logprobs with their top k."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -108,6 +110,8 @@ class SamplingKnobs(Body):
             presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
+            top_logprobs=top,
+            prompt_logprobs=prompt_top,
         )
 
     def _logit_bias(self) -> dict[int, float]:
