@@ -7,6 +7,7 @@ installed `openai` package and checks each one here.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
@@ -161,12 +162,30 @@ class ChatMessage(Body):
         """The message as chat templates read it (a developer message is a system one)."""
         role = "system" if self.role == "developer" else self.role
         out = {"role": role, "content": self.text(), "name": self.name,
-               "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+               "tool_calls": _template_calls(self.tool_calls), "tool_call_id": self.tool_call_id,
                "reasoning_content": self.reasoning_content}  # fmt: skip
         # a null content (an assistant turn that only calls tools) is rendered as "", which
         # every template reads; transformers would drop the key and many templates fail
         out["content"] = out["content"] or ""
         return {k: v for k, v in out.items() if v is not None}
+
+
+def _template_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool calls with `function.arguments` as an object: OpenAI sends it as JSON text,
+    templates write it with `tojson` (as transformers and vLLM expect), which would quote
+    the text a second time; text that is not JSON stays as it was."""
+    if not calls:
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except json.JSONDecodeError:
+                pass
+        out.append(call)
+    return out
 
 
 class ChatTemplateControls(Body):
@@ -265,6 +284,14 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
                                "server parses (see --tool-call-parser); send tool_choice "
                                '"none" to pass the tools to the template only', "tools")  # fmt: skip
         return True
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """The names of the request's tools (what an untagged call must name)."""
+        fns = [t.get("function") for t in self.tools or [] if isinstance(t, dict)]
+        return frozenset(
+            f["name"] for f in fns if isinstance(f, dict) and isinstance(f.get("name"), str)
+        )
 
     @property
     def max_output(self) -> int | None:

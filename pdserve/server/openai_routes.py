@@ -88,7 +88,8 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         tools = body.parse_tools(parser)
         job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
                        stamps)  # fmt: skip
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools)
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools,
+                              body.tool_names)  # fmt: skip
         return await respond(request, fe, fmt, job, body.stream, body.include_usage)
 
     tokenize_routes.register(app, fe, cfg)
