@@ -60,6 +60,7 @@ class _OpenAIBody(SamplingKnobs):
     json_schema: Any = None
     guided_grammar: Any = None
     ebnf: Any = None
+    structured_outputs: Any = None
     return_tokens_as_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
@@ -81,8 +82,6 @@ class _OpenAIBody(SamplingKnobs):
         "spaces_between_special_tokens": (True,),
         "include_stop_str_in_output": (False,),
         "priority": (0,),
-        "guided_grammar": (),
-        "ebnf": (),
         "return_tokens_as_token_ids": (False,),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),
