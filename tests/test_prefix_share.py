@@ -27,8 +27,9 @@ PAGE = 4
 def _cfg(model, tokens: int, cache: bool = True) -> EngineConfig:
     return EngineConfig(
         model_path=str(model),
-        cache=CacheConfig(page_size=PAGE, max_total_tokens=tokens, max_context=256,
-                          prefix_cache=cache),  # fmt: skip
+        cache=CacheConfig(
+            page_size=PAGE, max_total_tokens=tokens, max_context=256, prefix_cache=cache
+        ),  # fmt: skip
         scheduler=SchedulerConfig(max_running_requests=8, max_prefill_tokens=32),
     )
 

@@ -54,7 +54,8 @@ def _bare_calls(text: str, names: frozenset[str], first: int) -> list[dict[str, 
     else None."""
     fenced = _FENCE.fullmatch(text.strip())
     text = (fenced.group(1) if fenced else text).strip()
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    decoder, at = json.JSONDecoder(), 0
+    calls: list[dict[str, Any]] = []
     while at < len(text):
         try:
             obj, end = decoder.raw_decode(text, at)
@@ -145,7 +146,7 @@ class ToolCallStream:
 
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
         """The text and calls left at the end (an unclosed call stays content, as written)."""
-        content, new = "", []
+        content, new = "", list[dict[str, Any]]()
         if self.names and self._bare is not False:
             calls = _bare_calls(self._buf, self.names, len(self.calls))
             if calls is not None:
