@@ -179,6 +179,11 @@ def test_generate_sampling_params_refused_by_name(server):
     body = {"text": "x", "sampling_params": {"json_schema": '{"type": "bogus"}'}}
     r = post(server, "/generate", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema"
+    body = {"text": "x", "sampling_params": {"ebnf": 'root ::= "a"+', "max_new_tokens": 2}}
+    assert post(server, "/generate", body).status_code == 200  # sglang's EBNF grammar
+    body = {"text": "x", "sampling_params": {"ebnf": "root ::= ("}}
+    r = post(server, "/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ebnf"
 
 
 # ---- extensions that change the output ----------------------------------------------------

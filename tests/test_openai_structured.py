@@ -19,7 +19,13 @@ import pytest
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.server.request_fields import FieldRefused
-from pdserve.server.structured import choice_grammar, from_response_format, json_grammar
+from pdserve.server.structured import (
+    cfg_grammar,
+    choice_grammar,
+    from_response_format,
+    json_grammar,
+    request_grammar,
+)
 
 
 def test_schemas_that_do_not_compile_are_refused_by_name() -> None:
@@ -36,6 +42,69 @@ def test_schemas_that_do_not_compile_are_refused_by_name() -> None:
         choice_grammar([], "guided_choice")
     assert from_response_format({"type": "text"}) is None
     assert json.loads(from_response_format({"type": "json_object"}) or "")["grammars"]
+
+
+YES_NO_GBNF = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+YES_NO_LARK = 'start: answer "."\nanswer: "yes" | "no"'
+
+
+@pytest.fixture(scope="module")
+def accepts(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """accepts(grammar, text): whether `grammar` takes `text` whole, on a test vocabulary."""
+    import llguidance
+    from fake_engine import make_model_dir
+
+    from pdserve.server.tokenizer import Tokenizer
+
+    model = make_model_dir(tmp_path_factory.mktemp("model"))
+    tok = llguidance.LLTokenizer((model / "tokenizer.json").read_text(), eos_token=0)
+    ours = Tokenizer(model)
+
+    def run(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        return m.consume_tokens(ours.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    return run
+
+
+class _Body:
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
+
+
+def test_grammars_lark_and_gbnf(accepts) -> None:
+    """vLLM's guided_grammar / structured_outputs.grammar and sglang's ebnf take Lark or
+    llama.cpp's GBNF; a grammar that does not compile is refused naming the field."""
+    for text in (YES_NO_GBNF, YES_NO_LARK):
+        g = cfg_grammar(text, "guided_grammar")
+        assert accepts(g, "yes.") and accepts(g, "no.") and not accepts(g, "maybe.")
+    for bad, why in [("root ::= (", "Expected ')'"), ("start: foo", "unknown name"),
+                     ("", "must be a grammar"), (3, "must be a grammar")]:  # fmt: skip
+        with pytest.raises(FieldRefused) as e:
+            cfg_grammar(bad, "ebnf")
+        assert e.value.param == "ebnf" and why in e.value.message, e.value.message
+
+
+def test_structured_outputs_object(accepts) -> None:
+    """vLLM's `structured_outputs`: one constraint, options at their defaults."""
+    so = lambda **kw: request_grammar(_Body(structured_outputs=kw))  # noqa: E731
+    assert accepts(so(grammar=YES_NO_LARK), "no.")
+    assert accepts(so(regex="[0-9]{3}"), "123") and not accepts(so(regex="[0-9]{3}"), "12a")
+    assert accepts(so(choice=["red", "blue"]), "blue")
+    assert accepts(so(json={"type": "object", "properties": {"a": {"type": "integer"}}}), '{"a":1}')
+    assert accepts(so(json_object=True, disable_fallback=False), '{"x":[1]}')
+    assert so(json_object=False) is None and so(regex=None) is None
+    for kw, param in [({"grammar": "root ::= ("}, "structured_outputs.grammar"),
+                      ({"structural_tag": "{}"}, "structured_outputs.structural_tag"),
+                      ({"disable_any_whitespace": True}, "structured_outputs.disable_any_whitespace"),
+                      ({"colour": 1}, "structured_outputs.colour"),
+                      ({"regex": "a", "choice": ["b"]}, "structured_outputs.choice")]:  # fmt: skip
+        with pytest.raises(FieldRefused) as e:
+            so(**kw)
+        assert e.value.param == param, e.value.message
+    with pytest.raises(FieldRefused) as e:
+        request_grammar(_Body(guided_grammar=YES_NO_LARK, structured_outputs={"regex": "a"}))
+    assert e.value.param == "structured_outputs.regex"
 
 
 # ---- SmolLM2 through the PD path -----------------------------------------------------------
@@ -132,6 +201,17 @@ def test_json_object_and_regex(client) -> None:
                                   temperature=0.9, seed=1,
                                   extra_body={"guided_choice": ["blue", "green"]})  # fmt: skip
     assert r.choices[0].text in ("blue", "green")
+    q = ask("Is the sky blue? Answer yes or no.")
+    for extra in [{"guided_grammar": YES_NO_GBNF}, {"ebnf": YES_NO_LARK},
+                  {"structured_outputs": {"grammar": YES_NO_LARK}}]:  # fmt: skip
+        r = client.chat.completions.create(model="smollm2", messages=q, max_tokens=8,
+                                           temperature=0, extra_body=extra)  # fmt: skip
+        assert r.choices[0].message.content in ("yes.", "no."), (extra, r.choices[0])
+        assert r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=q, max_tokens=8,
+                                       extra_body={"guided_grammar": "root ::= ("})  # fmt: skip
+    assert e.value.param == "guided_grammar" and "Expected" in str(e.value)
 
 
 def test_a_bad_schema_is_a_400_through_the_router(client) -> None:

@@ -47,10 +47,58 @@ def test_streamed_in_any_pieces_equals_whole() -> None:
             c, new = s.feed(p)
             assert "<tool_call>" not in c and "</tool_call>" not in c
             content, calls = content + c, calls + new
-        content += s.flush()
+        rest, more = s.flush()
+        content, calls = content + rest, calls + more
         want_content, want_calls = parse_tool_calls(TEXT)
         assert content == want_content
         assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+
+
+NAMES = frozenset({"get_weather", "add"})
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def streamed(text: str, names: frozenset[str], seed: int = 0) -> tuple[str, list]:
+    """(content, calls) of `text` fed in random pieces, with the content of each piece
+    checked to show no tag."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(8, len(text) - 1)))
+    s = ToolCallStream(names)
+    content, calls = "", []
+    for p in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]:
+        c, new = s.feed(p)
+        assert "<tool_call>" not in c
+        content, calls = content + c, calls + new
+    rest, more = s.flush()
+    return content + rest, calls + more
+
+
+def test_bare_and_fenced_calls_naming_a_tool() -> None:
+    """Qwen2.5-Coder-0.5B answers `{"name": ..., "arguments": ...}` without the tags (or
+    in a ```json fence); only an answer made of such calls to the request's tools is
+    read as calls, and only when the names are given."""
+    two = BARE + "\n" + BARE.replace("Paris", "Oslo")
+    for text in [BARE, f"  {BARE}\n", f"```json\n{BARE}\n```", f"```\n{BARE}```", two]:
+        for seed in range(5):
+            content, calls = streamed(text, NAMES, seed)
+            assert content == "", text
+            args = [json.loads(c["function"]["arguments"]) for c in calls]
+            assert args[0] == {"city": "Paris"} and [c["index"] for c in calls] == list(
+                range(len(args))
+            )
+        assert parse_tool_calls(text) == (text, [])  # no names: tags only
+    for text in [BARE.replace("get_weather", "nope"), BARE + " done", "Sure: " + BARE,
+                 '{"name": "Bob", "age": 3}', "```python\nprint(1)\n```", BARE[:-1]]:  # fmt: skip
+        assert parse_tool_calls(text, NAMES) == (text, []), text
+        assert streamed(text, NAMES) == (text, []), text
+
+
+def test_answers_that_cannot_be_bare_calls_stream_at_once() -> None:
+    for text in ["Hello there", "```python\nprint(1)", '{"city": "x"', "[1, 2"]:
+        s = ToolCallStream(NAMES)
+        assert s.feed(text) == (text, []), text
+    s = ToolCallStream(NAMES)
+    assert s.feed('{"na') == ("", [])  # not known yet: held
 
 
 def test_parser_from_template() -> None:
@@ -179,3 +227,19 @@ def test_tags_held_as_added_tokens_are_forced_by_id(model_dir, tmp_path) -> None
     assert tok.encode(add, add_special_tokens=False)[0] == n  # the tag is one token
     assert not accepts(tool_grammar(TWO, "required", None), add, tmp_path / "m")
     assert accepts(tool_grammar(TWO, "required", None, tags), add, tmp_path / "m")
+
+
+def test_call_arguments_reach_the_template_as_an_object() -> None:
+    """OpenAI sends `arguments` as JSON text; Qwen2.5's template writes it with `tojson`,
+    which quoted it a second time (`"{\"city\": ...}"`), and the model's answer after
+    the tool's result went wrong. transformers and vLLM expect an object there."""
+    from pdserve.server.chat_template import compile_template
+    from pdserve.server.openai_api import ChatMessage
+
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]  # fmt: skip
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": calls})
+    t = compile_template("{% for c in messages[0].tool_calls %}{{ c.function.arguments | tojson }};{% endfor %}")  # fmt: skip
+    assert t.render(messages=[template_message(msg)]) == '{"city": "Paris"};"not json";'
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is left as sent

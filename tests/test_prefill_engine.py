@@ -138,13 +138,14 @@ def test_a_lone_prompt_is_not_split_under_the_cpu_default_budget(tiny_model) -> 
     assert sink.chunks == [("a", 0, 400)]
     assert sink.done["a"] == hf_greedy(tiny_model, lone, 1)[0]
     sink.chunks.clear()
-    engine.add_request(_req("b", list(range(3, 603))))  # 600 > 512: split, then its rest whole
+    # prompts sharing no page with the ones before (the prefix cache would shorten them)
+    engine.add_request(_req("b", list(range(1000, 1600))))  # 600 > 512: split, then its rest whole
     engine.step()
     engine.step()
     assert sink.chunks == [("b", 0, 256), ("b", 256, 600)]
     sink.chunks.clear()
-    engine.add_request(_req("c", list(range(3, 103))))  # two prompts: the budget holds
-    engine.add_request(_req("d", list(range(3, 403))))
+    engine.add_request(_req("c", list(range(2000, 2100))))  # two prompts: the budget holds
+    engine.add_request(_req("d", list(range(2200, 2600))))
     engine.step()
     engine.step()
     assert sink.chunks == [("c", 0, 100), ("d", 0, 156), ("d", 156, 400)]

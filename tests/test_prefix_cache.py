@@ -1,7 +1,7 @@
 """The prefill's prefix cache (kvcache/prefix_cache.py).
 
 A property test drives the cache and its page allocator with random acquires,
-finishes (inserts), releases and evictions against a plain reference model (a dict
+publishes, finishes (inserts), releases and evictions against a plain reference model (a dict
 from whole token prefixes to pages): matches agree with the model, no page in use
 (held by a live request, acquired or private) is ever evicted or handed out twice,
 and every page is accounted for. Then the engines: prompts sharing prefixes get
@@ -61,7 +61,8 @@ def _check(cache: PrefixCache, alloc: PageAllocator, model: Model, live: dict) -
     assert cache.evictable == sum(1 for p in cached if model.refs.get(p, 0) == 0)
 
 
-op = st.tuples(st.sampled_from(["start", "finish", "abandon", "evict"]), st.integers(0, 7))
+op = st.tuples(st.sampled_from(["start", "publish", "finish", "abandon", "evict"]),
+               st.integers(0, 7))  # fmt: skip
 # prompts are prefixes of a few sequences that share beginnings, so prefixes collide
 BASES = ([0, 1, 0, 1, 0, 1, 0, 1, 0], [0, 1, 0, 1, 1, 1, 0, 0, 1], [0, 1, 1, 0, 0, 1, 1, 0, 1])
 prompt = st.builds(lambda b, n: BASES[b][:n], st.integers(0, 2), st.integers(1, 9))
@@ -89,6 +90,19 @@ def test_cache_against_a_reference_model(ops) -> None:
                 for p in hit:
                     model.refs[p] = model.refs.get(p, 0) + 1
                 live[n] = (tokens, hit, own)
+        elif live and kind == "publish":  # the prompt computed, the request still live
+            rid = sorted(live)[k % len(live)]
+            tokens, hit, own = live[rid]
+            held = cache.publish(tokens, hit + own, len(hit))
+            want = len(hit)
+            while want < len(hit + own) and len(tokens) >= (want + 1) * PS:
+                if tuple(tokens[: (want + 1) * PS]) in model.cached:
+                    break
+                model.cached[tuple(tokens[: (want + 1) * PS])] = (hit + own)[want]
+                model.refs[(hit + own)[want]] = 1
+                want += 1
+            assert held == want
+            live[rid] = (tokens, (hit + own)[:held], (hit + own)[held:])
         elif live and kind in ("finish", "abandon"):
             rid = sorted(live)[k % len(live)]
             tokens, hit, own = live.pop(rid)

@@ -108,6 +108,32 @@ class PrefixCache:
         self._touch(chain)
         return rest
 
+    def publish(self, tokens: list[int], pages: list[int], held: int) -> int:
+        """A request whose prompt KV is computed shares its full pages now, before it
+        ends (prompts arriving together, such as the n samples of one request, then
+        find them): its first `held` pages are cached already; the full pages after
+        them join the cache referenced once, for the request, until the first page
+        whose prefix another page holds. Returns the request's new `held`: its pages
+        up to there are the cache's, the rest stay its own."""
+        ps = self.page_size
+        chain = self._chain(tokens[: held * ps])
+        if [n.page for n in chain] != pages[:held]:
+            raise ValueError("the held pages are not the cached prefix of these tokens")
+        parent = chain[-1].id if chain else 0
+        while held < len(pages) and len(block := tuple(tokens[held * ps : (held + 1) * ps])) == ps:
+            if (parent, block) in self._nodes:
+                break
+            node = self._add(parent, block, pages[held])
+            self._ref(node)  # the request's, until it ends
+            chain.append(node)
+            parent, held = node.id, held + 1
+        self._touch(chain)
+        return held
+
+    def _ref(self, node: _Node) -> None:
+        self._unreferenced -= node.refs == 0
+        node.refs += 1
+
     def _unref(self, node: _Node) -> None:
         node.refs -= 1
         self._unreferenced += node.refs == 0

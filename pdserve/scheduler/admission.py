@@ -63,17 +63,29 @@ def admit_fifo(
         yield req
 
 
-def admit_cached(queue: deque[Req], runner: ModelRunner, cache: PrefixCache) -> Iterator[Req]:
+def admit_cached(
+    queue: deque[Req], runner: ModelRunner, cache: PrefixCache, computing: list[Req]
+) -> Iterator[Req]:
     """admit_fifo for a prefill with a prefix cache: each popped request owns its row,
     the cached pages of its longest cached prefix (referenced: `prefix_hit` tokens,
     at least one prompt token left to compute, whose logits give the first token) and
-    new pages for the rest, made by evicting unreferenced cached pages if need be."""
+    new pages for the rest, made by evicting unreferenced cached pages if need be.
+
+    The head waits while a prompt being computed (`computing`) shares more full pages
+    with it than the cache holds, and at least half of the head: that prompt publishes
+    them when done (PrefixCache.publish), so prompts arriving together -- the n samples
+    of a request, a burst on one long system prompt -- compute their shared prefix
+    once, not once each. (Sharing less, the wait would cost the head more time to its
+    first token than the pages save.)"""
     rows, alloc = runner.req_pool, runner.kv_pool.allocator
     while queue and rows.free_rows:
         req = queue[0]
         # a request asking for prompt logprobs computes its whole prompt (the head over it)
         limit = req.prompt_len - 1 if req.params.prompt_logprobs is None else 0
         hit = cache.acquire(req.prompt_ids, limit)  # NOTE: before evict
+        if any(_worth_waiting(req, r, len(hit), alloc.page_size) for r in computing):
+            cache.release(req.prompt_ids, hit)
+            return
         need = alloc.pages_for(req.prompt_len) - len(hit)
         if need > alloc.free_pages:
             cache.evict(need - alloc.free_pages)
@@ -85,7 +97,24 @@ def admit_cached(queue: deque[Req], runner: ModelRunner, cache: PrefixCache) -> 
         cache.count(req.prompt_len, len(hit))
         req.row, req.pages = rows.alloc() or 0, hit + pages
         req.prefix_hit = len(hit) * alloc.page_size
+        req.cache_pages = len(hit)
         yield req
+
+
+def _worth_waiting(req: Req, other: Req, hit: int, page_size: int) -> bool:
+    shared = _shared_pages(req, other, page_size)
+    return shared > hit and 2 * shared * page_size >= req.prompt_len
+
+
+def _shared_pages(req: Req, other: Req, page_size: int) -> int:
+    """Full pages of `other`'s prompt that `req` could take from the cache once cached
+    (`req` keeps at least one token to compute)."""
+    limit = min((req.prompt_len - 1) // page_size, other.prompt_len // page_size)
+    a, b = req.prompt_ids, other.prompt_ids
+    for i in range(limit):
+        if a[i * page_size : (i + 1) * page_size] != b[i * page_size : (i + 1) * page_size]:
+            return i
+    return limit
 
 
 def request_seed(seed: int | None) -> int:

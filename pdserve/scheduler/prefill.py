@@ -142,7 +142,7 @@ class PrefillEngine:
         if self.cache is None:
             admitted = admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len)
         else:
-            admitted = admit_cached(self.waiting, self.runner, self.cache)
+            admitted = admit_cached(self.waiting, self.runner, self.cache, self.prefilling)
         for req in admitted:
             req.state, req.prefilled = State.PREFILL, req.prefix_hit  # cached KV: computed
             slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
@@ -267,6 +267,8 @@ class PrefillEngine:
 
     def _prompt_done(self, req: Req, token: int, logprob: float) -> None:
         self.prefilling.remove(req)
+        if self.cache is not None:  # prompts waiting on this one's prefix find it now
+            req.cache_pages = self.cache.publish(req.prompt_ids, req.pages, req.cache_pages)
         self.holding[req.rid] = req
         req.state = State.HOLDING
         req.first_token, req.first_logprob = token, logprob
@@ -314,7 +316,7 @@ class PrefillEngine:
         (a partial last page, a prefix cached already, a prompt not computed whole)."""
         if self.cache is None:
             return pages
-        held = req.prefix_hit // self.runner.layout.page_size
+        held = req.cache_pages
         if req.prefilled == req.prompt_len:  # every page's KV is computed
             return self.cache.insert(req.prompt_ids, pages, held)
         self.cache.release(req.prompt_ids, pages[:held])

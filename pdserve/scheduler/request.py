@@ -53,6 +53,7 @@ class Req:
     slots: torch.Tensor | None = None
     prefilled: int = 0
     prefix_hit: int = 0  # prompt tokens whose KV the prefix cache held (page-aligned)
+    cache_pages: int = 0  # leading pages the prefix cache owns (acquired, then published)
     # filled by the KV source when the transfer completes
     first_token: int = -1
     first_logprob: float = 0.0

@@ -67,7 +67,6 @@ class NativeSampling(SamplingKnobs):
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingKnobs.NOT_IMPLEMENTED,
         "min_new_tokens": (0,),
-        "ebnf": (),
         "structural_tag": (),
         "skip_special_tokens": (True,),
         "spaces_between_special_tokens": (True,),
@@ -147,7 +146,7 @@ def _params(fe: Frontend, body: GenerateIn, ids: list[int], default_max: int) ->
     if wanted is None:
         wanted = min(default_max, fe.check_prompt(ids, None))
     params = sp.params(fe.check_prompt(ids, wanted), body.return_logprob)
-    grammar = request_grammar(sp)  # sglang's json_schema / regex
+    grammar = request_grammar(sp)  # sglang's json_schema / regex / ebnf
     return params if grammar is None else msgspec.structs.replace(params, grammar=grammar)
 
 

@@ -37,6 +37,7 @@ class Options(NamedTuple):
     tools: bool  # chat: parse tool calls out of the answer (ChatIn.parse_tools)
     top: int = 0  # the top k logprobs of each output token
     prompt_top: int | None = None  # echo with logprobs: the prompt's, with their top k
+    tool_names: frozenset[str] = frozenset()  # chat: the names an untagged tool call may use
 
 
 class StreamOptions(Body):
@@ -71,6 +72,7 @@ class _OpenAIBody(SamplingKnobs):
     json_schema: Any = None
     guided_grammar: Any = None
     ebnf: Any = None
+    structured_outputs: Any = None
     return_tokens_as_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
@@ -92,8 +94,6 @@ class _OpenAIBody(SamplingKnobs):
         "spaces_between_special_tokens": (True,),
         "include_stop_str_in_output": (False,),
         "priority": (0,),
-        "guided_grammar": (),
-        "ebnf": (),
         "return_tokens_as_token_ids": (False,),
         "truncate_prompt_tokens": (),
         "prompt_logprobs": (),
@@ -284,7 +284,15 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
         """What the handler needs of the body beyond its plain fields, in one call."""
         top = (self.top_logprobs or 0) if self.logprobs else 0
         return Options(self.bootstrap(), self.include_usage, self.max_output,
-                       self.parse_tools(tool_parser), top)  # fmt: skip
+                       self.parse_tools(tool_parser), top, tool_names=self.tool_names)  # fmt: skip
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """The names of the request's tools (what an untagged call must name)."""
+        fns = [t.get("function") for t in self.tools or [] if isinstance(t, dict)]
+        return frozenset(
+            f["name"] for f in fns if isinstance(f, dict) and isinstance(f.get("name"), str)
+        )
 
     @property
     def max_output(self) -> int | None:

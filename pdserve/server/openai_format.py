@@ -45,8 +45,8 @@ class OpenAIFormatter:
 
     def __init__(
         self, kind: Literal["completion", "chat"], model: str, tok: Tokenizer, job: Job,
-        logprobs: bool, tools: bool = False, echo: list[str] | None = None,
-        drop_output: bool = False,
+        logprobs: bool, tools: bool = False, tool_names: frozenset[str] = frozenset(),
+        echo: list[str] | None = None, drop_output: bool = False,
     ) -> None:  # fmt: skip
         """`echo`: each prompt's text, put before its choices' text (and with `logprobs`,
         the prompt's tokens before theirs); `drop_output`: max_tokens 0 (the engines
@@ -64,6 +64,7 @@ class OpenAIFormatter:
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.completion_tokens = 0
         self.tools = tools  # parse tool calls out of the chat answers (tool_calls.py)
+        self.tool_names = tool_names  # the request's tools (untagged calls must name one)
         self._calls: dict[int, ToolCallStream] = {}  # per choice, when streaming
         self.echo = echo
         self.drop_output = drop_output
@@ -101,7 +102,7 @@ class OpenAIFormatter:
         else:
             c["message"] = {"role": "assistant", "content": r.text}
             if self.tools:
-                content, calls = parse_tool_calls(r.text)
+                content, calls = parse_tool_calls(r.text, self.tool_names)
                 if calls:
                     c["message"] = {"role": "assistant", "content": content.strip() or None,
                                     "tool_calls": [_unindexed(x) for x in calls]}  # fmt: skip
@@ -156,10 +157,11 @@ class OpenAIFormatter:
         text = d.text
         calls: list[dict[str, Any]] = []
         if self.tools:
-            stream = self._calls.setdefault(d.index, ToolCallStream())
+            stream = self._calls.setdefault(d.index, ToolCallStream(self.tool_names))
             text, calls = stream.feed(d.text)
             if d.finished:
-                text += stream.flush()
+                rest, more = stream.flush()
+                text, calls = text + rest, calls + more
         if text or not (d.finished or calls):
             delta["content"] = text
         if calls:

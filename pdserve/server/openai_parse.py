@@ -4,6 +4,7 @@ reading and parsing the body with the field policy, the model check, the prompt 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: bool
     tools: bool = False  # parse tool calls out of a chat answer (tool_calls.py)
+    tool_names: frozenset[str] = frozenset()  # the request's tools (untagged calls name one)
     echo: list[str] | None = None  # each prompt's text, put before its choices (completions)
     drop_output: bool = False  # max_tokens 0: the engines sample one token the answer leaves out
 
@@ -57,7 +59,8 @@ async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: d
     opts = body.options(tool_parser)
     prompts = [chat_prompt_ids(fe, body)]
     job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, opts.top)
-    return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools)
+    return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools,
+                         opts.tool_names)  # fmt: skip
 
 
 async def read_body(request: Request, model: type[B], cfg: ServerConfig) -> B:
@@ -143,9 +146,27 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     """The message as chat templates read it (a developer message is a system one)."""
     role = "system" if m.role == "developer" else m.role
     text = "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content
-    out = {"role": role, "content": text, "name": m.name, "tool_calls": m.tool_calls,
+    out = {"role": role, "content": text, "name": m.name, "tool_calls": template_calls(m.tool_calls),
            "tool_call_id": m.tool_call_id, "reasoning_content": m.reasoning_content}  # fmt: skip
     # a null content (an assistant turn that only calls tools) is rendered as "", which
     # every template reads; transformers would drop the key and many templates fail
     out["content"] = out["content"] or ""
     return {k: v for k, v in out.items() if v is not None}
+
+
+def template_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool calls with `function.arguments` as an object: OpenAI sends it as JSON text,
+    templates write it with `tojson` (as transformers and vLLM expect), which would quote
+    the text a second time; text that is not JSON stays as it was."""
+    if not calls:
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except json.JSONDecodeError:
+                pass
+        out.append(call)
+    return out

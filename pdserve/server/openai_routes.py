@@ -56,7 +56,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         stamps = arrival_stamps(request.headers)
         req = await read_chat(request, fe, cfg, stamps, parser)
         fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, req.job, req.logprobs,
-                              req.tools)  # fmt: skip
+                              req.tools, req.tool_names)  # fmt: skip
         return await respond(request, fe, fmt, req)
 
     tokenize_routes.register(app, fe, cfg)

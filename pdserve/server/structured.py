@@ -6,6 +6,8 @@ token: pdserve.model.grammar).
     guided_json / json_schema (vLLM's / sglang's)          a JSON schema (object or text)
     guided_regex / regex                                   a regular expression
     guided_choice                                          one of the given strings
+    guided_grammar / ebnf (vLLM's / sglang's)              a grammar: Lark, or GBNF (EBNF)
+    structured_outputs {json|regex|choice|grammar|json_object: ...}   vLLM's newer form
 
 Why llguidance (not xgrammar): it computes a token mask on the CPU in about a millisecond
 for a 49k vocabulary without a warm-up compile, builds from the `tokenizer.json` the
@@ -78,6 +80,61 @@ def choice_grammar(choices: Any, param: str) -> str:
     return regex_grammar("|".join(f"({re.escape(c)})" for c in choices), param)
 
 
+def cfg_grammar(text: Any, param: str) -> str:
+    """A context-free grammar as the peers take it: Lark (llguidance's dialect) or
+    llama.cpp's GBNF (`root ::= ...`), told apart and converted by llguidance."""
+    if not isinstance(text, str) or not text.strip():
+        raise FieldRefused(f"{param} must be a grammar (Lark or GBNF text)", param)
+    try:
+        grammar = llguidance.grammar_from("grammar", text)
+    except Exception as e:  # the converter's own message names the line
+        raise FieldRefused(f"{param}: {e}", param) from None
+    return checked(grammar, param)
+
+
+# vLLM's StructuredOutputsParams: the constraint kinds, and the options left at "off"
+_SO_OFF: dict[str, tuple[Any, ...]] = {
+    "disable_fallback": (False,), "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,), "whitespace_pattern": (),
+    "structural_tag": (),
+}  # fmt: skip
+
+
+def _structured_outputs(so: Any) -> list[tuple[str, str]]:
+    """The asks in vLLM's `structured_outputs` object, each named `structured_outputs.X`."""
+    if not isinstance(so, dict):
+        raise FieldRefused("structured_outputs must be an object", "structured_outputs")
+    asks: list[tuple[str, str]] = []
+    for key, value in so.items():
+        name = f"structured_outputs.{key}"
+        if value is None:
+            continue
+        if key == "json":
+            asks.append((name, json_grammar(_schema(value, name), name)))
+        elif key == "regex":
+            asks.append((name, regex_grammar(_text(value, name), name)))
+        elif key == "choice":
+            asks.append((name, choice_grammar(value, name)))
+        elif key == "grammar":
+            asks.append((name, cfg_grammar(value, name)))
+        elif key == "json_object":
+            if value is not True and value is not False:
+                raise FieldRefused(f"{name} must be a boolean", name)
+            if value:
+                asks.append((name, json_grammar({"type": "object"}, name)))
+        elif key not in _SO_OFF:
+            raise FieldRefused(f"unknown field {name!r}", name)
+        elif not any(type(value) is type(v) and value == v for v in _SO_OFF[key]):
+            raise FieldRefused(f"{name} is not supported by this server", name)
+    return asks
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise FieldRefused(f"{param} must be a string", param)
+    return value
+
+
 def checked(grammar: str, param: str) -> str:
     """`grammar` if llguidance compiles it, else FieldRefused naming the problem."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
@@ -99,11 +156,14 @@ def request_grammar(body: Any, tok: Any = None) -> str | None:
     for name in ("guided_regex", "regex"):
         value = getattr(body, name, None)
         if value is not None:
-            if not isinstance(value, str):
-                raise FieldRefused(f"{name} must be a string", name)
-            asks.append((name, regex_grammar(value, name)))
+            asks.append((name, regex_grammar(_text(value, name), name)))
     if getattr(body, "guided_choice", None) is not None:
         asks.append(("guided_choice", choice_grammar(body.guided_choice, "guided_choice")))
+    for name in ("guided_grammar", "ebnf"):
+        if getattr(body, name, None) is not None:
+            asks.append((name, cfg_grammar(getattr(body, name), name)))
+    if getattr(body, "structured_outputs", None) is not None:
+        asks += _structured_outputs(body.structured_outputs)
     choice = getattr(body, "tool_choice", None)
     if getattr(body, "tools", None) and choice not in (None, "none", "auto"):
         tags = tool_tags(tok) if tok is not None else None

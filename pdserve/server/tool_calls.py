@@ -8,17 +8,25 @@ The streaming parser gets the text as it comes and splits it into content (text 
 any call) and whole calls; text that may be the start of an opening tag is held back
 until it is known not to be one, so content never shows half a tag. A call whose body
 is not a JSON object with a string `name` stays in the content, as the model wrote it.
+
+Small models of the family (Qwen2.5-Coder-0.5B) often leave the tags out and answer
+with the bare object, or with the object in a ```json fence (llama.cpp's Hermes parser
+takes these too). An answer that is *only* such objects, each naming one of the
+request's tools, is read as those calls; an answer that starts like one (`{"name"`
+after an optional fence) is held back to its end to know, any other goes out at once.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FENCE = re.compile(r"```(?:json|JSON)?[ \t]*\n?(.*?)\n?```", re.DOTALL)
 
 
 def parser_for_template(template_text: str) -> str | None:
@@ -26,16 +34,60 @@ def parser_for_template(template_text: str) -> str | None:
     return "hermes" if OPEN in template_text else None
 
 
-def _call(body: str, index: int) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def _call(obj: Any, index: int) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}  # fmt: skip
+
+
+def _tagged_call(body: str, index: int) -> dict[str, Any] | None:
+    try:
+        return _call(json.loads(body), index)
+    except json.JSONDecodeError:
+        return None
+
+
+def _bare_calls(text: str, names: frozenset[str], first: int) -> list[dict[str, Any]] | None:
+    """The calls of an answer made only of bare (or fenced) call objects naming `names`,
+    else None."""
+    fenced = _FENCE.fullmatch(text.strip())
+    text = (fenced.group(1) if fenced else text).strip()
+    decoder, at = json.JSONDecoder(), 0
+    calls: list[dict[str, Any]] = []
+    while at < len(text):
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call(obj, first + len(calls))
+        if call is None or call["function"]["name"] not in names:
+            return None
+        calls.append(call)
+        at = len(text) - len(text[end:].lstrip())
+    return calls or None
+
+
+def _bare_start(text: str) -> bool | None:
+    """Whether `text` (stripped of leading space) starts like a bare call: True, False,
+    or None while too short to tell."""
+    if text.startswith("```"):
+        if "\n" not in text:
+            return None if len(text) < 12 else False
+        lang, text = text[3:].split("\n", 1)
+        if lang.strip() not in ("", "json", "JSON"):
+            return False
+        text = text.lstrip()
+    elif "```".startswith(text):
+        return None
+    if not text:
+        return None
+    if text[0] != "{":
+        return False
+    rest = text[1:].lstrip()
+    head = '"name"'
+    return True if rest.startswith(head) else (None if head.startswith(rest) else False)
 
 
 def _held_back(text: str) -> int:
@@ -48,14 +100,24 @@ def _held_back(text: str) -> int:
 
 @dataclass
 class ToolCallStream:
-    """Feeds text in, gets (content, calls) out; `calls` carry their `index`."""
+    """Feeds text in, gets (content, calls) out; `calls` carry their `index`. `names`:
+    the request's tools, which bare calls must name (empty: only tagged calls)."""
 
+    names: frozenset[str] = frozenset()
     calls: list[dict[str, Any]] = field(default_factory=list)
     _buf: str = ""
     _in_call: bool = False
+    _bare: bool | None = None  # the answer starts like a bare call (None: not known yet)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._buf += text
+        if self.names and self._bare is None:
+            self._bare = _bare_start(self._buf.lstrip())
+        if self._bare is not False and self.names:
+            return "", []  # held back to the end (or until it is known not to be a call)
+        return self._tagged()
+
+    def _tagged(self) -> tuple[str, list[dict[str, Any]]]:
         content = ""
         new: list[dict[str, Any]] = []
         while True:
@@ -65,7 +127,7 @@ class ToolCallStream:
                     return content, new
                 body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
                 self._in_call = False
-                call = _call(body, len(self.calls))
+                call = _tagged_call(body, len(self.calls))
                 if call is None:  # not a call after all: the text goes out as it was
                     content += OPEN + body + CLOSE
                 else:
@@ -82,15 +144,27 @@ class ToolCallStream:
             self._buf = self._buf[start + len(OPEN) :]
             self._in_call = True
 
-    def flush(self) -> str:
-        """The text left at the end (an unclosed call stays content, as written)."""
+    def flush(self) -> tuple[str, list[dict[str, Any]]]:
+        """The text and calls left at the end (an unclosed call stays content, as written)."""
+        content, new = "", list[dict[str, Any]]()
+        if self.names and self._bare is not False:
+            calls = _bare_calls(self._buf, self.names, len(self.calls))
+            if calls is not None:
+                self.calls += calls
+                self._buf = ""
+                return "", calls
+            self._bare = False
+            content, new = self._tagged()
         rest = (OPEN if self._in_call else "") + self._buf
         self._buf, self._in_call = "", False
-        return rest
+        return content + rest, new
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, names: frozenset[str] = frozenset()
+) -> tuple[str, list[dict[str, Any]]]:
     """(content, calls) of a whole answer."""
-    s = ToolCallStream()
+    s = ToolCallStream(names)
     content, calls = s.feed(text)
-    return content + s.flush(), calls
+    rest, more = s.flush()
+    return content + rest, calls + more
