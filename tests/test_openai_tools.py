@@ -235,6 +235,7 @@ def test_call_arguments_reach_the_template_as_an_object() -> None:
     the tool's result went wrong. transformers and vLLM expect an object there."""
     from pdserve.server.chat_template import compile_template
     from pdserve.server.openai_api import ChatMessage
+    from pdserve.server.openai_parse import template_message
 
     calls = [{"id": "c1", "type": "function",
               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
