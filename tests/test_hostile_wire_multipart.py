@@ -14,8 +14,10 @@ The attacker runs in its own process: its own send queue must not count in our R
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -35,41 +37,54 @@ from pdserve.transfer.loopback import (
 from pdserve.transfer.messages import Heartbeat, encode
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVSender
-from pdserve.transfer.zmq_io import CurveKeys
+from pdserve.transfer.validate import data_limits
+from pdserve.transfer.zmq_io import CONTROL_LIMITS, CurveKeys
 
 pytestmark = pytest.mark.timeout(120)
 
 PARTS, PART_BYTES = 150, 1 << 20  # the finding: 150 "more" frames of 1 MiB
 RSS_BOUND_MIB = 20
 
-# A raw ZMTP 3.0 peer (NULL mechanism, a PUSH): libzmq itself would queue an unfinished
-# message in the sender and put nothing on the wire before its last frame.
+# A raw ZMTP 3.0 peer (NULL mechanism) of socket type argv[4]: libzmq itself would queue an
+# unfinished message in the sender and put nothing on the wire before its last frame.
+# argv[5] "listen": it is the server (a fake prefill a request names), and takes one peer.
+# Prints "sent N" once it has sent N frames, or "dropped N" where it was hung up on.
 ATTACKER = """
 import socket, struct, sys, time
-host, port = sys.argv[1].rsplit(":", 1)
-s = socket.create_connection((host.replace("tcp://", ""), int(port)))
+host, port = sys.argv[1].replace("tcp://", "").rsplit(":", 1)
+if sys.argv[5] == "listen":
+    srv = socket.create_server((host, int(port)))
+    print("listening", flush=True)
+    srv.settimeout(10)
+    s = srv.accept()[0]
+else:
+    s = socket.create_connection((host, int(port)), timeout=10)
+s.settimeout(10)  # never blocks without end: a send the peer does not take fails
 s.sendall(b"\\xff" + b"\\0" * 8 + b"\\x7f" + b"\\x03\\x00" + b"NULL".ljust(20, b"\\0") + b"\\0" * 32)
-prop = b"\\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
-body = b"\\x05READY" + prop
+kind = sys.argv[4].encode()
+body = b"\\x05READY" + b"\\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
 s.sendall(bytes([0x04, len(body)]) + body)
 s.settimeout(2)
 try:
     s.recv(64 + 64)  # the server's greeting (and READY, or its ERROR)
 except OSError:
     pass
-part = b"x" * int(sys.argv[3])
+s.settimeout(10)
+part, n = b"x" * int(sys.argv[3]), 0
 try:
-    for _ in range(int(sys.argv[2])):
+    for n in range(int(sys.argv[2])):
         s.sendall(bytes([0x03]) + struct.pack(">Q", len(part)) + part)  # MORE | LONG
+    print("sent", n + 1, flush=True)
 except OSError:
-    pass  # refused: the handshake failed and the server hung up
-print("sent", flush=True)
+    print("dropped", n, flush=True)  # hung up on (or refused at the handshake)
 time.sleep(30)
 """
 
 
-def _attack(endpoint: str) -> subprocess.Popen:
-    argv = [sys.executable, "-c", ATTACKER, endpoint, str(PARTS), str(PART_BYTES)]
+def _attack(
+    endpoint: str, parts: int = PARTS, kind: str = "PUSH", mode: str = "connect"
+) -> subprocess.Popen:
+    argv = [sys.executable, "-c", ATTACKER, endpoint, str(parts), str(PART_BYTES), kind, mode]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
@@ -80,7 +95,8 @@ def test_endless_multipart_from_a_peer_without_the_cluster_key_holds_nothing() -
     before = rss_mib()
     attacker = _attack(f"tcp://127.0.0.1:{rx.data_port}")
     try:
-        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "sent"
+        assert attacker.stdout is not None  # sent, or refused at the handshake: no matter
+        assert attacker.stdout.readline().split()[0] in ("sent", "dropped")
         time.sleep(1.0)  # whatever libzmq would read of it, it has read by now
         grown = rss_mib() - before
         assert grown < RSS_BOUND_MIB, f"RSS grew {grown:.0f} MiB"
@@ -122,3 +138,76 @@ def test_a_socket_bound_beyond_loopback_without_curve_warns(caplog) -> None:  # 
         KVReceiver(LAYOUT, host="0.0.0.0", curve=CurveKeys.generate()).close()
         KVReceiver(LAYOUT).close()  # loopback
         assert not warned()
+
+
+# Without CURVE, peer_guard.py hangs up on a connection holding more than one whole
+# message of its socket unread. Between two of its checks (the I/O thread's tick, 50 ms)
+# a peer on loopback adds what it sends meanwhile: the bound below is the socket's
+# whole-message limit plus that (here about 1 GiB/s).
+ENDLESS = 1024  # frames of 1 MiB: without the guard, all of it is held (1 GiB)
+SLACK_MIB = 96
+
+
+def _held_and_dropped(attacker: subprocess.Popen, limit_bytes: int) -> None:
+    """While `attacker` sends, RSS never grows past the bound; it was hung up on."""
+    before, peak = rss_mib(), 0.0
+    assert attacker.stdout is not None
+    line: list[str] = []
+
+    def read() -> None:
+        line.extend(attacker.stdout.readline().split())  # type: ignore[union-attr]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    end = time.monotonic() + 60
+    while reader.is_alive() and time.monotonic() < end:
+        peak = max(peak, rss_mib() - before)
+        time.sleep(0.005)
+    bound = limit_bytes / 2**20 + SLACK_MIB
+    assert line and line[0] == "dropped", f"the intruder was not hung up on: {line}"
+    assert peak < bound, f"RSS grew {peak:.0f} MiB while it sent (bound {bound:.0f} MiB)"
+
+
+def _stop(attacker: subprocess.Popen) -> None:
+    attacker.kill()
+    attacker.wait(5)
+
+
+def test_endless_multipart_at_the_bootstrap_port_is_hung_up_on() -> None:
+    with pair() as p:
+        attacker = _attack(f"tcp://127.0.0.1:{p.tx.bootstrap_port}", ENDLESS, "DEALER")
+        try:
+            _held_and_dropped(attacker, CONTROL_LIMITS[1])
+        finally:
+            _stop(attacker)
+        assert p.tx.stats().get("unfinished") == 1
+        serves(p)
+
+
+def test_endless_multipart_at_the_data_port_is_hung_up_on() -> None:
+    with pair() as p:
+        attacker = _attack(f"tcp://127.0.0.1:{p.rx.data_port}", ENDLESS, "PUSH")
+        try:
+            _held_and_dropped(attacker, data_limits(LAYOUT)[1])
+        finally:
+            _stop(attacker)
+        assert p.rx.stats().get("unfinished") == 1
+        serves(p)
+
+
+def test_endless_multipart_from_a_prefill_a_request_names_is_hung_up_on() -> None:
+    """The decode connects where a request says: a fake prefill there answers with one
+    message that never ends."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pair() as p:
+        attacker = _attack(f"tcp://127.0.0.1:{port}", ENDLESS, "ROUTER", "listen")
+        try:
+            assert attacker.stdout is not None and attacker.stdout.readline().strip() == "listening"
+            p.rx.announce(make_req("fake", 77, N, port))
+            _held_and_dropped(attacker, CONTROL_LIMITS[1])
+        finally:
+            _stop(attacker)
+        assert p.rx.stats().get("unfinished", 0) >= 1
+        serves(p)
