@@ -180,7 +180,7 @@ def test_endless_multipart_at_the_bootstrap_port_is_hung_up_on() -> None:
             _held_and_dropped(attacker, CONTROL_LIMITS[1])
         finally:
             _stop(attacker)
-        assert p.tx.stats().get("unfinished") == 1
+        assert wait_until(lambda: p.tx.stats().get("unfinished") == 1, 3), p.tx.stats()
         serves(p)
 
 
@@ -191,7 +191,7 @@ def test_endless_multipart_at_the_data_port_is_hung_up_on() -> None:
             _held_and_dropped(attacker, data_limits(LAYOUT)[1])
         finally:
             _stop(attacker)
-        assert p.rx.stats().get("unfinished") == 1
+        assert wait_until(lambda: p.rx.stats().get("unfinished") == 1, 3), p.rx.stats()
         serves(p)
 
 
@@ -209,5 +209,5 @@ def test_endless_multipart_from_a_prefill_a_request_names_is_hung_up_on() -> Non
             _held_and_dropped(attacker, CONTROL_LIMITS[1])
         finally:
             _stop(attacker)
-        assert p.rx.stats().get("unfinished", 0) >= 1
+        assert wait_until(lambda: p.rx.stats().get("unfinished", 0) >= 1, 3), p.rx.stats()
         serves(p)

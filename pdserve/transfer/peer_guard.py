@@ -10,15 +10,17 @@ socket and hangs up one that holds more than one whole message's worth unread:
          - bytes of the messages the application received from it (frames and headers)
          - what a connection costs anyway (greeting, handshake, libzmq's read batch)
 
-    connection opened ──▶ counted ──(held > limit, and nothing received from it
-                                     since the last check)──▶ shutdown(): libzmq drops
-                                                              the connection and frees
-                                                              the partial message
+    connection opened ──▶ counted ──(held > limit, nothing received from it since the
+                                     last check, and it holds no complete message)──▶
+        shutdown(): libzmq drops the connection and frees the partial message
 
-A connection whose complete messages wait for the application is never hung up: the
-application receives from it between two checks. The socket's monitor says which file
-descriptors are its connections (ACCEPTED / CONNECTED / DISCONNECTED carry the fd), each
-received message where it came from (ZMQ_SRCFD).
+Complete messages waiting for the application are not the peer's doing (a busy or
+stalled I/O thread): a connection is judged only where none can be waiting from it,
+that is where the socket has no complete message at all (ZMQ_EVENTS), or where the
+application received at least one message per connection of the socket since the last
+check and none from this one (libzmq serves its connections in turn). The socket's
+monitor says which file descriptors are its connections (ACCEPTED / CONNECTED /
+DISCONNECTED carry the fd), each received message where it came from (ZMQ_SRCFD).
 
 The byte count is exact for the NULL mechanism only (CURVE adds a box to each frame):
 with CURVE, only holders of the cluster secret get past the handshake, and the owners
@@ -72,11 +74,17 @@ class _Watched:
         self.mon = sock.get_monitor_socket(_EVENTS)
         self.limit = limits[1] + limits[0] * _FRAME_HEADER + CONNECTION_SLACK
         self.conns: dict[int, _Conn] = {}
+        self.msgs = 0  # messages the application received since the last check
+
+    def judged(self) -> bool:
+        """Whether no connection can hold a complete message now (see the top)."""
+        waiting = bool(int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN)
+        return not waiting or self.msgs >= len(self.conns)
 
     def events(self) -> None:
         """Apply the monitor's events, in order: a closed fd's DISCONNECTED comes before
         the ACCEPTED of a new connection that reuses the number."""
-        while self.mon.get(zmq.EVENTS) & zmq.POLLIN:
+        while int(self.mon.get(zmq.EVENTS)) & zmq.POLLIN:
             ev = parse_monitor_message(self.mon.recv_multipart())
             fd = int(ev["value"])
             if ev["event"] & _OPENED:
@@ -124,6 +132,7 @@ class PeerGuard:
         # NOTE: events first: the ACCEPTED of this message's connection was queued
         # before its first message, so it must not reset what is counted below
         w.events()
+        w.msgs += 1
         c = w.conns.get(parts[0].get(zmq.SRCFD))
         if c is not None:
             c.delivered += wire_bytes(parts)
@@ -134,10 +143,12 @@ class PeerGuard:
         owner's tick)."""
         for w in list(self._socks.values()):
             w.events()
+            judged = w.judged()
             for fd, c in list(w.conns.items()):
-                if self._over(w, fd, c):
+                if self._over(w, fd, c) and judged:
                     self._hang_up(w, fd, c)
                 c.progressed = False
+            w.msgs = 0
 
     def close(self) -> None:
         for sock in list(self._socks):
