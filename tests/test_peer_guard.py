@@ -37,6 +37,9 @@ def _intruder(port: int) -> socket.socket:
     s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
     body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
     s.sendall(bytes([0x04, len(body)]) + body)
+    got = b""  # the server's greeting and READY: a frame sent before it fails the handshake
+    while len(got) < 66 or len(got) < 66 + got[65]:
+        got += s.recv(4096)
     part = b"x" * (1 << 20)
     for _ in range(4):
         s.sendall(b"\x03" + struct.pack(">Q", len(part)) + part)
