@@ -62,7 +62,7 @@ def wire_bytes(parts: Sequence[zmq.Frame]) -> int:
 class _Conn:
     ends: tuple[object, object]  # (sockname, peername): which connection the fd was
     delivered: int = 0  # wire bytes of the messages the application received from it
-    progressed: bool = False  # received from since the last check
+    recent: int = 0  # of which since the last check
     read: int = 0  # at the last check: bytes libzmq had read from it
 
 
@@ -75,6 +75,18 @@ class _Watched:
         self.limit = limits[1] + limits[0] * _FRAME_HEADER + CONNECTION_SLACK
         self.conns: dict[int, _Conn] = {}
         self.msgs = 0  # messages the application received since the last check
+        # fd -> bytes received since the last check from an fd whose ACCEPTED / CONNECTED
+        # is not applied yet (see `events`)
+        self.unclaimed: dict[int, int] = {}
+
+    def received(self, fd: int, n: int) -> None:
+        self.msgs += 1
+        c = self.conns.get(fd)
+        if c is None:
+            self.unclaimed[fd] = self.unclaimed.get(fd, 0) + n
+        else:
+            c.delivered += n
+            c.recent += n
 
     def judged(self) -> bool:
         """Whether no connection can hold a complete message now (see the top)."""
@@ -82,17 +94,26 @@ class _Watched:
         return not waiting or self.msgs >= len(self.conns)
 
     def events(self) -> None:
-        """Apply the monitor's events, in order: a closed fd's DISCONNECTED comes before
-        the ACCEPTED of a new connection that reuses the number."""
+        """Apply the monitor's events, in order (a check's first step).
+
+        NOTE: libzmq queues a connection's ACCEPTED before its first message, and a closed
+        fd's DISCONNECTED before the number can be reused, and all of them were applied
+        at the last check: what was received since from an fd with no entry, or from an
+        fd that is DISCONNECTED now, may be the new connection's, so it starts with that
+        counted (too much at worst: its first verdict comes later, never wrongly)."""
         while int(self.mon.get(zmq.EVENTS)) & zmq.POLLIN:
             ev = parse_monitor_message(self.mon.recv_multipart())
             fd = int(ev["value"])
             if ev["event"] & _OPENED:
                 ends = _ends(fd)
                 if ends is not None:
-                    self.conns[fd] = _Conn(ends)
+                    n = self.unclaimed.pop(fd, 0)
+                    self.conns[fd] = _Conn(ends, delivered=n, recent=n)
             else:
-                self.conns.pop(fd, None)
+                c = self.conns.pop(fd, None)
+                if c is not None and c.recent:
+                    self.unclaimed[fd] = self.unclaimed.get(fd, 0) + c.recent
+        self.unclaimed.clear()  # of connections that came and went since the last check
 
     def close(self) -> None:
         try:
@@ -127,16 +148,8 @@ class PeerGuard:
         """The application received `parts` (one whole message, no routing id) from
         `sock`, with copy=False (a Frame knows the fd it came from)."""
         w = self._socks.get(sock)
-        if w is None or not parts:
-            return
-        # NOTE: events first: the ACCEPTED of this message's connection was queued
-        # before its first message, so it must not reset what is counted below
-        w.events()
-        w.msgs += 1
-        c = w.conns.get(parts[0].get(zmq.SRCFD))
-        if c is not None:
-            c.delivered += wire_bytes(parts)
-            c.progressed = True
+        if w is not None and parts:
+            w.received(parts[0].get(zmq.SRCFD), wire_bytes(parts))
 
     def check(self) -> None:
         """Hang up every connection holding more than its socket's limit unread (the
@@ -147,7 +160,7 @@ class PeerGuard:
             for fd, c in list(w.conns.items()):
                 if self._over(w, fd, c) and judged:
                     self._hang_up(w, fd, c)
-                c.progressed = False
+                c.recent = 0
             w.msgs = 0
 
     def close(self) -> None:
@@ -160,7 +173,7 @@ class PeerGuard:
         if read is None or read < c.read:  # not this connection any more: its events follow
             return False
         c.read = read
-        return read - c.delivered > w.limit and not c.progressed
+        return read - c.delivered > w.limit and not c.recent
 
     def _hang_up(self, w: _Watched, fd: int, c: _Conn) -> None:
         # NOTE: the fd is libzmq's: make sure it is still the connection counted (a
