@@ -3,9 +3,10 @@
 libzmq holds a multipart message until its last frame has come, and bounds neither its
 frame count nor its total size (ZMQ_MAXMSGSIZE is per frame; the high-water marks count
 whole messages): an unfinished message whose frames keep coming is buffered unseen, with
-poll() reporting nothing. What bounds it is who may connect: with CURVE (ZAP), a peer
-without the cluster secret never gets past the handshake, so its frames are never read
-(docs/security.md, ZeroMQ ports). A complete message with more frames or bytes than the protocol
+poll() reporting nothing. With CURVE (ZAP), a peer without the cluster secret never gets
+past the handshake, so its frames are never read; without it, peer_guard.py hangs up on a
+connection holding more than one whole message of its socket unread (docs/security.md,
+ZeroMQ ports). A complete message with more frames or bytes than the protocol
 ever sends is dropped unread, counted, and logged.
 
 The attacker runs in its own process: its own send queue must not count in our RSS.
@@ -34,7 +35,9 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
-from pdserve.transfer.messages import Heartbeat, encode
+from pdserve.transfer.messages import Decoder, Heartbeat, encode
+from pdserve.transfer.peer_guard import PeerGuard
+from pdserve.transfer.peers import DataSockets
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVSender
 from pdserve.transfer.validate import data_limits
@@ -216,3 +219,35 @@ def test_endless_multipart_from_a_prefill_a_request_names_is_hung_up_on() -> Non
             _stop(attacker)
         assert wait_until(lambda: p.rx.stats().get("unfinished", 0) >= 1, 3), p.rx.stats()
         serves(p)
+
+
+def test_endless_multipart_from_a_decode_a_ready_names_is_hung_up_on() -> None:
+    """The prefill pushes KV to where a decode's Ready says; a fake decode there sends
+    frames to the PUSH, which is sent nothing. The guard's checks run as the I/O
+    thread's tick would."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    attacker = _attack(f"tcp://127.0.0.1:{port}", ENDLESS, "PULL", "listen")
+    guard = PeerGuard({})
+    data = DataSockets(Decoder(), None, None)
+    data.guard = guard
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.05):
+            guard.check()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "listening"
+        data.get(f"tcp://127.0.0.1:{port}")
+        ticker.start()
+        _held_and_dropped(attacker, 0)
+        assert wait_until(lambda: guard.dropped["unfinished"] >= 1, 3), guard.dropped
+    finally:
+        stop.set()
+        if ticker.is_alive():
+            ticker.join(5)
+        _stop(attacker)
+        data.close()
