@@ -36,6 +36,7 @@ import os
 import socket
 import struct
 import termios
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ CONNECTION_SLACK = 64 << 10
 _FRAME_HEADER = 9  # a ZMTP 3 long frame: flags and 8 bytes of size (short: 2)
 _OPENED = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 _EVENTS = _OPENED | zmq.EVENT_DISCONNECTED
+WARN_EVERY_S = 60.0
 _TCPI_BYTES_RECEIVED = 128  # offset of the u64 in struct tcp_info (Linux >= 4.1)
 
 
@@ -131,6 +133,7 @@ class PeerGuard:
         self.dropped = dropped
         dropped.setdefault("unfinished", 0)
         self._socks: dict[zmq.Socket, _Watched] = {}
+        self._warned: dict[object, float] = {}  # peer host -> when its hang-up was logged
 
     def watch(self, sock: zmq.Socket, limits: tuple[int, int]) -> None:
         """Guard `sock`'s connections: `limits` (frames, bytes) of the largest whole
@@ -187,8 +190,21 @@ class PeerGuard:
             return
         del w.conns[fd]
         self.dropped["unfinished"] += 1
-        log.warning("hung up on %s: %d bytes of an unfinished message held (limit %d); "
-                    "a worker never sends that", c.ends[1], c.read - c.delivered, w.limit)  # fmt: skip
+        self._log(c, w.limit)
+
+    def _log(self, c: _Conn, limit: int) -> None:
+        """At warning once a minute per peer host (one that reconnects to do it again
+        must not flood the log), else at debug."""
+        peer, now = c.ends[1], time.monotonic()
+        host = peer[0] if isinstance(peer, tuple) else peer
+        quiet = now - self._warned.get(host, -WARN_EVERY_S) < WARN_EVERY_S
+        if not quiet:
+            if len(self._warned) >= 1024:
+                self._warned.clear()
+            self._warned[host] = now
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "hung up on %s: %d bytes of an unfinished message held (limit %d); "
+                "a worker never sends that", peer, c.read - c.delivered, limit)  # fmt: skip
 
 
 def _ends(fd: int) -> tuple[object, object] | None:
