@@ -6,10 +6,10 @@ request, from the decode's expect() to its SourceEvent: Ready, the prompt's page
 out of the prefill pool, checksums, send, receive, validation, scatter into the decode
 pool's (shuffled, differently numbered) pages, KVDone. --ready: whether the prefill
 has computed the prompt when the decode's Ready comes (late, the default: the sender
-hashed the pieces sent in place before it came, transfer/push.py) or computes it after
+hashed the pieces sent in place before it came, transfer/sending/pieces.py) or computes it after
 (first: every hash on the path). The prefill's pages
 (--prefill-pages): `runs` as its allocator hands them out of a fresh pool (consecutive
-pages, sent in place: no gather, transfer/push.py), or `shuffled` (a fragmented pool:
+pages, sent in place: no gather, transfer/sending/pieces.py), or `shuffled` (a fragmented pool:
 every page gathered into a staging frame).
 The received bytes are checked against the prefill's afterwards.
 
@@ -78,10 +78,10 @@ from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 from pdserve.transfer.heap import keep_freed_memory
 from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
-from pdserve.transfer.push import Pusher
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import MAX_FRAME_BYTES, KVSender
-from pdserve.transfer.staging import pool_views, request_pages
+from pdserve.transfer.pages import pool_views, request_pages
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.push import Pusher
+from pdserve.transfer.sending.sender import MAX_FRAME_BYTES, KVSender
 from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 STAGES = ("gather", "checksum", "send", "receive", "verify", "scatter")
@@ -129,7 +129,7 @@ def prefill_side(
     admits and computes every room at once, and each one's KV leaves as soon as the
     decode's Ready arrives (so the decode's clock, started at expect(), covers Ready +
     gather + send + receive + scatter + KVDone; the sender hashes in-place pieces before
-    the Ready, push.py). `first`: computes a room only once its Ready has arrived (polled
+    the Ready, transfer/sending/pieces.py). `first`: computes a room only once its Ready has arrived (polled
     every POLL_S), so every hash is on the path."""
     keep_freed_memory()  # as the engine process does, before its sockets exist
     raw = raw_peer(raw_port, kv_bytes(BENCH_LAYOUT, n))

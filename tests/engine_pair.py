@@ -19,8 +19,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.prefill import PrefillEngine
 from pdserve.transfer.identity import model_fingerprint
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 
 def engine_cfg(model: Path, tokens: int, max_prefill: int = 2048) -> EngineConfig:

@@ -23,8 +23,8 @@ from pdserve.transfer.loopback import (
     wait_for,
 )
 from pdserve.transfer.messages import Message, encode
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 N = 21  # prompt tokens of the transfers that check the pair still serves

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.model.attention import host_bounds, padded_slots
+from pdserve.model.attention_plan import host_bounds, padded_slots
 
 
 def _table() -> torch.Tensor:

@@ -280,11 +280,11 @@ def test_each_runner_hands_its_own_cores_to_every_kernel(tiny_model, monkeypatch
     for runner in (shared, alone):
         runner.warm_up_decode()
     lin = shared.model.linears()[0].native
-    attn = shared.attn._native  # type: ignore[union-attr]
+    attn = shared.attn.kernel  # type: ignore[attr-defined]
     ops = shared.model.ops.kernels  # type: ignore[attr-defined]
     assert lin is not None and attn is not None
     assert [k._split.threads() for k in (lin, attn, ops)] == [7, 7, 7]
-    assert alone.attn._native._split.threads() == torch.get_num_threads()  # type: ignore[union-attr]
+    assert alone.attn.kernel._split.threads() == torch.get_num_threads()  # type: ignore[attr-defined]
 
 
 def test_a_runner_asked_to_share_cores_needs_the_policy_made_for_it(tiny_model) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.native import decode_ops, library
+from pdserve.model.attention import NativeAttention
 from pdserve.model.ops import NativeOps, TorchOps
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.sampling_params import SamplingParams
@@ -149,7 +150,7 @@ def test_a_prefill_runner_takes_the_passes_the_linear_and_the_attention(
     runner.warm_up_prefill()
     assert isinstance(runner.model.ops, NativeOps)
     assert all(lin.native is not None for lin in runner.model.linears())
-    assert runner.attn.native
+    assert isinstance(runner.attn, NativeAttention)
 
 
 def test_engine_runs_them_and_matches_transformers(native, monkeypatch, tiny_model) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 from fake_engine import make_model_dir
 
-from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
+from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from pdserve.server.tokenizer import Tokenizer
 
 TEXTS = [
@@ -116,3 +116,22 @@ def test_stop_string_inside_multibyte_stream(tok):
     d, m = IncrementalDetokenizer(tok.decode), StopMatcher(["😀 END"])
     out = "".join(m.feed(d.add([t])) for t in ids)
     assert (out, m.matched) == ("café ", "😀 END")
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_stream_without_stops_equals_one_shot_decode(tok, text):
+    ids = tok.encode(text)
+    s = TextStream(tok.decode, tok.byte_piece_ids)
+    out = "".join(s.step([t], last=False) for t in ids) + s.step([], last=True)
+    assert (out, s.matched) == (tok.decode(ids), None)
+
+
+def test_text_stream_cuts_at_a_stop_and_releases_a_held_prefix_at_the_end(tok):
+    ids = tok.encode("café 😀 END more")
+    s = TextStream(tok.decode, tok.byte_piece_ids, ["😀 END"])
+    out = "".join(s.step([t], last=False) for t in ids)
+    assert (out, s.matched) == ("café ", "😀 END")
+    assert s.step(tok.encode(" later"), last=True) == ""  # nothing after a match
+    held = TextStream(tok.decode, tok.byte_piece_ids, ["STOP"])
+    assert held.step(tok.encode("the end ST"), last=False) == "the end "  # may start STOP
+    assert (held.step([], last=True), held.matched) == ("ST", None)  # the sample ended

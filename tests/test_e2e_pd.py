@@ -373,7 +373,7 @@ def test_arrive_is_the_frontends_handoff_when_stamped():
 
 def test_ttft_breakdown_spans():
     """The stage arithmetic, with and without the prefill's stamps (no servers needed)."""
-    from pdserve.server.generation import ttft_breakdown
+    from pdserve.edge.stamps import ttft_breakdown
 
     st = {"arrive": 1.0, "reserved": 1.5, "kv_done": 2.25, "running": 2.5}
     want = {"queue": 0.5, "kv_transfer": 0.75, "decode_admission": 0.25}
@@ -390,7 +390,7 @@ def test_ttft_breakdown_spans():
 def test_ttft_breakdown_router_and_frontend_follow_the_prefill_leg():
     """The router's stamp to the prefill frontend's, then to the prefill's handoff; the
     decode leg's own stamps only when the prefill's are missing (no PD)."""
-    from pdserve.server.generation import ttft_breakdown
+    from pdserve.edge.stamps import ttft_breakdown
 
     decode = {"router_at": 1.0, "http_at": 1.5, "arrive": 1.75, "reserved": 2.0}
     prefill = {"prefill_http": 1.25, "prefill_arrive": 1.375, "prefill_start": 2.0}

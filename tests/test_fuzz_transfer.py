@@ -32,7 +32,10 @@ from pdserve.transfer.messages import (
     chunk_checksum,
     encode,
 )
-from pdserve.transfer.validate import Transfer, check_chunk, check_done, write_chunk
+from pdserve.transfer.receiving.payload import received
+from pdserve.transfer.receiving.transfer import Transfer
+from pdserve.transfer.receiving.validate import check_chunk, check_done
+from pdserve.transfer.receiving.writer import write_chunk
 
 pytestmark = pytest.mark.timeout(120)
 NATIVE = page_io(cache_root())  # PORTABLE where no C compiler is
@@ -142,10 +145,11 @@ def test_accepted_chunks_write_only_inside_the_reservation(batch) -> None:
     outside[x.slots] = False
     for i, (hdr, bufs, intact) in enumerate(batch):
         pages = NATIVE if i % 2 else PORTABLE  # the first chunk in numpy
-        if check_chunk(LAYOUT, x, hdr, bufs, pages) == "":
+        chunk = received(LAYOUT, hdr, bufs)  # as the receiver cuts what came
+        if check_chunk(LAYOUT, x, chunk, pages) == "":
             assert 0 <= hdr.layer_start < hdr.layer_end <= LAYOUT.num_layers
             assert 0 <= hdr.tok_start < hdr.tok_end <= N
-            if write_chunk(x, hdr, bufs, pages) == "":  # the receiver's scatter
+            if write_chunk(x, chunk, pages) == "":  # the receiver's scatter
                 assert intact
                 _assert_written(x, hdr, bufs)
             else:
@@ -192,10 +196,11 @@ def test_a_corrupted_byte_never_reaches_the_pool(chunk, at, flip) -> None:
 def _refused_unwritten(hdr: KVChunk, bufs: list[memoryview], pages, f: int, at: int) -> None:
     x = _transfer()
     k0, v0 = x.pool.k.clone(), x.pool.v.clone()
-    reason = check_chunk(LAYOUT, x, hdr, bufs, pages)
+    chunk = received(LAYOUT, hdr, bufs)
+    reason = check_chunk(LAYOUT, x, chunk, pages)
     if reason == "":  # left to the writer: it checks as it writes
-        assert x.paged() is not None
-        assert write_chunk(x, hdr, bufs, pages) == "checksum mismatch"
+        assert x.paged is not None
+        assert write_chunk(x, chunk, pages) == "checksum mismatch"
     else:
         assert reason == "checksum mismatch"
     per_layer = (hdr.tok_end - hdr.tok_start) * TB
@@ -223,8 +228,9 @@ def _assert_written(x: Transfer, hdr: KVChunk, bufs: list[memoryview]) -> None:
 def test_done_accepted_only_when_every_cell_arrived(batch, plen, nchunks) -> None:
     x = _transfer()
     for hdr, bufs, _ in batch:
-        if check_chunk(LAYOUT, x, hdr, bufs) == "":
-            write_chunk(x, hdr, bufs)  # refused where a block is not its hash: not covered
+        chunk = received(LAYOUT, hdr, bufs)
+        if check_chunk(LAYOUT, x, chunk) == "":
+            write_chunk(x, chunk)  # refused where a block is not its hash: not covered
     done = KVDone(room=1, session=7, first_token=1, first_logprob=0.0, prompt_len=plen,
                   num_chunks=nchunks, digest=0)  # fmt: skip
     if check_done(x, done) == "":

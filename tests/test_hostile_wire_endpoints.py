@@ -112,7 +112,7 @@ def test_the_http_edge_names_the_bad_field() -> None:
 def test_decodes_coming_and_going_keep_the_prefills_data_sockets_bounded() -> None:
     """Each restarted decode has a new data endpoint: the prefill reuses a PUSH per
     endpoint, and past its cap closes the least recently used one no room needs."""
-    from pdserve.transfer.receiver import KVReceiver
+    from pdserve.transfer.receiving.receiver import KVReceiver
 
     with pair() as p:
         p.tx._data.max_sockets = 2

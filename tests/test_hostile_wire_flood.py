@@ -16,7 +16,7 @@ from hostile_wire import LAYOUT, N, pair, raw, rss_mib, send, serves
 
 from pdserve.transfer.loopback import wait_until
 from pdserve.transfer.messages import Abort, Decoder, Ready
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.sending.sender import KVSender
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +93,7 @@ def _count_aborts(dealer: zmq.Socket, n: int, timeout_s: float = 5.0) -> int:
 
 
 def test_refusals_are_bounded_in_number_and_text() -> None:
-    from pdserve.transfer.peers import Refusals
+    from pdserve.transfer.sending.peers import Refusals
 
     r = Refusals(ttl_s=300, max_rooms=10)
     for room in range(1, 30):

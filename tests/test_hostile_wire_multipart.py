@@ -37,10 +37,10 @@ from pdserve.transfer.loopback import (
 )
 from pdserve.transfer.messages import Decoder, Heartbeat, encode
 from pdserve.transfer.peer_guard import PeerGuard
-from pdserve.transfer.peers import DataSockets
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
-from pdserve.transfer.validate import data_limits
+from pdserve.transfer.receiving.data import data_limits
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.peers import DataSockets
+from pdserve.transfer.sending.sender import KVSender
 from pdserve.transfer.zmq_io import CONTROL_LIMITS, CurveKeys
 
 pytestmark = pytest.mark.timeout(120)

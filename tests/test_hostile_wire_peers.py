@@ -27,8 +27,8 @@ from pdserve.transfer.loopback import (
     wait_for,
 )
 from pdserve.transfer.messages import Heartbeat, KVDone, encode
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
 """The packages form a one-way stack (docs/architecture.md §1): each imports only those below it.
-(kernels/native/ has its own rules: the end of this file.)
+(kernels/native/ and the two sides of transfer/ have rules of their own: the end of this file.)
 
     cli.py, llm.py, __init__.py                      top: may import anything
     server/ (frontends, launcher)   router/   bench/  start processes, speak HTTP / protocol.py
@@ -130,7 +130,7 @@ def test_no_import_runs_up_the_stack_or_across() -> None:
     ("module", "source"),
     [
         ("pdserve.model.runner", "from pdserve.scheduler.request import Req"),
-        ("pdserve.transfer.sender", "def f():\n    from pdserve.scheduler import decode"),
+        ("pdserve.transfer.sending.sender", "def f():\n    from pdserve.scheduler import decode"),
         (
             "pdserve.server.app",
             "import importlib\nimportlib.import_module('pdserve.scheduler.build')",
@@ -249,9 +249,102 @@ def test_c_structs_are_declared_only_in_the_abi_module() -> None:
 def test_the_native_rules_catch_what_they_forbid() -> None:
     assert native_violations("from pdserve.kernels import core_share", f"{NATIVE}.par")
     assert native_violations("from pdserve.envs import ENV", f"{NATIVE}.library")
+    assert native_violations("from pdserve.model.ops import NativeOps", f"{NATIVE}.decode_ops")
+    assert native_violations("def f():\n    from pdserve.scheduler import build", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels.native import abi", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels import core_share", "pdserve.model.runner")
     src = "import ctypes\nclass Args(ctypes.Structure):\n    _fields_ = []"
     assert struct_violations(src, f"{NATIVE}.page_copy") == [f"{NATIVE}.page_copy.Args"]
     assert struct_violations(src, "pdserve.model.native_forward")
     assert not struct_violations(src, f"{NATIVE}.abi")
+
+
+# transfer/: two sides over a common layer. sending/ (the prefill's KVSender) and
+# receiving/ (the decode's KVReceiver) each import the common layer (transfer/'s own
+# modules) and themselves, never the other side; the common layer imports neither side.
+# What puts the two together (scheduler/build.py) sits above transfer/.
+TRANSFER = "pdserve.transfer"
+SIDES = ("sending", "receiving")
+
+
+def transfer_side(module: str) -> str | None:
+    """'pdserve.transfer.sending.push' -> 'sending', 'pdserve.transfer.messages' ->
+    'common', a module of another sub-package of transfer/ -> 'unplaced', None outside."""
+    parts = module.split(".")
+    if module != TRANSFER and not module.startswith(TRANSFER + "."):
+        return None
+    if len(parts) <= 3:
+        return parts[2] if len(parts) == 3 and parts[2] in SIDES else "common"
+    return parts[2] if parts[2] in SIDES else "unplaced"
+
+
+def named_modules(tree: ast.AST) -> set[str]:
+    """referenced_modules, and the submodules a `from package import module` names."""
+    out = {m for m, _ in referenced_modules(tree)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdserve"):
+            out |= {
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if is_module(f"{node.module}.{a.name}")
+            }
+    return out
+
+
+def side_violations(source: str, src_module: str) -> list[str]:
+    """Imports of one side of the transfer by the other, or of either by the common layer."""
+    src = transfer_side(src_module)
+    if src is None:
+        return []
+    found = (m for m in named_modules(ast.parse(source)) if transfer_side(m) in SIDES)
+    return sorted({f"{src_module} -> {m}" for m in found if transfer_side(m) != src})
+
+
+def test_every_transfer_module_is_common_or_on_a_side() -> None:
+    names = [module_name(p) for p in sorted((PKG / "transfer").rglob("*.py"))]
+    unplaced = [m for m in names if transfer_side(m) not in ("common", *SIDES)]
+    assert not unplaced, f"put these in transfer/, sending/ or receiving/: {unplaced}"
+
+
+def test_the_transfer_sides_never_import_each_other() -> None:
+    bad = []
+    for path in sorted((PKG / "transfer").rglob("*.py")):
+        bad += side_violations(path.read_text(), module_name(path))
+    assert not bad, "imports across the transfer's sides:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        (
+            f"{TRANSFER}.receiving.writer",
+            "from pdserve.transfer.sending.staging import gather_rows",
+        ),
+        (f"{TRANSFER}.receiving.data", "def f():\n    from pdserve.transfer.sending import push"),
+        (f"{TRANSFER}.sending.push", "from pdserve.transfer.receiving import validate"),
+        (f"{TRANSFER}.sending", "x = 'pdserve.transfer.receiving.receiver'"),
+        (f"{TRANSFER}.messages", "from pdserve.transfer.sending.room import Room"),
+        (TRANSFER, "from pdserve.transfer.receiving.receiver import KVReceiver"),
+    ],
+)
+def test_the_side_rule_catches_each_kind(module: str, source: str) -> None:
+    assert side_violations(source, module), (module, source)
+
+
+def test_the_side_rule_allows_the_common_layer_and_what_sits_above() -> None:
+    assert not side_violations(
+        "from pdserve.transfer.messages import KVChunk", f"{TRANSFER}.receiving.data"
+    )
+    assert not side_violations("from pdserve.transfer import stages", f"{TRANSFER}.sending.push")
+    assert not side_violations(
+        "from pdserve.transfer.sending.room import Room", f"{TRANSFER}.sending.peers"
+    )
+    assert not side_violations(
+        "from pdserve.transfer.sending.sender import KVSender", "pdserve.scheduler.build"
+    )
+    assert transfer_side(f"{TRANSFER}.native.other.x") == "unplaced"
+    # kernels/ (native/ included) stays below both sides
+    below = "from pdserve.transfer.receiving.writer import land"
+    assert violations(below, f"{NATIVE}.page_copy") and native_violations(
+        below, f"{NATIVE}.page_copy"
+    )

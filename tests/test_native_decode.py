@@ -13,6 +13,7 @@ import torch
 
 from pdserve.kernels.native import library, paged_decode, par
 from pdserve.model import decode_attention as da
+from pdserve.model.attention import NativeAttention
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
@@ -123,7 +124,7 @@ def _greedy(model, prompts, monkeypatch, native: str):
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        return got, llm.decode.runner.attn.native
+        return got, isinstance(llm.decode.runner.attn, NativeAttention)
     finally:
         llm.close()
 

@@ -1,4 +1,4 @@
-"""The CPU backend's native extend (model/attention.py, _extend_native): each prompt token
+"""The CPU backend's native extend (model/attention.py, NativeAttention._extends): each prompt token
 one query of the decode kernel over its own causal keys, read in place from the pool.
 It must give what torch's fused attention over the gathered keys gives: whole prompts,
 a later chunk over a prefix, sliding windows, several requests and decode tokens in one
@@ -6,13 +6,16 @@ batch, and any thread count (the tokens go to the threads in chunks)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pdserve.kernels.native import library
 from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
-from pdserve.model.attention import TorchAttention
+from pdserve.model.attention import CpuAttention, NativeAttention, TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.native_kernels import NativeKernels
 
 KH, H, D, PAGE = 2, 8, 64, 4
 
@@ -38,10 +41,8 @@ def _batch(pool: KVPool, r2t: torch.Tensor, reqs: list[tuple[int, int, int]]) ->
     )
 
 
-def _backends(
-    tmp_path, windows: tuple[int, ...], reqs
-) -> list[tuple[TorchAttention, ForwardBatch]]:
-    """The same pool contents, table and batch twice: native (warmed up) and fused."""
+def _backends(tmp_path, windows: tuple[int, ...], reqs) -> list[tuple[CpuAttention, ForwardBatch]]:
+    """The same pool contents, table and batch twice: native and fused (portable)."""
     layout = KVLayout(num_layers=2, num_kv_heads=KH, head_dim=D, dtype="float32", page_size=PAGE)
     out = []
     for native in (str(tmp_path), None):
@@ -50,12 +51,13 @@ def _backends(
         pool.k.copy_(torch.randn(pool.k.shape, generator=g))  # stale prefixes
         pool.v.copy_(torch.randn(pool.v.shape, generator=g))
         r2t = torch.zeros(6, 512, dtype=torch.int32)
-        be = TorchAttention(pool, r2t, D**-0.5, windows, native_dir=native)
-        be.warm_up()
+        be = TorchAttention(pool, r2t, D**-0.5, windows)
+        if native:
+            be = _kernels(native).attention(be, H)
         batch = _batch(pool, r2t, reqs)
         be.prepare(batch)
         out.append((be, batch))
-    assert out[0][0].native and not out[1][0].native
+    assert isinstance(out[0][0], NativeAttention) and type(out[1][0]) is TorchAttention
     return out
 
 
@@ -103,21 +105,24 @@ def test_a_window_changes_the_native_extend(tmp_path) -> None:
 
 
 def test_a_shape_the_kernel_does_not_take_stays_eager(tmp_path, caplog) -> None:
-    """32 query heads over one KV head (groups over paged_decode.c's 16): warm_up keeps
-    the eager path, says so, and an extend and a decode token still compute."""
+    """32 query heads over one KV head (groups over paged_decode.c's 16): the native
+    kernels keep the eager backend, say so, and an extend and a decode token still compute."""
     if library.compiler() is None:
         pytest.skip("no C compiler")
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32", page_size=PAGE)
     pool = KVPool(layout, 16, "cpu")
     r2t = torch.zeros(4, 64, dtype=torch.int32)
-    be = TorchAttention(pool, r2t, 0.25, (), native_dir=str(tmp_path))
+    eager = TorchAttention(pool, r2t, 0.25, ())
     with caplog.at_level("WARNING"):
-        be.warm_up(32)
-    assert not be.native and "does not take 32 query heads" in caplog.text
+        be = _kernels(str(tmp_path)).attention(eager, 32)
+    assert be is eager and "does not take 32 query heads" in caplog.text
     batch = _batch(pool, r2t, [(1, 0, 5), (2, 3, 1)])
     be.prepare(batch)
     q, k, v = torch.randn(6, 32, 16), torch.randn(6, 1, 16), torch.randn(6, 1, 16)
     assert be.forward(0, q, k, v, batch).shape == (6, 32 * 16)
-    ok = TorchAttention(pool, r2t, 0.25, (), native_dir=str(tmp_path))
-    ok.warm_up(16)  # at the limit: taken
-    assert ok.native
+    ok = _kernels(str(tmp_path)).attention(eager, 16)  # at the limit: taken
+    assert isinstance(ok, NativeAttention)
+
+
+def _kernels(cache_dir: str) -> NativeKernels:
+    return NativeKernels(Path(cache_dir), torch.get_num_threads)

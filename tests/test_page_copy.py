@@ -33,7 +33,7 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     """Built when the receiver is made (a second's compile, never inside a transfer);
     --disable-compile (native_scatter=False) keeps numpy's assignment."""
     from pdserve.kvcache.pools import KVLayout
-    from pdserve.transfer.receiver import KVReceiver
+    from pdserve.transfer.receiving.receiver import KVReceiver
 
     lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=4)
     on, off = KVReceiver(lay), KVReceiver(lay, native_scatter=False)
@@ -166,10 +166,13 @@ def _chunk_case(kind: str, layers: tuple[int, int], toks: tuple[int, int], runs:
     ],
 )
 def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, layers, toks, runs):
-    """validate.write_chunk with the native scatter (one scatter_runs call per kind) puts
+    """writer.write_chunk with the native scatter (one scatter_runs call per kind) puts
     every byte where numpy's indexed assignment does."""
     from pdserve.transfer.loopback import make_req, random_pool, reserve
-    from pdserve.transfer.validate import Transfer, check_chunk, write_chunk
+    from pdserve.transfer.receiving.payload import received
+    from pdserve.transfer.receiving.transfer import Transfer
+    from pdserve.transfer.receiving.validate import check_chunk
+    from pdserve.transfer.receiving.writer import write_chunk
 
     kernel = page_copy(tmp_path)
     if kernel is None:
@@ -180,9 +183,9 @@ def test_receiver_writes_the_same_through_its_one_call_path(tmp_path, kind, laye
         pool = random_pool(lay, 64, seed=0)
         _, slots = reserve(pool, 37, seed=1)
         x = Transfer(make_req("r", 1, 37, 1), pool, slots, session=7, endpoint="tcp://x")
-        assert check_chunk(lay, x, hdr, bufs, pages) == ""
-        assert write_chunk(x, hdr, bufs, pages) == ""
-        assert (x.paged() is not None) and x.cov.sum() == len(kind) * (
+        assert check_chunk(lay, x, received(lay, hdr, bufs), pages) == ""
+        assert write_chunk(x, received(lay, hdr, bufs), pages) == ""
+        assert (x.paged is not None) and x.cov.sum() == len(kind) * (
             (layers[1] - layers[0]) * (toks[1] - toks[0])
         )
         pools.append(pool)
@@ -248,7 +251,7 @@ def test_block_hashes_are_the_python_ones(tmp_path, threads) -> None:
 
 def _fresh(lay):
     from pdserve.transfer.loopback import make_req, random_pool, reserve
-    from pdserve.transfer.validate import Transfer
+    from pdserve.transfer.receiving.transfer import Transfer
 
     pool = random_pool(lay, 64, seed=0)
     _, slots = reserve(pool, 37, seed=1)
@@ -260,12 +263,14 @@ def test_native_write_refuses_a_flipped_byte_before_writing_its_block(two_thread
     payload to the scatter, which refuses one byte changed in any frame; the row that
     byte belongs to keeps its old bytes, and nothing outside the request is touched.
     The intact chunk writes whole."""
-    from pdserve.transfer.validate import check_chunk, write_chunk
+    from pdserve.transfer.receiving.payload import received
+    from pdserve.transfer.receiving.validate import check_chunk
+    from pdserve.transfer.receiving.writer import write_chunk
 
     lay, hdr, bufs = _chunk_case("v", (0, 3), (3, 37), [2, 9, 23])
     x = _fresh(lay)
-    assert check_chunk(lay, x, hdr, bufs, NativePages(two_threads)) == ""
-    assert write_chunk(x, hdr, bufs, NativePages(two_threads)) == ""
+    assert check_chunk(lay, x, received(lay, hdr, bufs), NativePages(two_threads)) == ""
+    assert write_chunk(x, received(lay, hdr, bufs), NativePages(two_threads)) == ""
     row = lay.token_bytes_per_layer
     for i in (0, len(bufs) // 2, len(bufs) - 1):
         x = _fresh(lay)
@@ -274,8 +279,11 @@ def test_native_write_refuses_a_flipped_byte_before_writing_its_block(two_thread
         at = len(bad) // 3
         bad[at] ^= 1
         frames = [*bufs[:i], memoryview(bytes(bad)), *bufs[i + 1 :]]
-        assert check_chunk(lay, x, hdr, frames, NativePages(two_threads)) == ""
-        assert write_chunk(x, hdr, frames, NativePages(two_threads)) == "checksum mismatch"
+        assert check_chunk(lay, x, received(lay, hdr, frames), NativePages(two_threads)) == ""
+        assert (
+            write_chunk(x, received(lay, hdr, frames), NativePages(two_threads))
+            == "checksum mismatch"
+        )
         layer, run = divmod(i, 3)
         pos = 3 + sum(hdr.runs[:run]) + at // row  # the flipped byte's prompt position
         slot = x.slots[pos]
@@ -381,7 +389,9 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
     """An xxhash build that exports no XXH3-64: PageCopy says so (None, not verifies),
     and the native page I/O hashes and checks those blocks in Python instead
     (kernels/page_io.py), refusing a flipped byte all the same."""
-    from pdserve.transfer.validate import check_chunk, write_chunk
+    from pdserve.transfer.receiving.payload import received
+    from pdserve.transfer.receiving.validate import check_chunk
+    from pdserve.transfer.receiving.writer import write_chunk
 
     kernel = page_copy(tmp_path, split=True, threads=2)
     if kernel is None:
@@ -392,11 +402,17 @@ def test_without_the_c_hash_the_check_hashes_in_python(tmp_path, monkeypatch) ->
     pages = NativePages(kernel)
     assert pages.block_hashes(bufs, 16384) == PORTABLE.block_hashes(bufs, 16384)
     x = _fresh(lay)
-    assert check_chunk(lay, x, hdr, bufs, pages) == "" == write_chunk(x, hdr, bufs, pages)
+    assert (
+        check_chunk(lay, x, received(lay, hdr, bufs), pages)
+        == ""
+        == write_chunk(x, received(lay, hdr, bufs), pages)
+    )
     bad = bytearray(bufs[0])
     bad[-1] ^= 0x80
     y, frames = _fresh(lay), [memoryview(bytes(bad))]
-    reason = check_chunk(lay, y, hdr, frames, pages) or write_chunk(y, hdr, frames, pages)
+    reason = check_chunk(lay, y, received(lay, hdr, frames), pages) or write_chunk(
+        y, received(lay, hdr, frames), pages
+    )
     assert reason == "checksum mismatch"
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.kvcache.pools import PageAllocator, PoolError
-from pdserve.transfer.push import slot_runs
+from pdserve.transfer.sending.pieces import slot_runs
 
 
 def runs_of(pages: list[int]) -> list[tuple[int, int]]:

@@ -7,6 +7,8 @@ import threading
 import httpx
 import pytest
 from fake_workers import FakeWorker, Served, free_port
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.app import RouterConfig, create_app
 from pdserve.router.body import with_bootstrap
@@ -155,12 +157,46 @@ def test_info_endpoints_and_abort_of_an_unknown_rid(workers):
         # (tests/test_hostile_http_router.py aborts a live one)
         assert httpx.post(router.url + "/abort_request", json={"rid": "r1"}).status_code == 404
         assert all(w.aborted == [] for w in prefills + decodes)
-        text = httpx.get(router.url + "/metrics").text
-        assert "pdserve:router_requests_total 1" in text
+        assert scrape(router)[("pdserve:router_requests_total", ())] == 1
         decodes[1].fail_status = 500  # the next probe goes to decode 1
         assert httpx.get(router.url + "/health_generate").status_code == 503
     finally:
         router.stop()
+
+
+def scrape(router: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics parsed by prometheus_client's own text parser: {(sample, labels): value}."""
+    r = httpx.get(router.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_keep_their_names_and_labels(workers):
+    """The samples dashboards read: the three counters and two per-worker gauges, with
+    exactly the names and labels the router has always exported."""
+    prefills, decodes = workers
+    router = start_router(prefills, decodes)
+    try:
+        for _ in range(3):
+            r = httpx.post(router.url + "/generate", json={"text": "hi", "stream": False})
+            assert r.status_code == 200
+        got = scrape(router)
+    finally:
+        router.stop()
+    counters = {f"pdserve:router_{k}_total": v for k, v in
+                [("requests", 3.0), ("failed", 0.0), ("aborted", 0.0)]}  # fmt: skip
+    gauges = {
+        (f"pdserve:router_{g}", (("role", w.role), ("worker", w.url)))
+        for g in ("in_flight", "worker_healthy")
+        for w in prefills + decodes
+    }
+    assert set(got) == {(n, ()) for n in counters} | gauges
+    assert {n: got[(n, ())] for n in counters} == counters
+    assert all(got[k] == 0 for k in gauges if k[0].endswith("in_flight"))
 
 
 def test_parse_prefill_args_like_sglang_router():

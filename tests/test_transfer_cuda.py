@@ -6,7 +6,7 @@ forward stream reads the slots as soon as the transfer is reported, without wait
 for that stream. To provoke the race, the I/O stream is held busy (`torch.cuda._sleep`)
 before the write, and a reader on another stream looks at the slots the moment
 write_chunk returns: it must see the frame's bytes, and sees the old ones when the
-wait (validate.land) is removed.
+wait (writer.land) is removed.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from pdserve.kvcache.pools import KVLayout
-from pdserve.transfer import validate
 from pdserve.transfer.loopback import make_req, random_pool, reserve
 from pdserve.transfer.messages import KVChunk, block_hashes, chunk_checksum
+from pdserve.transfer.receiving import validate, writer
+from pdserve.transfer.receiving.payload import received
+from pdserve.transfer.receiving.transfer import Transfer
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the race is between CUDA streams"
@@ -33,10 +35,10 @@ def _write_then_read(land_wait: bool, monkeypatch) -> tuple[torch.Tensor, torch.
     """(the K frame as sent, the pool's K at the slots as a reader on another stream sees
     it right after write_chunk returns)."""
     if not land_wait:
-        monkeypatch.setattr(validate, "land", lambda device: None)
+        monkeypatch.setattr(writer, "land", lambda device: None)
     pool = random_pool(LAYOUT, N + 64, 1, "cuda")
     _, slots = reserve(pool, N, 2)
-    x = validate.Transfer(make_req("r", 5, N, 0), pool, slots.cuda(), session=1, endpoint="")
+    x = Transfer(make_req("r", 5, N, 0), pool, slots.cuda(), session=1, endpoint="")
     shape = (LAYOUT.num_layers, N, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     sent = [torch.randn(shape) for _ in range(2)]
     frames = [t.numpy().tobytes() for t in sent]
@@ -44,10 +46,11 @@ def _write_then_read(land_wait: bool, monkeypatch) -> tuple[torch.Tensor, torch.
     h = KVChunk(room=5, session=1, index=0, layer_start=0, layer_end=LAYOUT.num_layers,
                 tok_start=0, tok_end=N, kind="kv", dtype="float32", nbytes=len(frames[0]),
                 checksum=chunk_checksum(hashes), hashes=hashes)  # fmt: skip
-    assert validate.check_chunk(LAYOUT, x, h, [memoryview(f) for f in frames]) == ""
+    chunk = received(LAYOUT, h, [memoryview(f) for f in frames])
+    assert validate.check_chunk(LAYOUT, x, chunk) == ""
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)  # on this thread's stream, ahead of the write
-    assert validate.write_chunk(x, h, [memoryview(f) for f in frames]) == ""
+    assert writer.write_chunk(x, chunk) == ""
     reader = torch.cuda.Stream()  # as the decode's forward stream: it waits on no I/O stream
     with torch.cuda.stream(reader):
         seen = pool.k[:, x.slots].clone()

@@ -21,8 +21,8 @@ from pdserve.transfer.loopback import (
     wait_until,
 )
 from pdserve.transfer.messages import Ready, encode
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 from pdserve.transfer.zmq_io import CurveKeys, make_socket
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,8 +19,8 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""KV frames sent in place from the prefill's pool (transfer/push.py): the bytes, when
+"""KV frames sent in place from the prefill's pool (transfer/sending/pieces.py): the bytes, when
 the path is taken, and the page lifetime it needs (the sender reports a room only once
 libzmq reads none of its pages)."""
 
@@ -15,7 +15,7 @@ import zmq
 
 from pdserve.envs import cache_root
 from pdserve.kvcache.pools import KVLayout, slots_of
-from pdserve.transfer import sender, stages
+from pdserve.transfer import stages
 from pdserve.transfer.loopback import (
     Side,
     make_req,
@@ -25,10 +25,11 @@ from pdserve.transfer.loopback import (
     wait_for,
 )
 from pdserve.transfer.messages import Decoder, Ready
-from pdserve.transfer.peers import DataSockets
-from pdserve.transfer.push import MAX_RUNS, slot_runs
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending import sender
+from pdserve.transfer.sending.peers import DataSockets
+from pdserve.transfer.sending.pieces import MAX_RUNS, slot_runs
+from pdserve.transfer.sending.sender import KVSender
 from pdserve.transfer.zmq_io import MsgSocket, make_socket
 from pdserve.transfer.zmq_native import Frames, native_send
 from tests.test_transfer_roundtrip import arrives_exactly
@@ -231,12 +232,12 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
 
 
 def test_runs_copied_into_a_device_pool(monkeypatch) -> None:
-    """validate._copy_runs_to_device (a CPU prefill's frames, a GPU decode's pool) puts each
+    """writer._copy_runs_to_device (a CPU prefill's frames, a GPU decode's pool) puts each
     run's tokens of each layer at their slots; run here on a CPU pool, without the wait
     for the device."""
-    from pdserve.transfer import validate
+    from pdserve.transfer.receiving import writer
 
-    monkeypatch.setattr(validate, "land", lambda device: None)
+    monkeypatch.setattr(writer, "land", lambda device: None)
     pool = random_pool(LAYOUT, 64, 3)
     _, slots = reserve(pool, 10, 3)
     runs = [3, 7]
@@ -246,5 +247,51 @@ def test_runs_copied_into_a_device_pool(monkeypatch) -> None:
         for layer in range(LAYOUT.num_layers)
         for a, c in ((0, 3), (3, 7))
     ]
-    validate._copy_runs_to_device(pool.k, slots, runs, frames)
+    writer._copy_runs_to_device(pool.k, slots, runs, frames)
     assert torch.equal(pool.k[:, slots], want)
+
+
+@pytest.mark.parametrize("runs", [[], [3, 7]], ids=["one-frame-per-kind", "in-place-runs"])
+def test_the_device_writer_writes_what_the_row_writer_does(monkeypatch, runs) -> None:
+    """writer.write_chunk's path for a pool on a GPU (index_copy_ from the frames) puts
+    the same bytes as its path for a CPU pool whose slots are not whole pages; run here
+    on CPU pools, without the wait for the device."""
+    from pdserve.transfer.messages import KVChunk, block_hashes, chunk_checksum
+    from pdserve.transfer.receiving import writer
+    from pdserve.transfer.receiving.payload import received
+    from pdserve.transfer.receiving.transfer import Transfer
+
+    monkeypatch.setattr(writer, "land", lambda device: None)
+    n, layers = 10, LAYOUT.num_layers
+    sent = [torch.randn(layers, n, LAYOUT.num_kv_heads, LAYOUT.head_dim) for _ in "kv"]
+    cuts = [(0, 3), (3, 7)] if runs else [(0, n)]
+    frames = [
+        t[layer, a : a + c].numpy().tobytes()
+        for t in sent
+        for layer in range(layers)
+        for a, c in cuts
+    ]
+    if not runs:  # one frame per kind: its layers one after another
+        frames = [t.numpy().tobytes() for t in sent]
+    segs = (
+        frames
+        if runs
+        else [
+            f[i * len(f) // layers : (i + 1) * len(f) // layers]
+            for f in frames
+            for i in range(layers)
+        ]
+    )
+    hashes = block_hashes(segs)
+    h = KVChunk(room=1, session=7, index=0, layer_start=0, layer_end=layers, tok_start=0, tok_end=n,
+                kind="kv", dtype="float32", nbytes=len(b"".join(frames)) // 2,
+                checksum=chunk_checksum(hashes), hashes=hashes, runs=runs)  # fmt: skip
+    pools = []
+    for path in (writer._write_device, writer._write_rows):
+        pool = random_pool(LAYOUT, 64, 3)
+        slots = torch.randperm(pool.k.shape[1], generator=torch.Generator().manual_seed(4))[:n]
+        x = Transfer(make_req("r", 1, n, 1), pool, slots, session=7, endpoint="tcp://x")
+        path(x, received(LAYOUT, h, [memoryview(f) for f in frames]), (0, 1))
+        assert torch.equal(pool.k[:, slots], sent[0]) and torch.equal(pool.v[:, slots], sent[1])
+        pools.append(pool)
+    assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)

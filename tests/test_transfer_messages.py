@@ -126,8 +126,9 @@ def test_block_hashes_fit_the_header_or_the_sender_is_refused() -> None:
     MAX_RUNS runs; a frame size whose hashes would not fit is refused up front."""
     from pdserve.kvcache.pools import KVLayout
     from pdserve.transfer.messages import MAX_HEADER_BYTES
-    from pdserve.transfer.push import MAX_RUNS, Pusher
-    from pdserve.transfer.sender import MAX_FRAME_BYTES
+    from pdserve.transfer.sending.pieces import MAX_RUNS
+    from pdserve.transfer.sending.push import Pusher
+    from pdserve.transfer.sending.sender import MAX_FRAME_BYTES
 
     big = KVLayout(num_layers=128, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
     pusher = Pusher(big, MAX_FRAME_BYTES)

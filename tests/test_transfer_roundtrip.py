@@ -20,8 +20,8 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +75,7 @@ def test_gathered_pieces_arrive_exactly(monkeypatch, gather: bool, scatter: bool
     its segments for either writer alike. The row gather (for slots not in whole pages)
     fails if it is called, and the page I/O is the one asked for."""
     from pdserve.kernels.page_io import PORTABLE, NativePages
-    from pdserve.transfer.staging import StagingPool
+    from pdserve.transfer.sending.staging import StagingPool
 
     if gather and library.compiler() is None:
         pytest.skip("no C compiler")

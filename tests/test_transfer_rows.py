@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.transfer.staging import gather_rows, page_split, request_pages, scatter_rows
+from pdserve.transfer.pages import page_split, request_pages
+from pdserve.transfer.receiving.writer import scatter_runs
+from pdserve.transfer.sending.staging import gather_rows
 
 P = 4
 SLOTS = 12 * P
@@ -37,7 +39,7 @@ def test_gather_and_scatter_match_indexing(dtype, case) -> None:
     dst = torch.zeros_like(pool)
     frame = out.view(3, len(idx), -1).view(torch.uint8).numpy().copy()
     frame.setflags(write=False)  # like a received ZeroMQ frame
-    scatter_rows(dst, idx, frame, P)
+    scatter_runs(dst, idx, [len(idx)], list(frame), P)  # one run, a frame per layer
     want = torch.zeros_like(pool)
     want[:, idx] = out
     assert torch.equal(dst, want)
@@ -69,7 +71,7 @@ def test_pool_pages_made_once_per_pool_and_again_for_new_tensors() -> None:
     """The receiver's page views of a pool are reused while its K and V are the same
     tensors, and write into them; a pool given new tensors gets new views."""
     from pdserve.kvcache.pools import KVLayout, KVPool
-    from pdserve.transfer.staging import PoolPages
+    from pdserve.transfer.pages import PoolPages
 
     lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
     pool, cache = KVPool(lay, 6), PoolPages()

@@ -24,7 +24,7 @@ from pdserve.transfer.messages import (
     chunk_checksum,
     encode,
 )
-from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.zmq_io import MsgSocket, bind, make_socket
 
 pytestmark = pytest.mark.timeout(60)
@@ -342,24 +342,24 @@ def test_bad_packed_runs_refused(rig, fix, reason) -> None:
 
 
 def test_segments_cut_only_a_whole_packed_frame() -> None:
-    """validate.segments: views of the packed frame's segments (no copy), and anything
+    """payload.unpack: views of the packed frame's segments (no copy), and anything
     else as it came."""
-    from pdserve.transfer.validate import segments
+    from pdserve.transfer.receiving.payload import unpack
 
     ready = Ready(
         room=1, session=2, data_endpoint="tcp://x", layout="", num_tokens=N, decode_id="d"
     )
     hdr, frames = runs_chunk(ready, [3, 7])
     packed = memoryview(b"".join(frames))
-    cut = segments(LAYOUT, hdr, [packed])
+    cut = unpack(LAYOUT, hdr, [packed])
     assert [bytes(c) for c in cut] == frames
     assert all(c.obj is packed.obj for c in cut)
     as_sent = [memoryview(f) for f in frames]
-    assert segments(LAYOUT, hdr, as_sent) is as_sent
-    assert segments(LAYOUT, hdr, [packed[:-1]])[0].nbytes == packed.nbytes - 1
+    assert unpack(LAYOUT, hdr, as_sent) is as_sent
+    assert unpack(LAYOUT, hdr, [packed[:-1]])[0].nbytes == packed.nbytes - 1
     whole = KVChunk(**{**_fields(hdr), "runs": []})
-    assert segments(LAYOUT, whole, [packed]) == [packed]
+    assert unpack(LAYOUT, whole, [packed]) == [packed]
     forged = KVChunk(**{**_fields(hdr), "layer_end": 10**15})  # left for check_chunk
-    assert segments(LAYOUT, forged, [packed]) == [packed]
+    assert unpack(LAYOUT, forged, [packed]) == [packed]
     many = KVChunk(**{**_fields(hdr), "runs": [1] * 10**5})
-    assert segments(LAYOUT, many, [packed]) == [packed]
+    assert unpack(LAYOUT, many, [packed]) == [packed]

@@ -5,7 +5,7 @@
                      else the longest runs, as few as cover k, in ascending page order
 
 Why runs: a prefill's KV sender reads a request's pages in place, one frame per run,
-when they lie in a few runs (transfer/push.py, MAX_RUNS); more runs are gathered
+when they lie in a few runs (transfer/sending/pieces.py, MAX_RUNS); more runs are gathered
 through a staging copy. A LIFO free list gave a new request the pages of whichever
 requests ended last. `pdserve up --model bench`, `pdserve bench` 200 prompts of 32-1024
 tokens (8-256 out, 32 in flight) after 112 shorter requests: 211 of 467 pieces sent

@@ -21,17 +21,13 @@ def make_attention(
     req_to_token: torch.Tensor,
     scale: float,
     windows: tuple[int, ...] = (),
-    native_dir: str | None = None,
-    kernel_threads: Callable[[], int] | None = None,
-):
+) -> AttentionBackend:
     """`auto` picks triton on CUDA, torch otherwise (Triton runs interpreted on CPU).
     `windows[layer]`: 0 for full causal attention, W for a sliding window of W keys.
-    `native_dir`: where the torch backend builds its native decode kernel (None: eager);
-    `kernel_threads`: the threads its calls may use (kernels/native/par.Split)."""
+    "torch" is the portable CPU backend; a CPU engine's warm-up moves it onto the native
+    kernel where that builds (model/native_kernels.py)."""
     if name == "auto":
         name = "triton" if pool.k.is_cuda else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(ATTENTION_BACKENDS)}")
-    if name == "torch":
-        return TorchAttention(pool, req_to_token, scale, windows, native_dir, kernel_threads)
     return ATTENTION_BACKENDS[name](pool, req_to_token, scale, windows)

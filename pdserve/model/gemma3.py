@@ -26,14 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.activations import ACTIVATIONS
 from pdserve.model.attention import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.linear import Linear
 from pdserve.model.llama import LayerWeights, LlamaModel
-from pdserve.model.ops import TorchOps
-from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.state_reader import StateReader
 
 Tables = tuple[torch.Tensor, torch.Tensor]
@@ -55,43 +52,26 @@ class Gemma3Layer(LayerWeights):
 
 
 class Gemma3Model(LlamaModel):
-    """The Llama model's interface (weights, `linears`, `forward`) with Gemma 3's layer;
-    it reads its own tensors (LlamaModel.__init__ would look for Llama's)."""
+    """The Llama model's interface (weights, `linears`, `forward`) with Gemma 3's layer:
+    its own tensors, layer and norm weights (LlamaModel's hooks) and embedding scale."""
 
     layers: list[Gemma3Layer]  # type: ignore[assignment]
 
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], max_positions: int) -> None:
-        """`state`: Hugging Face tensor names -> tensors. Raises CheckpointMismatch when a
-        tensor the config implies is missing or a tensor is left unused."""
-        self.arch = arch
-        w = StateReader(state, tensor_shapes(arch))
-        self.embed = w.take("model.embed_tokens.weight")
-        dtype, device = self.embed.dtype, self.embed.device
+        super().__init__(arch, state, max_positions)
         # transformers keeps sqrt(hidden) as a float32 scalar and casts it to the weights'
         # dtype (in bfloat16 sqrt(640) = 25.30 becomes 25.25)
-        self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype=dtype, device=device)
-        self.layers = [self._gemma_layer(w, i) for i in range(arch.num_layers)]
-        self.norm = _plus_one(w.take("model.norm.weight"))
-        self.lm_head = Linear(self._lm_head(w))
-        w.check_all_used()
-        self.act = ACTIVATIONS[arch.hidden_act]
-        self.ops = TorchOps()  # NativeOps once a CPU engine turns them on
-        # one rope per distinct (theta, scaling): sliding and full layers' (ModelArch.layer_rope)
-        kinds = [repr(arch.layer_rope(i)) for i in range(arch.num_layers)]
-        distinct = list(dict.fromkeys(kinds))
-        self.ropes = [self._rope(arch, i, dtype, str(device), max_positions)
-                      for i in (kinds.index(k) for k in distinct)]  # fmt: skip
-        self.rope_of_layer = [distinct.index(k) for k in kinds]
-        self.rope = self.ropes[0]  # the cos table's length bounds positions (runner)
+        scale = torch.tensor(arch.hidden_size**0.5)
+        self.embed_scale = scale.to(dtype=self.embed.dtype, device=self.embed.device)
 
     @staticmethod
-    def _rope(
-        arch: ModelArch, layer: int, dtype: torch.dtype, device: str, max_positions: int
-    ) -> RotaryEmbedding:
-        theta, scaling = arch.layer_rope(layer)
-        return RotaryEmbedding(arch.head_dim, max_positions, theta, scaling, dtype, device)
+    def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
+        return tensor_shapes(a)
 
-    def _gemma_layer(self, w: StateReader, i: int) -> Gemma3Layer:
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return _plus_one(weight)
+
+    def _layer(self, w: StateReader, i: int) -> Gemma3Layer:
         a, p = self.arch, f"model.layers.{i}."
         att, mlp = p + "self_attn.", p + "mlp."
 

@@ -43,20 +43,69 @@ class LlamaModel:
 
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], max_positions: int) -> None:
         """`state`: Hugging Face tensor names -> tensors. Raises CheckpointMismatch when a
-        tensor the config implies is missing or a tensor is left unused."""
+        tensor the config implies is missing or a tensor is left unused. What an
+        architecture's checkpoint and layer differ in, a subclass says through the hooks
+        below (`tensor_shapes`, `_layer`, `_norm_weight`)."""
         self.arch = arch
-        w = StateReader(state, tensor_shapes(arch))
+        w = StateReader(state, self.tensor_shapes(arch))
         self.embed = w.take("model.embed_tokens.weight")
         dtype, device = self.embed.dtype, self.embed.device
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
-        self.norm = w.take("model.norm.weight")
+        self.norm = self._norm_weight(w.take("model.norm.weight"))
         self.lm_head = Linear(self._lm_head(w))
         w.check_all_used()
         self.act = ACTIVATIONS[arch.hidden_act]
-        self.ops = TorchOps()  # NativeOps once a CPU decode engine turns them on
-        self.rope = RotaryEmbedding(
-            arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, dtype, str(device)
+        self.ops = TorchOps()  # NativeOps once a CPU engine turns them on
+        # one rope per distinct (theta, scaling) of the layers (ModelArch.layer_rope): one
+        # for the Llama family, Gemma 3's sliding and full layers' two
+        kinds = [repr(arch.layer_rope(i)) for i in range(arch.num_layers)]
+        distinct = list(dict.fromkeys(kinds))
+        self.ropes = [_rope(arch, kinds.index(k), max_positions, dtype, str(device))
+                      for k in distinct]  # fmt: skip
+        self.rope_of_layer = [distinct.index(k) for k in kinds]
+        self.rope = self.ropes[0]  # the Llama layer's; its cos table bounds positions (runner)
+
+    # -- per-architecture hooks --------------------------------------------------------
+
+    @staticmethod
+    def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
+        """Every tensor name the config implies -> its shape (lm_head only when untied)."""
+        return tensor_shapes(a)
+
+    def _layer(self, w: StateReader, i: int) -> LayerWeights:
+        """Layer `i`'s weights, taken from `w`."""
+        a, p = self.arch, f"model.layers.{i}."
+        att, mlp = p + "self_attn.", p + "mlp."
+
+        def cat(names: list[str], on: bool = True) -> torch.Tensor | None:
+            return torch.cat([w.take(n) for n in names]) if on else None
+
+        qkv = [att + f"{x}_proj." for x in "qkv"]
+        gate_up = [mlp + "gate_proj.", mlp + "up_proj."]
+        return LayerWeights(
+            input_norm=w.take(p + "input_layernorm.weight"),
+            qkv=Linear(
+                _must(cat([n + "weight" for n in qkv])), cat([n + "bias" for n in qkv], a.qkv_bias)
+            ),
+            q_norm=w.take(att + "q_norm.weight") if a.qk_norm else None,
+            k_norm=w.take(att + "k_norm.weight") if a.qk_norm else None,
+            o=Linear(
+                w.take(att + "o_proj.weight"), w.take(att + "o_proj.bias") if a.o_bias else None
+            ),
+            post_norm=w.take(p + "post_attention_layernorm.weight"),
+            gate_up=Linear(
+                _must(cat([n + "weight" for n in gate_up])),
+                cat([n + "bias" for n in gate_up], a.mlp_bias),
+            ),
+            down=Linear(
+                w.take(mlp + "down_proj.weight"),
+                w.take(mlp + "down_proj.bias") if a.mlp_bias else None,
+            ),
         )
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm's weight as the forward multiplies by it."""
+        return weight
 
     def quant_embed_ok(self) -> bool:
         """Whether the forward looks tokens up through embed_rows (a subclass's own
@@ -89,36 +138,6 @@ class LlamaModel:
                 "is true (transformers would ignore lm_head.weight)"
             )
         return self.embed
-
-    def _layer(self, w: StateReader, i: int) -> LayerWeights:
-        a, p = self.arch, f"model.layers.{i}."
-        att, mlp = p + "self_attn.", p + "mlp."
-
-        def cat(names: list[str], on: bool = True) -> torch.Tensor | None:
-            return torch.cat([w.take(n) for n in names]) if on else None
-
-        qkv = [att + f"{x}_proj." for x in "qkv"]
-        gate_up = [mlp + "gate_proj.", mlp + "up_proj."]
-        return LayerWeights(
-            input_norm=w.take(p + "input_layernorm.weight"),
-            qkv=Linear(
-                _must(cat([n + "weight" for n in qkv])), cat([n + "bias" for n in qkv], a.qkv_bias)
-            ),
-            q_norm=w.take(att + "q_norm.weight") if a.qk_norm else None,
-            k_norm=w.take(att + "k_norm.weight") if a.qk_norm else None,
-            o=Linear(
-                w.take(att + "o_proj.weight"), w.take(att + "o_proj.bias") if a.o_bias else None
-            ),
-            post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(
-                _must(cat([n + "weight" for n in gate_up])),
-                cat([n + "bias" for n in gate_up], a.mlp_bias),
-            ),
-            down=Linear(
-                w.take(mlp + "down_proj.weight"),
-                w.take(mlp + "down_proj.bias") if a.mlp_bias else None,
-            ),
-        )
 
     @torch.inference_mode()
     def forward(
@@ -207,6 +226,13 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
             layer["self_attn.k_norm.weight"] = (a.head_dim,)
         shapes.update({p + k: v for k, v in layer.items()})
     return shapes
+
+
+def _rope(
+    arch: ModelArch, layer: int, max_positions: int, dtype: torch.dtype, device: str
+) -> RotaryEmbedding:
+    theta, scaling = arch.layer_rope(layer)
+    return RotaryEmbedding(arch.head_dim, max_positions, theta, scaling, dtype, device)
 
 
 def _must(t: torch.Tensor | None) -> torch.Tensor:

@@ -13,14 +13,9 @@ lm_head rows, so the models practically never emit EOS by chance.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +25,7 @@ if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` 
 
 from pdserve.envs import cache_root
 from pdserve.model import tokenizer_build as tb
+from pdserve.model.build_once import build_once
 
 FORMAT_VERSION = 2  # bump when the files written here change; names the cache folder
 
@@ -243,39 +239,6 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     tb.build_tokenizer(p.vocab_size).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tb.tokenizer_config(p.max_position_embeddings))
     return out
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def build_once(target: Path, build: Callable[[Path], object]) -> Path:
-    """`target`, made by `build(folder)` on first use; safe across processes.
-
-    The maker holds an flock, builds in a temp folder beside the target and renames
-    it into place, so a visible folder is always complete.
-    """
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if target.is_dir():  # another process made it while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            build(tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it 0700
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
 
 
 def default_model_path(preset: str = "tiny") -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pdserve.envs import cache_root
-from pdserve.model import make
+from pdserve.model.build_once import build_once
 
 _CHUNK = 1 << 20
 
@@ -133,4 +133,4 @@ def assembled_gguf(
                 f"expected {spec.sha256}"
             )
 
-    return make.build_once(target, build) / spec.file_name
+    return build_once(target, build) / spec.file_name

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
-from pdserve.model.attention import TorchAttention
+from pdserve.model.attention import NativeAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.gguf_quant import QuantEmbedding
 from pdserve.model.linear import Linear
@@ -45,7 +45,7 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
         return "a projection is not on the native linear"
     if any(lin.quant is not None and len(lin.quant[1]) > MAX_PARTS for lin in model.linears()):
         return f"a projection in GGUF blocks has more than {MAX_PARTS} parts"
-    if not isinstance(attn, TorchAttention) or not attn.native:
+    if not isinstance(attn, NativeAttention):
         return "the native decode attention is off"
     if len({attn.window(i) for i in range(a.num_layers)}) > MAX_WINDOWS:
         return f"more than {MAX_WINDOWS} distinct attention windows"
@@ -70,7 +70,7 @@ class NativeDecodeForward:
         self,
         kernel: DecodeForward,
         model: LlamaModel,
-        attn: TorchAttention,
+        attn: NativeAttention,
         share: CoreShare | None,
         host: HostCore | None = None,
     ) -> None:
@@ -126,7 +126,7 @@ class NativeDecodeForward:
         blocks = any(lin.quant is not None for lin in model.linears()) or model.embed_quant
         if why is None and kernel is not None and blocks and not kernel.kernels["quant_linear"]:
             why = "the GGUF blocks' kernel (linear_quant) was not built"
-        if why is not None or kernel is None or not isinstance(attn, TorchAttention):
+        if why is not None or kernel is None or not isinstance(attn, NativeAttention):
             return None, why
         return cls(kernel, model, attn, share, host), None
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.model import make, model_wheels
+from pdserve.model.build_once import build_once
 
 DEFAULT_MODEL = "smollm2"
 GEMMA3_270M = "gemma3-270m"
@@ -70,7 +71,7 @@ def gguf_folder(gguf_path: str | Path) -> Path:
 
         convert(src, tmp)
 
-    folder = make.build_once(target, build)
+    folder = build_once(target, build)
     _link_source(folder, src)
     return folder
 

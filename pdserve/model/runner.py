@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from pdserve import config
 from pdserve.config import EngineConfig
-from pdserve.envs import ENV, cache_root
 from pdserve.kernels.core_share import Cores
-from pdserve.kernels.native import decode_forward, decode_ops, linear_f32
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
+from pdserve.model.attention import AttentionBackend
 from pdserve.model.attention_registry import make_attention
 from pdserve.model.attention_triton import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
@@ -22,7 +20,7 @@ from pdserve.model.hf_config import ModelArch, load_arch
 from pdserve.model.llama import LlamaModel
 from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
-from pdserve.model.ops import NativeOps
+from pdserve.model.native_kernels import NativeKernels
 from pdserve.model.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -65,6 +63,8 @@ class ModelRunner:
         self.native_forward: NativeDecodeForward | None = None  # set by warm_up_decode
         self.graphed: GraphedDecode | None = None  # CUDA; set by warm_up_decode
         self.cores = Cores() if cores is None else cores
+        # native kernels or the portable paths, chosen once (model/native_kernels.py)
+        self.native = NativeKernels.for_engine(cfg, self.cores.kernel_threads)
         self.arch: ModelArch = load_arch(cfg.model_path)
         if self.arch.architecture not in MODEL_REGISTRY:
             raise ValueError(
@@ -77,7 +77,7 @@ class ModelRunner:
         if model is None:
             cls = MODEL_REGISTRY[self.arch.architecture]
             model = load_model(
-                cfg, self.arch, self.dtype, self.native_dir(),
+                cfg, self.arch, self.dtype, self.native,
                 lambda state: cls(self.arch, state, self.max_context),
             )  # fmt: skip
         self.model = model
@@ -90,15 +90,13 @@ class ModelRunner:
         )
         self.req_pool = ReqToTokenPool(cfg.max_rows, self.max_context, self.device)
         self.kv_pool = KVPool(self.layout, cfg.cache.num_pages, self.device)
-        self.attn = make_attention(
+        self.attn: AttentionBackend = make_attention(
             cfg.attention_backend,
             self.kv_pool,
             self.req_pool.req_to_token,
             self.arch.attention_scale,
             self.arch.layer_windows,
-            native_dir=self.native_dir(),
-            kernel_threads=self.cores.kernel_threads,
-        )
+        )  # the portable backend on the CPU until warm-up swaps in the native one
         log.info(
             "loaded %s (%s, %d layers) with %d rows and %d KV pages of %d tokens",
             cfg.model_path,
@@ -118,61 +116,46 @@ class ModelRunner:
 
     def native_dir(self) -> str | None:
         """Where native CPU kernels are built and cached, when they are on; else None."""
-        if not self.cfg.compile or ENV.DISABLE_COMPILE.get("0") == "1":
-            return None
-        if not self.device.startswith("cpu"):
-            return None  # CUDA runs the Triton backend
-        return str(cache_root())
+        return None if self.native is None else str(self.native.cache_dir)
 
     def warm_up_prefill(self) -> None:
-        """Build what prefill steps run natively (start-up; a no-op when compile is off):
-        the native norms, rotation and activation (model/ops.py), the attention kernel
-        (model/attention.py, _extend_native), and the linear kernel every projection
-        moves to. Both kernels split a prompt's work over par.c's threads in chunks, not
-        in one fixed part per thread as oneDNN's and torch's OpenMP regions do: on a host
-        shared with the router, the HTTP servers and a decode, a fixed part's thread is
-        preempted now and then, and its partner waits for it at the join. One thread
-        alone pays little or nothing for it (the native linear is 5-10% slower than
-        oneDNN at a prompt's rows, the native attention 1.5x faster than torch's fused
-        one). Under `pdserve up` on 2 cores the machine is then busier, so more of it
-        goes to tokens (benchmarks/compare.py)."""
-        native_dir = self.native_dir()
-        if native_dir is None or self.dtype != torch.float32:
-            return
-        self._native_ops(Path(native_dir))
-        self._warm_up_attention()
-        self._native_linears(Path(native_dir))
+        """Swap in what prefill steps run natively (start-up; a no-op when native kernels
+        are off or the model is not fp32): the native norms, rotation and activation
+        (model/ops.py), the attention kernel (model/attention.py, NativeAttention), and
+        the linear kernel every projection moves to. Both kernels split a prompt's work
+        over par.c's threads in chunks, not in one fixed part per thread as oneDNN's and
+        torch's OpenMP regions do: on a host shared with the router, the HTTP servers and
+        a decode, a fixed part's thread is preempted now and then, and its partner waits
+        for it at the join. One thread alone pays little or nothing for it (the native
+        linear is a little slower than oneDNN at a prompt's rows, the native attention
+        faster than torch's fused one); under `pdserve up` on a small host more of the
+        machine goes to tokens (benchmarks/compare.py)."""
+        native = self._native_compute()
+        if native is not None:
+            self._go_native(native)
 
     def warm_up_decode(self) -> None:
-        """Build what decode steps run natively (start-up; a no-op when compile is off):
-        the decode attention kernel, the native norms, rotation and activation, and the
-        linear kernel every projection moves to (a model shared with a prefill runner, as
-        in the offline LLM, moves for both)."""
-        self._warm_up_attention()
+        """Swap in what decode steps run natively (start-up; a no-op when native kernels
+        are off or the model is not fp32): as warm_up_prefill, then the whole decode step
+        as one native call where the model fits it. On CUDA: the decode's graphs."""
         self._capture_graphs()
-        native_dir = self.native_dir()
-        if native_dir is None or self.dtype != torch.float32:
-            return
-        self._native_ops(Path(native_dir))
-        if self._native_linears(Path(native_dir)):
-            self._native_forward(Path(native_dir))
+        native = self._native_compute()
+        if native is not None and self._go_native(native):
+            self.native_forward = native.decode_forward(self.model, self.attn, self.cores)
 
-    def _warm_up_attention(self) -> None:
-        """The attention backend's native kernel, where it has one (TorchAttention)."""
-        warm_up = getattr(self.attn, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.arch.num_heads)
+    def _native_compute(self) -> NativeKernels | None:
+        """The native kernels this runner computes with (fp32 only; the KV transfer's page
+        copies, `native_dir`, take any dtype)."""
+        return self.native if self.dtype == torch.float32 else None
 
-    def _native_linears(self, native_dir: Path) -> bool:
-        """Every projection on the native linear (a model shared with another runner, as
-        in the offline LLM, moves for both); False where it was not built."""
-        kernel = linear_f32.linear_f32(native_dir, self.cores.kernel_threads)
-        if kernel is None:
-            log.warning("projections stay on oneDNN (the native linear was not built)")
-            return False
-        for lin in self.model.linears():
-            lin.use_native(kernel)
-        return True
+    def _go_native(self, native: NativeKernels) -> bool:
+        """The model's ops, the attention backend and the projections onto native kernels,
+        each where it builds; False where the projections stay (no one-call forward then)."""
+        ops = native.ops()
+        if ops is not None:
+            self.model.ops = ops
+        self.attn = native.attention(self.attn, self.arch.num_heads)
+        return native.move_linears(self.model)
 
     def _capture_graphs(self) -> None:
         """On CUDA, the decode forward's graphs for every batch size the engine runs."""
@@ -187,24 +170,6 @@ class ModelRunner:
             self.cfg.scheduler.max_running_requests,
             torch.device(self.device),
         )
-
-    def _native_forward(self, native_dir: Path) -> None:
-        """The whole decode step as one native call, where the model fits it."""
-        if ENV.PER_CALL_DECODE.get("0") == "1":
-            return
-        kernel = decode_forward.decode_forward(native_dir)
-        self.native_forward, why = NativeDecodeForward.build(
-            kernel, self.model, self.attn, self.cores.share, self.cores.host_core
-        )
-        if why is not None:
-            log.info("decode steps call their kernels one by one: %s", why)
-
-    def _native_ops(self, native_dir: Path) -> None:
-        ops = decode_ops.decode_ops(native_dir, self.cores.kernel_threads)
-        if ops is None:
-            log.warning("norms, rotation and activation stay on torch (native ops not built)")
-        else:
-            self.model.ops = NativeOps(ops)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Schedule side: build every index tensor the forward needs (host -> device

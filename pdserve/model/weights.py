@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kernels.native.linear_quant import LinearQuant, linear_quant
+from pdserve.kernels.native.linear_quant import LinearQuant
 from pdserve.model import gguf_quant
 from pdserve.model.hf_config import ModelArch
 from pdserve.model.linear import Linear
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import load_state
+
+if TYPE_CHECKING:
+    from pdserve.model.native_kernels import NativeKernels
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ Build = Callable[[dict[str, torch.Tensor]], LlamaModel]
 
 
 def _quant_source(
-    cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native_dir: str | None
+    cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native: NativeKernels | None
 ) -> tuple[gguf_quant.QuantSource, LinearQuant] | None:
     """The GGUF and the kernel to serve its blocks with, or None (said why when it was
     asked for and cannot be)."""
@@ -41,9 +44,9 @@ def _quant_source(
     why = ""
     if not cfg.device.startswith("cpu") or dtype != torch.float32:
         why = "quantized weights run on the CPU with --dtype float32"
-    elif native_dir is None:
+    elif native is None:
         why = "native kernels are off (--disable-compile or PDSERVE_DISABLE_COMPILE)"
-    kernel = None if why else linear_quant(Path(native_dir or "."))
+    kernel = None if why or native is None else native.linear_quant()
     if kernel is None:
         log.info("weights from the folder in %s: %s", dtype, why or "linear_quant not built")
         return None
@@ -52,11 +55,15 @@ def _quant_source(
 
 
 def load_model(
-    cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native_dir: str | None, build: Build
+    cfg: EngineConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    native: NativeKernels | None,
+    build: Build,
 ) -> LlamaModel:
     """The model `build` makes from the folder's tensors, its projections then moved onto
     the GGUF's blocks where --weights quantized applies; logs its resident weight bytes."""
-    quant = _quant_source(cfg, arch, dtype, native_dir)
+    quant = _quant_source(cfg, arch, dtype, native)
     groups = (
         []
         if quant is None

@@ -1,6 +1,7 @@
 """pdserve.router: the PD router (HTTP in front of prefill and decode servers).
 
-app.py      FastAPI app: routes, auth, /metrics, RouterConfig
+app.py      FastAPI app: routes, auth, RouterConfig
+metrics.py  /metrics through prometheus_client (counters and per-worker gauges)
 proxy.py    one request to a prefill and a decode with a shared bootstrap room
 legs.py     the two legs of a request (prefill read fully, decode relayed)
 loops.py    background loops: a failing tick is logged, a dead loop is fatal

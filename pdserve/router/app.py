@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
@@ -26,6 +27,7 @@ from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
 from pdserve.router.http1 import Http1Pool
 from pdserve.router.loops import every, watch
+from pdserve.router.metrics import registry, render
 from pdserve.router.proxy import PDProxy
 from pdserve.router.workers import Worker, WorkerPool
 
@@ -63,6 +65,7 @@ class RouterState:
         self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
         self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
+        self.metrics = registry(self.stats, self.pool)
 
     def die(self, reason: str) -> None:
         """A loop the router needs is gone: unhealthy from now on, and `on_fatal` (the
@@ -218,23 +221,8 @@ def _add_info(app: FastAPI, state: RouterState) -> None:
         return await first_decode(request, "/v1/models")
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(state))
-
-
-def _prometheus(state: RouterState) -> str:
-    lines = []
-    for name, value in state.stats.items():
-        lines += [f"# TYPE pdserve:router_{name} counter", f"pdserve:router_{name} {value}"]
-    lines.append("# TYPE pdserve:router_in_flight gauge")
-    for w in state.pool.all:
-        lines.append(f'pdserve:router_in_flight{{worker="{w.url}",role="{w.role}"}} {w.in_flight}')
-    lines.append("# TYPE pdserve:router_worker_healthy gauge")
-    for w in state.pool.all:
-        lines.append(
-            f'pdserve:router_worker_healthy{{worker="{w.url}",role="{w.role}"}} {int(w.healthy)}'
-        )
-    return "\n".join(lines) + "\n"
+    async def metrics() -> Response:
+        return Response(render(state.metrics), media_type=CONTENT_TYPE_LATEST)
 
 
 def config_from_args(args: Any) -> RouterConfig:

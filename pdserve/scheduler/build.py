@@ -12,8 +12,8 @@ from pdserve.scheduler.engine_api import Engine
 from pdserve.scheduler.prefill import PrefillEngine
 from pdserve.transfer.curve import load_keys
 from pdserve.transfer.identity import model_fingerprint
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVSender
+from pdserve.transfer.receiving.receiver import KVReceiver
+from pdserve.transfer.sending.sender import KVSender
 
 
 def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engine:

@@ -14,9 +14,17 @@ The emitted context (prefix_offset..read_offset) always decodes to some text, so
 tokens decoded after it are never treated as the start of the sequence.
 `flush()` emits whatever is left at the end of the request.
 
+Not tokenizers' `decoders.DecodeStream`: it streams most vocabularies the same way,
+but raises on a SentencePiece byte-fallback run that turns invalid after a byte that
+was valid alone ('A' <0xC3> ...: the one-shot decode makes the whole run U+FFFD), and it
+has no flush, so an incomplete character at the end is lost. benchmarks/detokenize.py
+compares the two.
+
 StopMatcher: text is held back while its tail could be the start of a stop
 string, so a stop string split across chunks is still found; on a match the
 output is cut right before it.
+
+TextStream: the two in a row, one call per engine event (what a sample streams).
 """
 
 from __future__ import annotations
@@ -120,3 +128,28 @@ class StopMatcher:
                     best = k
                     break
         return best
+
+
+class TextStream:
+    """A sample's text: token ids in, the text to emit out, cut at a stop string.
+    `matched` is the stop string found (None while there is none)."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        byte_pieces: Collection[int] = frozenset(),
+        stop: list[str] | None = None,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(decode, byte_pieces)
+        self._stop = StopMatcher(stop or [])
+        self.matched: str | None = None
+
+    def step(self, token_ids: list[int], last: bool) -> str:
+        """The text these tokens complete; with `last` (the engine ended the sample) also
+        all that was held back. Nothing more once a stop string matched."""
+        text = self._stop.feed(self._detok.add(token_ids))
+        if last and self._stop.matched is None:
+            text += self._stop.feed(self._detok.flush())
+            text += self._stop.flush()
+        self.matched = self._stop.matched
+        return text

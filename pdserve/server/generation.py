@@ -25,7 +25,7 @@ import msgspec
 from pdserve.netaddr import bootstrap_problem
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams, prompt_problem
-from pdserve.server.detokenizer import IncrementalDetokenizer, StopMatcher
+from pdserve.server.detokenizer import TextStream
 from pdserve.server.engine_client import EngineClient, EngineDead
 from pdserve.server.metrics import Metrics
 from pdserve.server.tokenizer import Tokenizer
@@ -76,53 +76,6 @@ def _checked(host: str | None, port: int | None) -> tuple[str | None, int | None
     return host, port
 
 
-def ttft_breakdown(stages: dict[str, float]) -> dict[str, float]:
-    """Seconds per TTFT stage from the router's, frontends' and engines' time.time()
-    stamps; a stage whose stamps are missing is left out. The router sends a request to
-    both legs at once:
-
-        router:  router_at ─router─▶ prefill_http ─frontend─▶ prefill_arrive   (prefill leg)
-        decode:  arrive ─queue─▶ reserved ·······································▶ kv_done
-        prefill: prefill_arrive ─prefill_queue─▶ prefill_start ─prefill─▶ prefill_end ─┘
-                                                                   kv_transfer ──────┘
-        decode:  kv_done ─decode_admission─▶ running (the first token is emitted)
-
-    `router` and `frontend` (edge/stamps.py) follow the prefill leg, the one the first
-    token waits on; without the prefill's stamps, the decode's own (http_at, arrive).
-
-    `arrive` / `prefill_arrive`: each leg's frontend hands the request to its engine
-    (EngineRequest.received_at). `queue`: until the decode has reserved a row and KV
-    pages (the engine reads new requests between steps); `prefill_queue`: until the
-    prompt starts computing (the prefill step in progress, a row, pages, its turn in
-    the chunk budget); `prefill`: from its first chunk to its first token (chunks of
-    other prompts share those steps); `kv_transfer`: the rest of the KV goes over the
-    wire (and any wait for the decode's reservation). The prefill's stamps come with its KV
-    (transfer/base.py PREFILL_STAGES); on different hosts they carry the clocks' skew.
-    Without them `kv_transfer` is the whole wait from reserved to kv_done. The decode
-    emits the first token as soon as the KV has landed, so `decode_admission` is
-    near zero.
-    """
-    out: dict[str, float] = {}
-
-    def span(name: str, a: str, b: str) -> None:
-        if a in stages and b in stages:
-            out[name] = stages[b] - stages[a]
-
-    via_prefill = "prefill_http" in stages
-    http, handoff = ("prefill_http", "prefill_arrive") if via_prefill else ("http_at", "arrive")
-    span("router", "router_at", http)
-    span("frontend", http, handoff)
-    span("queue", "arrive", "reserved")
-    span("prefill_queue", "prefill_arrive", "prefill_start")
-    if "prefill_start" in stages and "prefill_end" in stages:
-        span("prefill", "prefill_start", "prefill_end")
-        span("kv_transfer", "prefill_end", "kv_done")
-    else:
-        span("kv_transfer", "reserved", "kv_done")
-    span("decode_admission", "kv_done", "running")
-    return out
-
-
 @dataclass
 class Job:
     """One parsed request, ready for the engine: what to run, and for whom."""
@@ -140,11 +93,6 @@ class Job:
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Usage's prompt_tokens: each prompt counted once, whatever n (as OpenAI does)."""
-        return sum(len(p) for p in self.prompts)
 
 
 OVERLOADED_RETRY_AFTER_S = 1  # the Retry-After of a 503 for a full engine queue
@@ -212,6 +160,11 @@ class Frontend:
         self.metrics.prompt_tokens.inc(sum(len(r.input_ids) for r in reqs))
         return reqs, merge([run_sample(self, r, i) for i, r in enumerate(reqs)])
 
+    async def complete(self, job: Job) -> list[SampleResult]:
+        """The job run to its end: one SampleResult per choice (what start() streams)."""
+        _, gen = self.start(job)
+        return await collect(gen, job.choices)
+
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
         """Validate a prompt; return max_tokens (defaulting to the rest of the context)."""
         wanted = max(1, self.max_context - len(ids)) if max_tokens is None else max_tokens
@@ -262,24 +215,22 @@ class Frontend:
 async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
     """Stream one sample. Raises EngineDead if the engine is gone at submission."""
     q = fe.client.submit(req)
-    detok = IncrementalDetokenizer(fe.tokenizer.decode, fe.tokenizer.byte_piece_ids)
-    stop = StopMatcher(req.params.stop)
+    # the tokenizers library's own decode (skips special tokens, as Tokenizer.decode does)
+    text = TextStream(fe.tokenizer.hf.decode, fe.tokenizer.byte_piece_ids, req.params.stop)
     clock = _Clock(fe.metrics)
     done = False
     try:
         while not done:
             ev = await q.get()
             clock.tokens(len(ev.token_ids))
-            d = Delta(index, stop.feed(detok.add(ev.token_ids)), ev.token_ids, ev.logprobs)
-            if stop.matched is not None:  # a stop string: cut here, stop the engine
+            d = Delta(index, text.step(ev.token_ids, ev.finished), ev.token_ids, ev.logprobs)
+            if text.matched is not None and not ev.finished:  # cut here, stop the engine
                 fe.client.abort(req.rid, "stop string matched")
-                d.finished, d.finish_reason, d.matched = True, "stop", stop.matched
+                d.finished, d.finish_reason, d.matched = True, "stop", text.matched
             elif ev.finished:
-                d.text += stop.feed(detok.flush())
-                d.text += stop.flush()
-                reason = "stop" if stop.matched is not None else ev.finish_reason
+                reason = "stop" if text.matched is not None else ev.finish_reason
                 d.finished, d.finish_reason, d.error = True, reason, ev.error
-                d.matched = stop.matched if stop.matched is not None else ev.matched_stop
+                d.matched = text.matched if text.matched is not None else ev.matched_stop
                 d.stages = ev.stages
             done = d.finished
             if done:

@@ -46,6 +46,13 @@ def parse(model: type[M], data: Any) -> M:
         raise RequestError(f"{param}: {err.get('msg')}" if param else str(e), param or None) from e
 
 
+async def read_model(request: Request, model: type[M], api_key: str | None, limit: int) -> M:
+    """The key checked (check_api_key), the JSON body read (read_json) and validated
+    as `model` (parse): a handler's first step in one call."""
+    check_api_key(request, api_key)
+    return parse(model, await read_json(request, limit))
+
+
 def check_api_key(request: Request, api_key: str | None) -> None:
     """RequestError 401 unless `Authorization: Bearer <api_key>` (when a key is set).
     The app's RequireKey (edge/auth.py) checks every route already; this stays as the

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from pdserve.edge.errors import error_body
-from pdserve.edge.stamps import arrival_stamps
+from pdserve.edge.stamps import arrival_stamps, ttft_breakdown
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.engine_client import EngineDead
@@ -30,7 +30,6 @@ from pdserve.server.generation import (
     RequestError,
     SampleResult,
     collect,
-    ttft_breakdown,
 )
 from pdserve.server.http_util import (
     check_api_key,

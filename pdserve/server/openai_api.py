@@ -7,7 +7,7 @@ installed `openai` package and checks each one here.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -25,6 +25,15 @@ from pdserve.server.request_fields import (
 # Fields that identify the caller or tag the request for the caller's own records; by
 # their definition they never change the output, so they are accepted as they are:
 # user, safety_identifier, metadata, prompt_cache_key (a cache-routing hint).
+
+
+class Options(NamedTuple):
+    """A body's derived values (_OpenAIBody.options)."""
+
+    boot: Bootstrap
+    include_usage: bool
+    max_tokens: int | None  # chat: max_completion_tokens, else max_tokens
+    tools: bool  # chat: parse tool calls out of the answer (ChatIn.parse_tools)
 
 
 class StreamOptions(Body):
@@ -119,6 +128,10 @@ class CompletionIn(_OpenAIBody):
         "suffix": ("",),
     }
 
+    def options(self) -> Options:
+        """What the handler needs of the body beyond its plain fields, in one call."""
+        return Options(self.bootstrap(), self.include_usage, self.max_tokens, False)
+
     def check_fields(self, unknown: str = "refuse", where: str = "") -> None:
         super().check_fields(unknown, where)
         if self.best_of is not None and self.best_of not in (1, self.n):
@@ -151,22 +164,6 @@ class ChatMessage(Body):
     audio: Any = None
     function_call: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"audio": (), "function_call": ()}
-
-    def text(self) -> str | None:
-        if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content)
-        return self.content
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it (a developer message is a system one)."""
-        role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": self.text(), "name": self.name,
-               "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
-               "reasoning_content": self.reasoning_content}  # fmt: skip
-        # a null content (an assistant turn that only calls tools) is rendered as "", which
-        # every template reads; transformers would drop the key and many templates fail
-        out["content"] = out["content"] or ""
-        return {k: v for k, v in out.items() if v is not None}
 
 
 class ChatTemplateControls(Body):
@@ -265,6 +262,11 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
                                "server parses (see --tool-call-parser); send tool_choice "
                                '"none" to pass the tools to the template only', "tools")  # fmt: skip
         return True
+
+    def options(self, tool_parser: str | None) -> Options:
+        """What the handler needs of the body beyond its plain fields, in one call."""
+        return Options(self.bootstrap(), self.include_usage, self.max_output,
+                       self.parse_tools(tool_parser))  # fmt: skip
 
     @property
     def max_output(self) -> int | None:

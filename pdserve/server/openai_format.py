@@ -7,7 +7,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pdserve.server.generation import Delta, Job, SampleResult, ttft_breakdown
+from pdserve.edge.stamps import ttft_breakdown
+from pdserve.server.generation import Delta, Job, SampleResult
 from pdserve.server.tokenizer import Tokenizer
 from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -75,6 +76,8 @@ class OpenAIFormatter:
         self.created = int(time.time())
         self._text_pos: dict[int, int] = {}  # per choice: characters streamed so far
         self._started: set[int] = set()  # choices whose first chunk went out
+        # usage's prompt_tokens: each prompt counted once, whatever n (as OpenAI does)
+        self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.completion_tokens = 0
         self.tools = tools  # parse tool calls out of the chat answers (tool_calls.py)
         self._calls: dict[int, ToolCallStream] = {}  # per choice, when streaming
@@ -91,7 +94,7 @@ class OpenAIFormatter:
         choices = [self._choice(r) for r in results]
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         body = self._envelope(obj, choices)
-        body["usage"] = usage(self.job.prompt_tokens, sum(len(r.output_ids) for r in results))
+        body["usage"] = usage(self.prompt_tokens, sum(len(r.output_ids) for r in results))
         staged = next((r for r in results if r.stages), None)
         if staged is not None:  # the first sample's stages (pdserve extension, read by bench)
             body["ttft_breakdown"] = ttft_breakdown(staged.stages)
@@ -161,5 +164,5 @@ class OpenAIFormatter:
 
     def usage_chunk(self) -> dict[str, Any]:
         body = self._envelope(self._obj, [])
-        body["usage"] = usage(self.job.prompt_tokens, self.completion_tokens)
+        body["usage"] = usage(self.prompt_tokens, self.completion_tokens)
         return body

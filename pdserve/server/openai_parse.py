@@ -1,26 +1,88 @@
-"""Request bodies into prompt ids: parsing with the field policy, the model check, the
-chat template (shared by the OpenAI routes and /tokenize)."""
+"""An OpenAI request into one OpenAIRequest (the Job for the engine and how to answer):
+reading and parsing the body with the field policy, the model check, the prompt ids
+(the chat template's too, shared with /tokenize), the sampling parameters."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+from fastapi import Request
+
 from pdserve.server.chat_template import continue_final_message
-from pdserve.server.generation import Frontend, RequestError
-from pdserve.server.http_util import parse
-from pdserve.server.openai_api import ChatTemplateControls
+from pdserve.server.generation import Bootstrap, Frontend, Job, RequestError
+from pdserve.server.http_util import parse, read_model
+from pdserve.server.openai_api import ChatIn, ChatMessage, ChatTemplateControls, CompletionIn
 from pdserve.server.request_fields import Body, FieldRefused
 from pdserve.server.server_config import ServerConfig
+from pdserve.server.structured import request_grammar
 from pdserve.server.tokenizer import ChatTemplateError
 
 B = TypeVar("B", bound=Body)
 # names the chat template gets from the request itself, not from chat_template_kwargs
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
+MAX_CHOICES = 256  # prompts × n of one request
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One parsed OpenAI request: what the engine runs and how the answer is shaped."""
+
+    job: Job
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    tools: bool = False  # parse tool calls out of a chat answer (tool_calls.py)
+
+
+async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
+                          stamps: dict[str, float]) -> OpenAIRequest:  # fmt: skip
+    body = await read_body(request, CompletionIn, cfg)
+    opts = body.options()
+    logprobs = body.logprobs is not None
+    prompts = completion_prompts(fe, body.prompt)
+    job = make_job(fe, body, prompts, opts.max_tokens, logprobs, stamps, opts.boot)
+    return OpenAIRequest(job, body.stream, opts.include_usage, logprobs)
+
+
+async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: dict[str, float],
+                    tool_parser: str | None) -> OpenAIRequest:  # fmt: skip
+    body = await read_body(request, ChatIn, cfg)
+    opts = body.options(tool_parser)
+    prompts = [chat_prompt_ids(fe, body)]
+    job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot)
+    return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools)
+
+
+async def read_body(request: Request, model: type[B], cfg: ServerConfig) -> B:
+    """The key checked, the body read and parsed (parse_body), the model checked."""
+    body = await read_model(request, model, cfg.api_key, cfg.max_body_bytes)
+    checked(body, cfg)
+    check_model(getattr(body, "model", None), cfg)
+    return body
+
+
+def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
+             wanted: int | None, logprobs: bool, stamps: dict[str, float],
+             boot: Bootstrap) -> Job:  # fmt: skip
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
+    # one max_tokens for the batch: the smallest any prompt allows when none is given
+    max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
+    params = body.params(max_tokens, logprobs)
+    grammar = request_grammar(body, fe.tokenizer)
+    if grammar is not None:
+        params = msgspec.structs.replace(params, grammar=grammar)
+    return Job(prompts, params, body.n, body.rid, boot, stamps)
 
 
 def parse_body(model: type[B], data: Any, cfg: ServerConfig) -> B:
     """The validated body; RequestError 400 naming a field refused (request_fields.py)."""
-    body = parse(model, data)
+    return checked(parse(model, data), cfg)
+
+
+def checked(body: B, cfg: ServerConfig) -> B:
     try:
         body.check_fields(cfg.unknown_fields)
     except FieldRefused as e:
@@ -45,7 +107,7 @@ def completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
 
 
 def chat_prompt_ids(fe: Frontend, body: ChatTemplateControls) -> list[int]:
-    messages = [m.for_template() for m in body.messages]
+    messages = [template_message(m) for m in body.messages]
     kwargs = dict(body.chat_template_kwargs or {})
     taken = sorted(kwargs.keys() & RESERVED_TEMPLATE_NAMES)
     if taken:
@@ -60,3 +122,15 @@ def chat_prompt_ids(fe: Frontend, body: ChatTemplateControls) -> list[int]:
     except ChatTemplateError as e:
         raise RequestError(str(e), "messages") from e
     return fe.tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """The message as chat templates read it (a developer message is a system one)."""
+    role = "system" if m.role == "developer" else m.role
+    text = "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content
+    out = {"role": role, "content": text, "name": m.name, "tool_calls": m.tool_calls,
+           "tool_call_id": m.tool_call_id, "reasoning_content": m.reasoning_content}  # fmt: skip
+    # a null content (an assistant turn that only calls tools) is rendered as "", which
+    # every template reads; transformers would drop the key and many templates fail
+    out["content"] = out["content"] or ""
+    return {k: v for k, v in out.items() if v is not None}

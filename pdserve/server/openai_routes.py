@@ -1,7 +1,9 @@
 """`/v1/completions` and `/v1/chat/completions` handlers (OpenAI wire format).
 
-Each handler goes one way: parse the body (openai_api.py) -> a Job (prompt ids and
-SamplingParams) -> Frontend.start (generation.py) -> OpenAIFormatter (openai_format.py).
+Each handler goes one way: read and parse the request into one OpenAIRequest (a Job of
+prompt ids and SamplingParams, and how to answer; openai_parse.py) -> the engine
+(Frontend.start / complete, generation.py) -> OpenAIFormatter (openai_format.py).
+tests/test_walk_completion.py traces that path and fails when it bounces.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -19,42 +20,17 @@ from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import QUEUE_FULL
 from pdserve.server import tokenize_routes
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import (
-    OVERLOADED_RETRY_AFTER_S,
-    Frontend,
-    Job,
-    RequestError,
-    SampleResult,
-    collect,
-)
+from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Frontend
 from pdserve.server.http_util import (
     check_api_key,
     error_response,
-    read_json,
     stream_until_disconnect,
     until_disconnect,
 )
-from pdserve.server.openai_api import ChatIn, CompletionIn
 from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
-from pdserve.server.openai_parse import chat_prompt_ids, check_model, completion_prompts, parse_body
+from pdserve.server.openai_parse import OpenAIRequest, read_chat, read_completion
 from pdserve.server.server_config import ServerConfig
-from pdserve.server.structured import request_grammar
 from pdserve.server.tool_calls import parser_for_template
-
-MAX_CHOICES = 256  # prompts × n of one request
-
-
-def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]],
-             wanted: int | None, logprobs: bool, stamps: dict[str, float]) -> Job:  # fmt: skip
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise RequestError(f"a request may make at most {MAX_CHOICES} choices (prompts × n)", "n")
-    # one max_tokens for the batch: the smallest any prompt allows when none is given
-    max_tokens = min(fe.check_prompt(ids, wanted) for ids in prompts)
-    params = body.params(max_tokens, logprobs)
-    grammar = request_grammar(body, fe.tokenizer)
-    if grammar is not None:
-        params = msgspec.structs.replace(params, grammar=grammar)
-    return Job(prompts, params, body.n, body.rid, body.bootstrap(), stamps)
 
 
 def tool_parser(fe: Frontend, cfg: ServerConfig) -> str | None:
@@ -70,26 +46,17 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
-        check_api_key(request, cfg.api_key)
-        body = parse_body(CompletionIn, await read_json(request, cfg.max_body_bytes), cfg)
-        check_model(body.model, cfg)
-        logprobs = body.logprobs is not None
-        job = make_job(fe, body, completion_prompts(fe, body.prompt), body.max_tokens, logprobs,
-                       stamps)  # fmt: skip
-        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, job, logprobs)
-        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
+        req = await read_completion(request, fe, cfg, stamps)
+        fmt = OpenAIFormatter("completion", cfg.model_name, fe.tokenizer, req.job, req.logprobs)
+        return await respond(request, fe, fmt, req)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
-        check_api_key(request, cfg.api_key)
-        body = parse_body(ChatIn, await read_json(request, cfg.max_body_bytes), cfg)
-        check_model(body.model, cfg)
-        tools = body.parse_tools(parser)
-        job = make_job(fe, body, [chat_prompt_ids(fe, body)], body.max_output, body.logprobs,
-                       stamps)  # fmt: skip
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, job, body.logprobs, tools)
-        return await respond(request, fe, fmt, job, body.stream, body.include_usage)
+        req = await read_chat(request, fe, cfg, stamps, parser)
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, req.job, req.logprobs,
+                              req.tools)  # fmt: skip
+        return await respond(request, fe, fmt, req)
 
     tokenize_routes.register(app, fe, cfg)
 
@@ -125,15 +92,15 @@ def engine_error_response(fe: Frontend, error: str) -> Response:
     return r
 
 
-async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter, job: Job,
-                  stream: bool, include_usage: bool) -> Response:  # fmt: skip
-    _, gen = fe.start(job)
-    if stream:
-        chunks = _sse(fe, fmt, gen, include_usage)
+async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter,
+                  req: OpenAIRequest) -> Response:  # fmt: skip
+    if req.stream:
+        _, gen = fe.start(req.job)
+        chunks = _sse(fe, fmt, gen, req.include_usage)
         return StreamingResponse(
             stream_until_disconnect(request, chunks), media_type="text/event-stream"
         )
-    results: list[SampleResult] = await until_disconnect(request, collect(gen, job.choices))
+    results = await until_disconnect(request, fe.complete(req.job))
     failed = next((r for r in results if r.error), None)
     if failed is not None:
         return engine_error_response(fe, failed.error or "engine error")

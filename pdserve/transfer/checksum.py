@@ -1,7 +1,7 @@
 """Checksums of KV payload, cheaper than the wire, checked block by block.
 
 A chunk's payload is a list of segments (one layer's run of rows of one kind:
-validate.segments). Each segment is hashed in blocks of HASH_BLOCK bytes, the last
+receiving/payload.py). Each segment is hashed in blocks of HASH_BLOCK bytes, the last
 one shorter, and the chunk carries those hashes:
 
     KVChunk.hashes    = le_u64(xxh3_64(block 0)) || le_u64(xxh3_64(block 1)) || ...
@@ -12,12 +12,12 @@ the core's L1 cache (kernels/native/page_copy.py scatter_runs), so the received 
 read from memory once; hashing a whole frame and then writing it read them twice.
 Every block is still compared before it is written. A later block that fails leaves
 the chunk written in part, in the request's own pages: the transfer fails and those
-pages are freed, never read (transfer/validate.py).
+pages are freed, never read (transfer/receiving/validate.py).
 
 XXH3 (the `xxhash` package) runs several times faster per core than loopback TCP
 moves bytes, so the checksum is not the bottleneck (zlib.crc32 is slower than the wire).
 The sender hashes on its I/O thread, mostly before the decode's Ready comes
-(transfer/push.py), the native gather as it fills each frame.
+(transfer/sending/push.py), the native gather as it fills each frame.
 Non-cryptographic: it catches corruption, not forgery (CURVE authenticates the peer).
 """
 

@@ -15,7 +15,7 @@ With `runs` (token counts summing to tok_end - tok_start) a kind's KV comes inst
 kind's bytes in all. Each segment is its own frame (the prefill pool's own memory, sent
 without a gather where a request's slots lie in a few runs), or a kind's segments come
 one after another in one frame (a piece gathered page by page: fewer frames, the same
-segments). transfer/push.py sends both; validate.segments cuts the second into the first.
+segments). transfer/sending/push.py sends both; receiving/payload.py cuts the second into the first.
 `hashes` holds the XXH3-64 of each HASH_BLOCK-byte block of each segment in order, and
 `checksum` is the XXH3-64 of `hashes` (checksum.py): the decode checks each block right
 before writing it.
@@ -36,6 +36,7 @@ __all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 # 2: XXH3-64, 1: crc32)
 PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
+MAX_REMOTE_TEXT = 256  # characters of a peer's text kept (a reason, a layout)
 
 # Fields whose values go back on the wire, into reasons or into dicts: a header with one
 # out of these bounds is dropped as malformed (counted), so no handler sees it.
@@ -80,6 +81,10 @@ class Claim(_Msg, tag="claim", kw_only=True, frozen=True):
     session: Session
 
 
+# KVChunk.kind -> the kinds it carries, in frame order (0: K, 1: V)
+KINDS = {"kv": (0, 1), "k": (0,), "v": (1,)}
+
+
 class KVChunk(_Msg, tag="chunk", kw_only=True, frozen=True):
     room: Room
     session: Session
@@ -117,12 +122,17 @@ class Ack(_Msg, tag="ack", kw_only=True, frozen=True):
 class Abort(_Msg, tag="abort", kw_only=True, frozen=True):
     room: Room
     session: Session = 0  # 0: any session of the room
-    reason: str  # the sender's text: cut (peers.remote_text) wherever it is kept
+    reason: str  # the sender's text: cut (remote_text) wherever it is kept
 
 
 class Heartbeat(_Msg, tag="hb", kw_only=True, frozen=True):
     sender: Name
     seq: int
+
+
+def remote_text(text: str, limit: int = MAX_REMOTE_TEXT) -> str:
+    """`text` from a peer, cut to `limit` characters (it is kept and shown to clients)."""
+    return text if len(text) <= limit else text[:limit] + "...(cut)"
 
 
 Message = Announce | Ready | Claim | KVChunk | KVDone | Ack | Abort | Heartbeat

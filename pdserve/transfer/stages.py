@@ -2,7 +2,7 @@
 
 Stages (sender)   gather   pool slots -> staging buffer (the buffer ZeroMQ sends from)
                   checksum hashing the gathered frames
-                  prepare  hashing frames before the decode's Ready came (push.py:
+                  prepare  hashing frames before the decode's Ready came (sending/push.py:
                            Pusher.prepare), outside the transfer's wall time
                   send     queueing frames to libzmq, and waiting for a free staging
                            buffer (backpressure: the wire is behind)

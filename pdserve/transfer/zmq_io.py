@@ -117,7 +117,7 @@ def connect(sock: zmq.Socket, endpoint: str) -> None:
 
 
 def _tracked(f: Frame) -> bool:
-    """A zmq.Frame made with a tracker (push.zero_copy): sent as it is."""
+    """A zmq.Frame made with a tracker (sending/pieces.zero_copy): sent as it is."""
     return isinstance(f, zmq.Frame) and f.tracker is not None
 
 
@@ -160,7 +160,7 @@ class MsgSocket:
         every one however small (pyzmq would copy those under its copy threshold, and
         report them done at once); the returned trackers say when libzmq no longer reads
         them: one per message sent natively, else one per frame. A frame may come already
-        made (a tracked zmq.Frame, made before its message was due: push.zero_copy); its
+        made (a tracked zmq.Frame, made before its message was due: sending/pieces.zero_copy); its
         tracker is done only once the caller has dropped it too. `frames` may also come
         made for a native send (zmq_native.Frames, made before the message was due)."""
         if not frames and self.hook is None and not self.routed:  # a header alone (Ready,

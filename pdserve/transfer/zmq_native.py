@@ -23,7 +23,7 @@ Invariants:
 - A frame's memory stays valid until its message's Pending is done: the Pending keeps
   a reference to the frames, and one dropped before it is done is kept (`_orphans`)
   until it is. (Untouched is the caller's part: a room is reported, and its pages
-  freed, only once its Pendings are done: sender.py.)
+  freed, only once its Pendings are done: sending/sender.py.)
 - Slots are never freed, only reused once their count is 0: libzmq may count a frame off
   after its socket is closed (linger 0 discards queued messages from libzmq's reaper).
 """
@@ -210,7 +210,7 @@ class NativeSend:
 class Frames:
     """A message's frames made ready for NativeSend: their addresses and sizes as C arrays
     (about 25 us for eight here, most of a send's Python), made where the caller can
-    afford it (push.py: before the decode's Ready, as pyzmq's frames are).
+    afford it (sending/push.py: before the decode's Ready, as pyzmq's frames are).
     Precondition: NativeSend.takes(arrays)."""
 
     __slots__ = ("arrays", "addrs", "sizes")

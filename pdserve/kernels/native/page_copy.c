@@ -2,7 +2,7 @@
  *
  *   pd_page_runs_check, then pd_page_scatter_layers     the decode: a received chunk's
  *                     rows, by prompt position, into the request's pages (any alignment):
- *                     one call per kind of a chunk (transfer/validate.py), its layers a
+ *                     one call per kind of a chunk (transfer/receiving/writer.py), its layers a
  *                     par.c range function (kernels/native/page_copy.py scatter_runs); with the
  *                     chunk's block hashes, each block is hashed and compared right
  *                     before it is written, while it is in this core's L1

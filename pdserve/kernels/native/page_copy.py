@@ -11,13 +11,13 @@
                source): each block is hashed and compared right before it is written,
                while it is in L1, and a layer stops at its first block that does not match
         One call writes a whole received chunk of one kind, pages entered or left
-        mid-way included (transfer/validate.py, through a PageWriter: the same call
+        mid-way included (transfer/receiving/writer.py, through a PageWriter: the same call
         with its C arguments made once per pool, each chunk setting only its own).
 
     gather_runs(src, tpages, P, t0, runs, frames, block)  ->  the frames' block hashes
         The inverse, on the prefill: a piece's rows out of the request's pages into
         its frames (writable, one per layer and run), each frame hashed while it is
-        still in the cache of the core that filled it (transfer/push.py, a piece whose
+        still in the cache of the core that filled it (transfer/sending/push.py, a piece whose
         pages are scattered over the pool).
 
     block_hashes(frames, block)  ->  the frames' block hashes (transfer/checksum.py),
@@ -35,7 +35,7 @@ Non-temporal stores where the CPU has them (page_copy.c says why): the pages wri
 not read again soon, so they need not displace the cache, which makes the write faster
 than numpy's fancy-index assignment. A request's slots that are not
 whole pages in prompt order (never the decode's allocator) go through numpy instead
-(transfer/staging.py). The decode's KVReceiver loads it at start-up (library.load: once per
+(transfer/receiving/writer.py). The decode's KVReceiver loads it at start-up (library.load: once per
 process), unless --disable-compile. The wrapper checks what
 the C code trusts (dtypes, shapes, strides, writability, the hash count); the C code
 checks the page numbers before it writes anything.
@@ -56,7 +56,7 @@ from pdserve.kernels.native.par import Split, Threads, range_fn
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
-MAX_RUNS = 64  # runs a KVChunk may name (validate.py; the prefill sends at most push.MAX_RUNS)
+MAX_RUNS = 64  # runs a KVChunk may name (transfer/receiving/validate.py; a prefill sends at most sending/pieces.MAX_RUNS)
 
 
 def _paged(a: np.ndarray) -> bool:
@@ -255,7 +255,7 @@ def page_copy(
 
 class PageWriter:
     """The scatter with hashes (the module docstring's scatter_runs), into one pool's K
-    and V, made once per pool (transfer/receiver.py): each chunk sets only its own
+    and V, made once per pool (transfer/receiving/writer.py PoolWriters): each chunk sets only its own
     fields in C arguments made here. On this machine Python runs several times slower on a core that has been idle
     a few milliseconds (its caches taken meanwhile), as the decode's I/O thread is
     between a transfer's messages: what a chunk runs of it is kept to one short loop

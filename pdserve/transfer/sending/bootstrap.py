@@ -6,30 +6,29 @@
               and model (checked: peers.ready_mismatch) -> Claim back, then KV is pushed
     Ack       the decode has the KV: the room is released ok
     Abort     the decode gave up: the room fails (session 0: before or without a Ready)
+    Heartbeat both ways, every heartbeat_s: a decode silent past peer_timeout_s is dead,
+              and every room held for it fails
 
 A room a decode opens before this prefill has its request counts against that decode's
 share (PeerRooms) and all rooms (MAX_ROOMS); past either the Ready is refused by name.
+Refusals go both ways: a room the prefill refused before the decode was known gets an
+Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
+room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
 Mixed into KVSender, which owns the state and the failure paths named below.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from pdserve.netaddr import endpoint_problem
 from pdserve.transfer.base import SinkEvent
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Ack, Announce, Claim, Ready
-from pdserve.transfer.peers import (
-    MAX_ROOMS,
-    PeerClock,
-    PeerRooms,
-    Refusals,
-    ready_mismatch,
-    remote_text,
-)
-from pdserve.transfer.push import Room
+from pdserve.transfer.messages import Abort, Ack, Announce, Claim, Heartbeat, Ready, remote_text
+from pdserve.transfer.sending.peers import MAX_ROOMS, PeerClock, PeerRooms, Refusals, ready_mismatch
+from pdserve.transfer.sending.room import Room
 from pdserve.transfer.zmq_io import MsgSocket
 
 
@@ -45,6 +44,8 @@ class BootstrapChannel:
     model: str
     ready_timeout_s: float
     refused_rooms: int
+    bootstrap_port: int
+    _seq: Iterator[int]  # Heartbeat.seq
 
     if TYPE_CHECKING:
 
@@ -57,6 +58,20 @@ class BootstrapChannel:
         def _remove(self, st: Room) -> None: ...
 
         def _report(self, st: Room, event: SinkEvent) -> None: ...
+
+    def _heartbeat(self) -> None:
+        """Tell each decode holding a room here that this prefill is alive."""
+        hb = Heartbeat(sender=f"prefill:{self.bootstrap_port}", seq=next(self._seq))
+        for peer in {s.peer for s in self._rooms.values() if s.peer}:
+            self._ctrl.send(hb, to=peer)
+
+    def _fail_silent_peers(self, now: float) -> None:
+        """A decode that stopped heartbeating is dead: fail every room held for it."""
+        for st in [s for s in self._rooms.values() if s.peer]:
+            silent = self._peers.silent_for(st.peer, now)
+            if silent > self._peers.timeout_s:
+                self._fail(st, f"decode silent for {silent:.1f}s (dead?)", notify=False)
+        self._peers.forget_except({s.peer for s in self._rooms.values() if s.peer})
 
     def _on_control(self) -> None:
         peer, msg, _ = self._ctrl.recv(block=False)

@@ -15,7 +15,10 @@ Invariants:
 - A chunk's header is validated completely (room, session, ranges, byte counts, the
   checksum of its block hashes, no overlap with what arrived before) before a single
   byte is written, and each block of its payload is checked against its hash before
-  it is written (validate.py); a chunk refused part-way fails its transfer.
+  it is written (validate.py, writer.py); a chunk refused part-way fails its transfer.
+
+KVReceiver's engine-thread side and its control sockets are here; what comes on its data
+socket is handled by data.py's DataChannel.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import logging
 import secrets
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -32,41 +34,24 @@ import torch
 import zmq
 
 from pdserve.envs import cache_root
-from pdserve.kernels.page_io import Writer, page_io
+from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.netaddr import tcp_endpoint
-from pdserve.transfer.base import SourceEvent, Ticket, prefill_stages
-from pdserve.transfer.control import ControlSockets
+from pdserve.transfer.base import SourceEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import (
-    Abort,
-    Ack,
-    Announce,
-    Claim,
-    Decoder,
-    Heartbeat,
-    KVChunk,
-    KVDone,
-    Ready,
-)
+from pdserve.transfer.messages import Abort, Announce, Claim, Decoder, Heartbeat, Ready, remote_text
 from pdserve.transfer.peer_guard import PeerGuard
-from pdserve.transfer.peers import remote_text
-from pdserve.transfer.staging import PageViews, PoolPages
-from pdserve.transfer.validate import (
-    Transfer,
-    check_chunk,
-    check_done,
-    data_limits,
-    segments,
-    write_chunk,
-)
+from pdserve.transfer.receiving.control import ControlSockets
+from pdserve.transfer.receiving.data import DataChannel, data_limits
+from pdserve.transfer.receiving.transfer import Transfer
+from pdserve.transfer.receiving.writer import PoolWriters
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
 
 log = logging.getLogger(__name__)
 
 
-class KVReceiver:
+class KVReceiver(DataChannel):
     """`KVSource` over ZeroMQ. expect/cancel/poll are called from one engine thread."""
 
     def __init__(
@@ -105,10 +90,7 @@ class KVReceiver:
         self.decode_id = f"decode-{secrets.randbits(48):012x}"
         self._curve = curve
         self._decoder = Decoder()
-        self._pool_pages = PoolPages()  # I/O thread
-        # pool -> (the views a writer was made for, the writer): KVReceiver._writer
-        self._writers: weakref.WeakKeyDictionary[KVPool, tuple[PageViews, Writer]]
-        self._writers = weakref.WeakKeyDictionary()
+        self._writers = PoolWriters(self._pages)  # I/O thread
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
@@ -206,10 +188,6 @@ class KVReceiver:
             counts = {"active_rooms": len(self._xfers), **self._decoder.dropped, **self.counters}
         return {**counts, "control_sockets": len(self._ctl), "control_refused": self._ctl.refused}
 
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counters[name] += 1
-
     def active_rooms(self) -> set[int]:
         with self._lock:
             return set(self._xfers)
@@ -248,79 +226,7 @@ class KVReceiver:
             self._fail(x, f"cannot reach prefill {x.endpoint}", notify=False)
             return
         # NOTE: off the transfer's path, while the Ready is on its way
-        views = self._pool_pages.of(x.pool)
-        x.arm(views, self._writer(x.pool, views))
-
-    def _writer(self, pool: KVPool, views: PageViews) -> Writer | None:
-        """The writer into `pool`'s pages `views` (None: not a CPU pool of pages), made
-        once per pool (about a transfer's arming again, the first time) and reused while
-        its views are the same."""
-        k, v = views
-        if k is None or v is None:
-            return None
-        hit = self._writers.get(pool)
-        if hit is None or hit[0] is not views:
-            hit = self._writers[pool] = (
-                views,
-                self._pages.writer((k, v), pool.layout.page_size),
-            )
-        return hit[1]
-
-    def _lookup(self, room: int, session: int) -> Transfer | None:
-        with self._lock:
-            x = self._xfers.get(room)
-        if x is None:
-            self._count("unknown_room")
-        elif x.session != session:
-            self._count("stale_session")
-            return None
-        return x
-
-    def _on_data(self) -> None:
-        _, msg, frames = self._data.recv(block=False)
-        if isinstance(msg, KVChunk):
-            self._on_chunk(msg, frames)
-        elif isinstance(msg, KVDone):
-            self._on_done(msg)
-        elif msg is not None:
-            self._count("unexpected_message")
-
-    def _on_chunk(self, hdr: KVChunk, frames: list[zmq.Frame]) -> None:
-        x = self._lookup(hdr.room, hdr.session)
-        if x is None:
-            return
-        self._ctl.heard(x.endpoint)
-        x.claimed = True
-        bufs = segments(self.layout, hdr, [f.buffer for f in frames])
-        reason = check_chunk(self.layout, x, hdr, bufs, self._pages)
-        try:
-            with x.lock:
-                if not reason and x.open:  # NOTE: cancel() may have closed it since the lookup
-                    # "" unless a block failed its hash as it was about to be written
-                    reason = write_chunk(x, hdr, bufs, self._pages)
-        except Exception as e:  # fail closed: partially written KV is never reported ok
-            self._fail(x, f"internal error while writing KV: {e!r}")
-            return
-        if reason:
-            self._count("refused_chunk")
-            self._fail(x, f"chunk {hdr.index} refused: {reason}")
-
-    def _on_done(self, done: KVDone) -> None:
-        x = self._lookup(done.room, done.session)
-        if x is None:
-            return
-        reason = check_done(x, done)
-        if reason:
-            self._fail(x, f"KVDone refused: {reason}")
-            return
-        if self._close(x):
-            stages = prefill_stages(done.stages)
-            ok = SourceEvent(x.req.rid, True, done.first_token, done.first_logprob, stages=stages)
-            # NOTE: the Ack first: sent after the report, it reached the prefill together
-            # with the engine's next Ready, which then waited for it (traced, 1k tokens
-            # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)
-            self._ctl.send(x.endpoint, Ack(room=done.room, session=done.session))
-            self._io.emit(ok)
+        x.arm(*self._writers.of(x.pool))
 
     def _on_control(self, endpoint: str, sock: MsgSocket) -> None:
         _, msg, _ = sock.recv(block=False)

@@ -11,15 +11,11 @@ up to `ready_timeout_s` for the other side, but only while that decode heartbeat
 What a peer can make this side keep is bounded: rooms per peer and in all, refusals
 remembered, text kept (peers.py), data endpoints (netaddr-checked, at most MAX_DATA_SOCKETS).
 
-Refusals go both ways: a room the prefill refused before the decode was known gets an
-Abort for its Ready; a decode's Abort for a room not admitted here yet is reported as a
-room-only SinkEvent (a queued request is dropped) and refuses a later on_admit.
-
 Invariants:
 - Only the I/O thread touches the sockets and the pool memory; it emits a room's
   SinkEvent only after the last read of that room's slots, its own or libzmq's, so
   once poll() reports a room the prefill may free its pages at once.
-- Pool memory reaches ZeroMQ only as frames sent in place (push.py): read by libzmq
+- Pool memory reaches ZeroMQ only as frames sent in place (pieces.py): read by libzmq
   until their trackers say done, so a room's SinkEvent waits for those (`_report`;
   a dead decode's queued frames are released when its socket is dropped). Any other
   chunk is gathered into a staging tensor, reused only once its trackers say done and
@@ -41,12 +37,12 @@ from pdserve.envs import cache_root
 from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
-from pdserve.transfer.bootstrap import BootstrapChannel
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Decoder, Heartbeat
+from pdserve.transfer.messages import Abort, Decoder
 from pdserve.transfer.peer_guard import PeerGuard
-from pdserve.transfer.peers import (
+from pdserve.transfer.sending.bootstrap import BootstrapChannel
+from pdserve.transfer.sending.peers import (
     MAX_ROOMS_PER_PEER,
     DataSockets,
     PeerClock,
@@ -54,8 +50,11 @@ from pdserve.transfer.peers import (
     Refusals,
     timeout_reason,
 )
-from pdserve.transfer.push import Piece, Pusher, Room, phase
-from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, Tracker, bind, make_socket
+from pdserve.transfer.sending.pieces import Piece
+from pdserve.transfer.sending.push import Pusher
+from pdserve.transfer.sending.release import Releases
+from pdserve.transfer.sending.room import Room, phase
+from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, bind, make_socket
 from pdserve.transfer.zmq_native import native_send
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,6 @@ class KVSender(BootstrapChannel):
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
-        self._held: list[tuple[list[Tracker], SinkEvent]] = []  # see _report
         self._refused = Refusals(ready_timeout_s)
         self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
@@ -118,6 +116,7 @@ class KVSender(BootstrapChannel):
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
+        self._releases = Releases(self._io.emit)  # see _report
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
         if curve is not None:
@@ -269,10 +268,6 @@ class KVSender(BootstrapChannel):
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
 
-    def _drop_idle_endpoint(self, endpoint: str) -> None:
-        if not any(s.ready and s.ready.data_endpoint == endpoint for s in self._rooms.values()):
-            self._data.drop(endpoint)
-
     def _remove(self, st: Room) -> None:
         if self._rooms.get(st.room) is st:
             del self._rooms[st.room]
@@ -289,31 +284,22 @@ class KVSender(BootstrapChannel):
         elif tell_engine:  # queued in the prefill, not admitted: nothing of it was sent
             self._io.emit(SinkEvent("", False, reason, room=st.room))
         if st.ready is not None:
-            self._drop_idle_endpoint(st.ready.data_endpoint)
+            self._data.drop_idle(st.ready.data_endpoint)
         if st.req is None or st.ready is None:
             # NOTE: one side not known yet: a later on_admit / Ready of this room is
             # refused with the same reason (a prefill rejection must reach the decode)
             self._refused.add(st.room, reason)
 
     def _report(self, st: Room, event: SinkEvent) -> None:
-        """Emit `event` (the engine then frees st's pages) once libzmq reads none of them:
-        at once for frames it is already done with, else from a later tick (`_held`)."""
-        if settled(st.inflight):
-            self._io.emit(event)
-        else:
-            self._held.append((st.inflight, event))
+        """Emit `event` (the engine then frees st's pages) once libzmq reads none of them."""
+        self._releases.report(st.inflight, event)
 
     # ---- timers (I/O thread) --------------------------------------------------------
     def _tick(self) -> None:
         if self._guard is not None:
             self._guard.check()
         now = time.monotonic()
-        held, self._held = self._held, []
-        for trackers, event in held:
-            if all(t.done for t in trackers):
-                self._io.emit(event)
-            else:
-                self._held.append((trackers, event))
+        self._releases.tick()
         boot = self.bootstrap_timeout_s
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
             try:
@@ -325,36 +311,8 @@ class KVSender(BootstrapChannel):
         self._refused.expire(now)
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_s
-            hb = Heartbeat(sender=f"prefill:{self.bootstrap_port}", seq=next(self._seq))
-            for peer in {s.peer for s in self._rooms.values() if s.peer}:
-                self._ctrl.send(hb, to=peer)
-
-    def _fail_silent_peers(self, now: float) -> None:
-        """A decode that stopped heartbeating is dead: fail every room held for it."""
-        for st in [s for s in self._rooms.values() if s.peer]:
-            silent = self._peers.silent_for(st.peer, now)
-            if silent > self._peers.timeout_s:
-                self._fail(st, f"decode silent for {silent:.1f}s (dead?)", notify=False)
-        self._peers.forget_except({s.peer for s in self._rooms.values() if s.peer})
+            self._heartbeat()
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
         self._data.close()
-
-
-SETTLE_S = 0.002  # how long a report waits for trackers libzmq is about to finish
-
-
-def settled(trackers: list[Tracker], wait_s: float = SETTLE_S) -> bool:
-    """Whether libzmq is done with every tracked frame, waiting up to `wait_s` in all:
-    a pyzmq frame's tracker is set by pyzmq's collector thread a moment after libzmq lets
-    go (a native send's at once, by libzmq's I/O thread)."""
-    end = time.monotonic() + wait_s
-    for t in trackers:
-        if t.done:
-            continue
-        try:
-            t.wait(max(0.0, end - time.monotonic()))
-        except zmq.NotDone:
-            return False
-    return True

@@ -12,7 +12,7 @@ every room held for it is failed.
 Ready / Announce for rooms no prefill request has) is refused past a cap.
 
 `ready_mismatch` / `timeout_reason`: why a room must fail (user-facing reasons).
-Text a peer sent is cut (`remote_text`) before it is kept or passed on.
+Text a peer sent is cut (messages.remote_text) before it is kept or passed on.
 """
 
 from __future__ import annotations
@@ -24,24 +24,18 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.transfer.identity import describe_mismatch
-from pdserve.transfer.messages import Decoder
+from pdserve.transfer.messages import Decoder, remote_text
 from pdserve.transfer.peer_guard import PeerGuard
-from pdserve.transfer.push import Room
+from pdserve.transfer.sending.room import Room
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, connect, make_socket
 from pdserve.transfer.zmq_native import NativeSend
 
-MAX_REMOTE_TEXT = 256  # characters of a peer's text kept (a reason, a layout)
 MAX_REFUSALS = 16384  # rooms remembered as refused; the oldest go first
 MAX_DATA_SOCKETS = 256  # decode data endpoints a prefill pushes to at once
 # rooms one decode may hold here: its queue and its batch (SchedulerConfig's defaults
 # are 4096 queued and 64 running); and all decodes together
 MAX_ROOMS_PER_PEER = 8192
 MAX_ROOMS = 65536
-
-
-def remote_text(text: str, limit: int = MAX_REMOTE_TEXT) -> str:
-    """`text` from a peer, cut to `limit` characters (it is kept and shown to clients)."""
-    return text if len(text) <= limit else text[:limit] + "...(cut)"
 
 
 class Refusals:
@@ -159,6 +153,11 @@ class DataSockets:
         if idle is not None:
             self.drop(idle)
         return idle is not None
+
+    def drop_idle(self, endpoint: str) -> None:
+        """Close the PUSH to `endpoint` unless a room still uses it (`busy`)."""
+        if endpoint not in self._busy():
+            self.drop(endpoint)
 
     def drop(self, endpoint: str) -> None:
         """Close the PUSH to `endpoint` (no live room uses it), so KV queued for a dead

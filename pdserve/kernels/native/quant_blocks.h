@@ -1,0 +1,214 @@
+/* GGUF's block formats, de-quantized a row at a time (row_q8_0 .. row_q6_k, chosen by
+ * row_of): the float values `gguf`'s de-quantize gives, per type.
+ *
+ * Why a header of its own: what a block holds is one concern, how the linear tiles, dots
+ * and threads the rows (linear_quant.c, its one includer) another. The build key hashes
+ * the headers here with each source (kernels/native/library.py). */
+#ifndef PD_QUANT_BLOCKS_H
+#define PD_QUANT_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+
+/* IEEE half -> float, exact (subnormals, infinities and NaN included): one instruction
+ * with F16C, else by its bits. A block's scales are converted once per block per row. */
+#if defined(__F16C__)
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+#else
+static float half(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* y[0, 16) = s * q[0, 16) + m: the only float arithmetic of a de-quantize (the q are
+ * exact small integers, so where gguf computes d * q + m this is the same). */
+static inline void scale16(const int8_t *q, float s, float m, float *y) {
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s), f), _mm512_set1_ps(m)));
+#elif defined(__AVX2__)
+    for (int h = 0; h < 16; h += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(q + h));
+        __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        _mm256_storeu_ps(y + h, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s), f),
+                                              _mm256_set1_ps(m)));
+    }
+#else
+    for (int l = 0; l < 16; l++) y[l] = s * (float)q[l] + m;
+#endif
+}
+
+/* lo[l] = (src[l] & 15) - off, hi[l] = (src[l] >> 4) - off for l < n (n: 16 or 32) */
+static inline void nibbles(const uint8_t *src, int n, int off, int8_t *lo, int8_t *hi) {
+#if defined(__SSE2__)
+    const __m128i mask = _mm_set1_epi8(0xf), o = _mm_set1_epi8((char)off);
+    for (int l = 0; l < n; l += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + l));
+        _mm_storeu_si128((__m128i *)(lo + l), _mm_sub_epi8(_mm_and_si128(v, mask), o));
+        __m128i h = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        _mm_storeu_si128((__m128i *)(hi + l), _mm_sub_epi8(h, o));
+    }
+#else
+    for (int l = 0; l < n; l++) {
+        lo[l] = (int8_t)((src[l] & 0xf) - off);
+        hi[l] = (int8_t)((src[l] >> 4) - off);
+    }
+#endif
+}
+
+/* The integer stage of each type fills q[] (exact small integers as int8, byte loops the
+ * compiler vectorizes); scale16 applies the block's scale (and min). */
+
+static void row_q8_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k; i += 32, b += 34, y += 32) {
+        float d = half(b);
+        scale16((const int8_t *)(b + 2), d, 0.0f, y);
+        scale16((const int8_t *)(b + 18), d, 0.0f, y + 16);
+    }
+}
+
+static void row_q4_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 18, y += 32) {
+        float d = half(b);
+        nibbles(b + 2, 16, 8, q, q + 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
+    }
+}
+
+static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 20, y += 32) {
+        float d = half(b), m = half(b + 2);
+        nibbles(b + 4, 16, 0, q, q + 16);
+        scale16(q, d, m, y);
+        scale16(q + 16, d, m, y + 16);
+    }
+}
+
+static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 22, y += 32) {
+        float d = half(b);
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        nibbles(b + 6, 16, 0, q, q + 16);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)((q[l] | (((qh >> l) & 1) << 4)) - 16);
+        scale16(q, d, 0.0f, y);
+        scale16(q + 16, d, 0.0f, y + 16);
+    }
+}
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes */
+static void scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32, value (d * sc) * q - dmin * m; q[256] filled */
+static void scale_k(const uint8_t *b, const int8_t *q, float *y) {
+    float d = half(b), dmin = half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min(b + 4, j, &sc, &mn);
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        scale16(q + 32 * j, ds, -dm, y + 32 * j); /* + (-dm) is - dm exactly */
+        scale16(q + 32 * j + 16, ds, -dm, y + 32 * j + 16);
+    }
+}
+
+static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 144, y += 256) {
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) nibbles(qs + 32 * c, 32, 0, q + 64 * c, q + 64 * c + 32);
+        scale_k(b, q, y);
+    }
+}
+
+static void row_q5_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 176, y += 256) {
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int c = 0; c < 4; c++) {
+            int8_t *lo = q + 64 * c, *hi = lo + 32;
+            nibbles(qs + 32 * c, 32, 0, lo, hi);
+            for (int l = 0; l < 32; l++) {
+                lo[l] |= (int8_t)(((qh[l] >> (2 * c)) & 1) << 4);
+                hi[l] |= (int8_t)(((qh[l] >> (2 * c + 1)) & 1) << 4);
+            }
+        }
+        scale_k(b, q, y);
+    }
+}
+
+static void row_q6_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 210, y += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = half(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            int8_t *o = q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (int8_t)(((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = (int8_t)(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        for (int s = 0; s < 16; s++) scale16(q + 16 * s, d * (float)sc[s], 0.0f, y + 16 * s);
+    }
+}
+
+typedef void (*row_fn)(const uint8_t *, float *, int64_t);
+
+static row_fn row_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return row_q8_0;
+    case Q4_0: return row_q4_0;
+    case Q4_1: return row_q4_1;
+    case Q5_0: return row_q5_0;
+    case Q4_K: return row_q4_k;
+    case Q5_K: return row_q5_k;
+    case Q6_K: return row_q6_k;
+    default: return 0;
+    }
+}
+
+#endif
