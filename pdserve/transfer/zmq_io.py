@@ -17,6 +17,7 @@ import zmq
 from pdserve.netaddr import is_ipv6_endpoint, is_loopback
 from pdserve.transfer import stages
 from pdserve.transfer.messages import MAX_HEADER_BYTES, Decoder, Message, encode
+from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.zmq_native import Frames, NativeSend, Pending
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ MAX_WIRE_FRAME_BYTES = 64 << 20
 # frames of max_frame_bytes, so this bounds what a peer parks here at about
 # RCV_HWM * MAX_WIRE_FRAME_BYTES in theory, far less in practice (the sender's frames).
 # NOTE: libzmq counts whole messages here and checks MAXMSGSIZE per frame: neither bounds
-# ONE multipart message whose frames keep coming (docs/security.md, ZeroMQ ports); CURVE does,
-# by letting only holders of the cluster secret connect.
+# ONE multipart message whose frames keep coming; peer_guard.py does (without CURVE), and
+# CURVE by letting only holders of the cluster secret connect (docs/security.md).
 RCV_HWM = 1000
 
 
@@ -134,17 +135,22 @@ class MsgSocket:
         hook: SendHook | None = None,
         native: NativeSend | None = None,
         limits: tuple[int, int] = CONTROL_LIMITS,
+        guard: PeerGuard | None = None,
     ) -> None:
         """`native`: frames that are numpy arrays go through libzmq's C API (zmq_native.py),
         unless a hook is set (fault injection sees and sends pyzmq frames). `limits`: the
         most frames and bytes a whole message received may have (beyond: dropped as
-        oversized, and logged)."""
+        oversized, and logged). `guard`: hangs up a peer connection holding more than
+        `limits` of an unfinished message (peer_guard.py)."""
         self.limits = limits
         self.sock = sock
         self.decoder = decoder
         self.hook = hook
         self.routed = sock.type == zmq.ROUTER
         self.native = native if hook is None and not self.routed else None
+        self.guard = guard
+        if guard is not None:  # a PUSH is sent nothing: any message to it is too much
+            guard.watch(sock, (0, 0) if sock.type == zmq.PUSH else limits)
 
     def send(
         self, msg: Message, frames: Sequence[Frame] | Frames = (), to: bytes | None = None
@@ -193,6 +199,8 @@ class MsgSocket:
         peer = None
         if self.routed:
             peer, parts = parts[0].bytes, parts[1:]
+        if self.guard is not None:
+            self.guard.received(self.sock, parts)
         if len(parts) > self.limits[0] or sum(len(p) for p in parts) > self.limits[1]:
             self.decoder.dropped["oversized"] += 1
             log.warning("dropped a message of %d frames, %d bytes from %r (limits %s)",
@@ -204,4 +212,6 @@ class MsgSocket:
         return peer, self.decoder.decode(parts[0].buffer), parts[1:]
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.forget(self.sock)
         self.sock.close(linger=0)

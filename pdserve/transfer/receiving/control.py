@@ -24,6 +24,7 @@ import zmq
 
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Decoder, Message
+from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, connect, make_socket
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ControlSockets:
         self.last_seen: dict[str, float] = {}  # endpoint -> last message from the prefill
         self.refused = 0  # sends refused: too many endpoints, or no pipe to the peer
         self.announced: dict[int, str] = {}  # room -> prefill endpoint, no transfer yet
+        self.guard: PeerGuard | None = None  # set by the owner (peer_guard.py)
 
     def announce(self, room: int, endpoint: str, msg: Message) -> None:
         self.announced[room] = endpoint
@@ -113,13 +115,14 @@ class ControlSockets:
             return None
         curve = None if self._curve is None else self._curve.for_server(self._curve.public)
         raw = make_socket(zmq.DEALER, curve, never_block=True)
+        sock = MsgSocket(raw, self._decoder, guard=self.guard)  # its monitor sees the connect
         try:
             connect(raw, endpoint)
         except zmq.ZMQError as e:
             log.warning("cannot connect to %s: %s", endpoint, e)
-            raw.close(linger=0)
+            sock.close()
             return None
-        sock = self._socks[endpoint] = MsgSocket(raw, self._decoder)
+        self._socks[endpoint] = sock
         self._io.add_reader(raw, lambda: self._on_message(endpoint, sock))
         return sock
 

@@ -41,6 +41,7 @@ from pdserve.transfer.base import SourceEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Announce, Claim, Decoder, Heartbeat, Ready, remote_text
+from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.receiving.control import ControlSockets
 from pdserve.transfer.receiving.data import DataChannel, data_limits
 from pdserve.transfer.receiving.transfer import Transfer
@@ -96,14 +97,18 @@ class KVReceiver(DataChannel):
         self._io = IOThread("kv-receiver", tick_s=0.05)
         # prefill bootstrap endpoint -> DEALER (I/O thread)
         self._ctl = ControlSockets(self._io, self._decoder, curve, self._on_control, self._busy)
+        # an unfinished message's bound (with CURVE, only the cluster's workers connect)
+        self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
+        self._ctl.guard = self._guard
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
         if curve is not None:
             authorize(curve)  # ZAP: only holders of the cluster secret may connect
         pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
+        # NOTE: before the bind, so the guard's monitor sees every connection
+        self._data = MsgSocket(pull, self._decoder, limits=data_limits(layout), guard=self._guard)
         self.data_port = bind(pull, host, data_port)
         self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"
-        self._data = MsgSocket(pull, self._decoder, limits=data_limits(layout))
         self._io.add_reader(pull, self._on_data)
         self._io.start()
 
@@ -257,6 +262,8 @@ class KVReceiver(DataChannel):
             self._ctl.send(x.endpoint, Abort(room=x.req.room, session=x.session, reason=reason))
 
     def _tick(self) -> None:
+        if self._guard is not None:
+            self._guard.check()
         now = time.monotonic()
         with self._lock:
             xfers = list(self._xfers.values())

@@ -25,6 +25,7 @@ import zmq
 
 from pdserve.transfer.identity import describe_mismatch
 from pdserve.transfer.messages import Decoder, remote_text
+from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.sending.room import Room
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, SendHook, connect, make_socket
 from pdserve.transfer.zmq_native import NativeSend
@@ -123,6 +124,7 @@ class DataSockets:
         self._busy = busy
         self._socks: dict[str, MsgSocket] = {}  # in order of last use, oldest first
         self.max_sockets = MAX_DATA_SOCKETS
+        self.guard: PeerGuard | None = None  # set by the owner (peer_guard.py)
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -140,8 +142,9 @@ class DataSockets:
             # keypair as the bootstrap server (one cluster keypair; see curve.py).
             curve = None if self._curve is None else self._curve.for_server(self._curve.public)
             raw = make_socket(zmq.PUSH, curve, never_block=True)
-            connect(raw, endpoint)
-            sock = self._socks[endpoint] = MsgSocket(raw, self._decoder, self._hook, self._native)
+            sock = MsgSocket(raw, self._decoder, self._hook, self._native, guard=self.guard)
+            connect(raw, endpoint)  # after the guard's monitor is on
+            self._socks[endpoint] = sock
         return sock
 
     def _evict(self) -> bool:

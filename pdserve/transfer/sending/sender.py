@@ -40,6 +40,7 @@ from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.messages import Abort, Decoder
+from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.sending.bootstrap import BootstrapChannel
 from pdserve.transfer.sending.peers import (
     MAX_ROOMS_PER_PEER,
@@ -109,6 +110,9 @@ class KVSender(BootstrapChannel):
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
+        # an unfinished message's bound (with CURVE, only the cluster's workers connect)
+        self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
+        self._data.guard = self._guard
         self._seq = itertools.count()
         self._next_hb = 0.0
         self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
@@ -118,8 +122,9 @@ class KVSender(BootstrapChannel):
         if curve is not None:
             authorize(curve)  # ZAP: only holders of the cluster secret may connect
         router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
+        # NOTE: before the bind, so the guard's monitor sees every connection
+        self._ctrl = MsgSocket(router, self._decoder, fault_hook, guard=self._guard)
         self.bootstrap_port = bind(router, bootstrap_host, bootstrap_port)
-        self._ctrl = MsgSocket(router, self._decoder, fault_hook)
         self._io.add_reader(router, self._on_control)
         self._io.start()
 
@@ -291,6 +296,8 @@ class KVSender(BootstrapChannel):
 
     # ---- timers (I/O thread) --------------------------------------------------------
     def _tick(self) -> None:
+        if self._guard is not None:
+            self._guard.check()
         now = time.monotonic()
         self._releases.tick()
         boot = self.bootstrap_timeout_s
