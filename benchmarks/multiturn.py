@@ -38,6 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 import compare  # noqa: E402
 import multiturn_servers as ms  # noqa: E402
+from proc_cpu import Usage  # noqa: E402
 
 REFERENCE = "cache-off"  # whose answers extend the histories
 # ratio name -> (numerator server, denominator server, figure)
@@ -46,6 +47,7 @@ RATIOS = {
     "ttft_on_vllm": ("cache-on", "vllm", "ttft_p50_ms"),
     "tok_s_on_vllm": ("cache-on", "vllm", "tok_s"),
     "tok_s_on_off": ("cache-on", "cache-off", "tok_s"),
+    "tpot_on_vllm": ("cache-on", "vllm", "tpot_p50_ms"),
 }
 
 
@@ -116,8 +118,16 @@ async def one_turn(s: ms.Server, prompts: list[list[int]], new: int,
 def figures(replies: list[ms.Reply], wall: float) -> dict[str, Any]:
     ttft = [r.ttft * 1e3 for r in replies]
     tokens = sum(len(r.ids) for r in replies)
-    return {"ttft_ms": ttft, "ttft_p50_ms": statistics.median(ttft), "wall_s": wall,
-            "output_tokens": tokens, "tok_s": tokens / wall}  # fmt: skip
+    out = {"ttft_ms": ttft, "ttft_p50_ms": statistics.median(ttft), "wall_s": wall,
+           "output_tokens": tokens, "tok_s": tokens / wall,
+           "tpot_p50_ms": statistics.median(r.tpot * 1e3 for r in replies)}  # fmt: skip
+    stages = {k for r in replies for k in r.breakdown}
+    if stages:  # pdserve's: where each request's first token waited (stage -> ms, p50)
+        out["ttft_breakdown_p50_ms"] = {
+            k: statistics.median(r.breakdown[k] * 1e3 for r in replies if k in r.breakdown)
+            for k in sorted(stages)
+        }
+    return out
 
 
 async def conversations(args: argparse.Namespace, servers: list[ms.Server]) -> dict[str, Any]:
@@ -139,8 +149,9 @@ async def conversations(args: argparse.Namespace, servers: list[ms.Server]) -> d
         answers: dict[str, list[list[int]]] = {}
         done = {}
         for s in order:
+            usage = Usage(root=s.proc.pid)
             replies, wall = await one_turn(s, history, args.answer, args.concurrency)
-            done[s.name] = figures(replies, wall)
+            done[s.name] = {**figures(replies, wall), "cpu": usage.done()}
             answers[s.name] = [r.ids for r in replies]
         row["servers"] = {s.name: done[s.name] for s in servers}  # columns in a fixed order
         for name in same:
@@ -174,10 +185,36 @@ def summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "later_ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
         "later_ttft_p50_ms": pooled,
         "later_tok_s": tok_s,
+        "later_cpu": {n: later_cpu(later, n) for n in names},
+        "later_ttft_breakdown_p50_ms": {n: stage_medians(later, n) for n in names},
     }
     if "cache-on" in pooled and "cache-off" in pooled:
         out["later_ttft_p50_on_off"] = pooled["cache-on"] / pooled["cache-off"]
     return out
+
+
+def stage_medians(later: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """pdserve's TTFT stages over `later` turns: the median of the turns' p50s."""
+    rows = [r["servers"][name].get("ttft_breakdown_p50_ms") or {} for r in later]
+    stages = {k for row in rows for k in row}
+    return {k: statistics.median(row[k] for row in rows if k in row) for k in sorted(stages)}
+
+
+def later_cpu(later: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """A server's CPU seconds over `later` turns, by process (proc_cpu.Usage), and its
+    output tokens per server CPU second (a figure other tenants of the VM move less)."""
+    rows = [r["servers"][name] for r in later]
+    if not rows or any(f.get("cpu") is None for f in rows):
+        return None
+    by: dict[str, float] = {}
+    for f in rows:
+        for p in f["cpu"]["processes"]:
+            by[p["label"]] = by.get(p["label"], 0.0) + p["cpu_s"]
+    total = sum(f["cpu"]["server_cpu_s"] for f in rows)
+    tokens = sum(f["output_tokens"] for f in rows)
+    return {"server_cpu_s": round(total, 2), "tok_per_cpu_s": tokens / total if total else 0.0,
+            "by_process": {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "machine_busy": statistics.median(f["cpu"]["machine_busy"] for f in rows)}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,6 +262,16 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"  TTFT p50 cache on / off: {res['later_ttft_p50_on_off']:.3f}")
     lines.append("Prefix-cache hit tokens: " + ", ".join(
         f"{n} {v:.0f}" for n, v in res["prefix_cache_hit_tokens"].items()))  # fmt: skip
+    for name, st in res["later_ttft_breakdown_p50_ms"].items():
+        if st:
+            lines.append(f"TTFT stages, later turns, {name} (ms, p50): "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in st.items()))  # fmt: skip
+    for name, c in res["later_cpu"].items():
+        if c:
+            procs = ", ".join(f"{k} {v:.1f}" for k, v in c["by_process"].items() if v >= 0.05)
+            lines.append(f"CPU, later turns, {name}: {c['server_cpu_s']:.1f} s, "
+                         f"{c['tok_per_cpu_s']:.0f} output tok per server CPU s, machine busy "
+                         f"{c['machine_busy']:.0%} (median); {procs}")  # fmt: skip
     lines.append(f"Answers identical to {REFERENCE}'s: {res['answers_identical']}")
     return "\n".join(lines)
 

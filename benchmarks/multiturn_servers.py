@@ -29,6 +29,12 @@ class Reply:
     ttft: float = -1.0
     latency: float = 0.0
     ids: list[int] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)  # pdserve's TTFT stages, s
+
+    @property
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first."""
+        return (self.latency - self.ttft) / max(len(self.ids) - 1, 1)
 
 
 class Server:
@@ -72,6 +78,9 @@ class Server:
                 if "error" in obj:
                     raise RuntimeError(f"{self.name}: {str(obj['error'])[:200]}")
                 got = self.new_ids(obj, rep.ids)
+                stages = (obj.get("meta_info") or {}).get("ttft_breakdown")
+                if isinstance(stages, dict):
+                    rep.breakdown = {k: float(v) for k, v in stages.items()}
                 if got and rep.ttft < 0:
                     rep.ttft = time.perf_counter() - t0
                 rep.ids = got
