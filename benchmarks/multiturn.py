@@ -28,6 +28,7 @@ import asyncio
 import datetime
 import json
 import random
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -83,11 +84,12 @@ def model_path(model: str) -> str:
     return str(default_model_path(model)) if model in PRESETS else model
 
 
-def start(args: argparse.Namespace, model: str) -> list[ms.Server]:
+def start(args: argparse.Namespace, model: str, servers: list[ms.Server]) -> None:
+    """Start the servers into `servers` (the caller stops what is there, whatever happens)."""
     extra = args.pdserve_args.split()
-    servers = [ms.pdserve("cache-on", model, extra, args.startup_timeout),
-               ms.pdserve("cache-off", model, [*extra, "--disable-prefix-cache"],
-                          args.startup_timeout)]  # fmt: skip
+    servers.append(ms.pdserve("cache-on", model, extra, args.startup_timeout))
+    servers.append(ms.pdserve("cache-off", model, [*extra, "--disable-prefix-cache"],
+                              args.startup_timeout))  # fmt: skip
     if not args.no_vllm:
         longest = args.system + args.turns * (args.user + args.answer) + 16
         v = ms.vllm(Path(args.vllm_venv).absolute(), model, args.concurrency, longest,
@@ -96,7 +98,6 @@ def start(args: argparse.Namespace, model: str) -> list[ms.Server]:
             print(f"multiturn: no vLLM in {args.vllm_venv}; pdserve only", file=sys.stderr)
         else:
             servers.append(v)
-    return servers
 
 
 async def one_turn(s: ms.Server, prompts: list[list[int]], new: int,
@@ -220,8 +221,9 @@ def later_cpu(later: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_path(args.model)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    servers = start(args, model)
+    servers: list[ms.Server] = []
     try:
+        start(args, model, servers)
         for s in servers:
             s.wait(args.startup_timeout)
         res = asyncio.run(conversations(args, servers))
@@ -276,8 +278,14 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the servers' stop must finish
+    raise SystemExit(128 + signum)  # run()'s finally stops the servers (own sessions)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` must not orphan the servers
     res = run(args)
     if args.output:
         with open(args.output, "a", encoding="utf-8") as f:
