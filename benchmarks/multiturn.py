@@ -186,6 +186,11 @@ def summary(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "later_ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
         "later_ttft_p50_ms": pooled,
         "later_tok_s": tok_s,
+        "all_tok_s": {
+            n: sum(r["servers"][n]["output_tokens"] for r in turns)
+            / sum(r["servers"][n]["wall_s"] for r in turns)
+            for n in names
+        },  # fmt: skip
         "later_cpu": {n: later_cpu(later, n) for n in names},
         "later_ttft_breakdown_p50_ms": {n: stage_medians(later, n) for n in names},
     }
@@ -260,6 +265,8 @@ def report(res: dict[str, Any]) -> str:
     lines += ["", "Later turns pooled: TTFT p50 ms " + ", ".join(
         f"{n} {v:.1f}" for n, v in res["later_ttft_p50_ms"].items()) + "; tok/s " + ", ".join(
         f"{n} {v:.1f}" for n, v in res["later_tok_s"].items())]  # fmt: skip
+    lines.append("All turns (the first one's burst included): tok/s " + ", ".join(
+        f"{n} {v:.1f}" for n, v in res["all_tok_s"].items()))  # fmt: skip
     if "later_ttft_p50_on_off" in res:
         lines.append(f"  TTFT p50 cache on / off: {res['later_ttft_p50_on_off']:.3f}")
     lines.append("Prefix-cache hit tokens: " + ", ".join(

@@ -44,6 +44,7 @@ def test_the_summary_covers_later_turns_only() -> None:
     assert s["later_tok_s"]["cache-on"] == pytest.approx(300 / 5.0)  # tokens over wall, summed
     assert s["later_tok_s"]["vllm"] == pytest.approx(300 / 5.5)
     assert s["later_ttft_p50_on_off"] == pytest.approx(0.2)
+    assert s["all_tok_s"]["cache-on"] == pytest.approx(400 / 9.0)  # the first turn's too
 
 
 def test_without_vllm_only_the_pdserve_ratios() -> None:
