@@ -16,9 +16,10 @@ Per turn and server: TTFT p50 and served output tokens/s (the turn's output toke
 its wall time, first request sent to last token). Per turn, the ratios cache on / off
 (TTFT) and pdserve (cache on) / vLLM (TTFT, tokens/s), and their medians over the later
 turns; also TTFT p50 of all later-turn requests pooled, and each server's prefix-cache
-hit tokens (/metrics). The history of every conversation grows by the greedy answer of
-pdserve without the cache; the other servers' answers are compared with it token for
-token as a side check.
+hit tokens (/metrics). Where the time goes: each server's CPU seconds by process
+(proc_cpu.py), TPOT p50, and pdserve's TTFT stages (its `ttft_breakdown`). The history
+of every conversation grows by the greedy answer of pdserve without the cache; the other
+servers' answers are compared with it token for token as a side check.
 """
 
 from __future__ import annotations
@@ -258,10 +259,12 @@ def report(res: dict[str, Any]) -> str:
     for row in res["turns"]:
         cells = [f"{f['ttft_p50_ms']:.1f} / {f['tok_s']:.1f}" for f in row["servers"].values()]
         lines.append(f"| {row['turn']} | {', '.join(row['order'])} | " + " | ".join(cells) + " |")
-    lines += ["", "Later turns, each turn's ratio and the median:", ""]
+    lines += ["", "Later turns, each turn's ratio and their median (ttft_on_off: cache on / off; "
+              "*_on_vllm: pdserve with the cache / vLLM):", "",
+              "| ratio | each later turn (median) |", "|---|---|"]  # fmt: skip
     for key, vals in turn_ratios(res["turns"][1:]).items():
         each = " ".join(f"{v:.3f}" for v in vals)
-        lines.append(f"  {key:14s} {each}  (median **{statistics.median(vals):.3f}**)")
+        lines.append(f"| {key} | {each} (median **{statistics.median(vals):.3f}**) |")
     lines += ["", "Later turns pooled: TTFT p50 ms " + ", ".join(
         f"{n} {v:.1f}" for n, v in res["later_ttft_p50_ms"].items()) + "; tok/s " + ", ".join(
         f"{n} {v:.1f}" for n, v in res["later_tok_s"].items())]  # fmt: skip
