@@ -286,6 +286,19 @@ def vllm_command(venv: Path, dist: str, model: str) -> list[str]:
             model]  # fmt: skip
 
 
+def vllm_argv(venv: Path, dist: str, model: str, port: int, max_seqs: int, max_len: int,
+              extra: str = "") -> list[str]:  # fmt: skip
+    """vLLM's server on loopback at `port`, float32, the rest its defaults (`extra`: more flags)."""
+    return [*vllm_command(venv, dist, model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(max_seqs),
+            "--max-model-len", str(max_len), *shlex.split(extra)]  # fmt: skip
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB): 4 unless set."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+
+
 def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
     venv = Path(args.vllm_venv).absolute()  # not resolve(): bin/python is a symlink
     found = vllm_version(venv)
@@ -293,13 +306,9 @@ def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str
         return {"system": "vllm", "status": "not installed", "version": None}
     dist, version = found
     port = free_port()
-    argv = [*vllm_command(venv, dist, model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
-            "--max-model-len", str(args.input_len[1] + args.output_len[1] + 16),
-            *shlex.split(args.vllm_args)]  # fmt: skip
-    # vLLM's CPU backend sizes its KV cache from this (GiB); the rest is its default
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    row = bench_server("vllm", argv, port, cfg, args, env)
+    max_len = args.input_len[1] + args.output_len[1] + 16
+    argv = vllm_argv(venv, dist, model, port, args.concurrency, max_len, args.vllm_args)
+    row = bench_server("vllm", argv, port, cfg, args, vllm_env())
     row["version"] = f"{version} ({dist})"
     return row
 

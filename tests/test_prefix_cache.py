@@ -167,10 +167,12 @@ def _serve(model, prompts: list[list[int]], prefill_tokens: int, cache: bool = T
 
     handoff = InProcessHandoff()
     sent: dict[str, list[tuple[int, int]]] = {}  # the ranges each prompt's KV went out in
+    hits: dict[str, int] = {}
     on_chunk = handoff.sink.on_chunk
 
     def record(req, pool, slots, start: int, end: int) -> None:
         sent.setdefault(req.rid, []).append((start, end))
+        hits[req.rid] = req.prefix_hit
         on_chunk(req, pool, slots, start, end)
 
     handoff.sink.on_chunk = record  # type: ignore[method-assign]
@@ -198,6 +200,8 @@ def _serve(model, prompts: list[list[int]], prefill_tokens: int, cache: bool = T
     for i, prompt in enumerate(prompts):  # the sink contract: the whole prompt, in order
         ends = [0] + [end for _, end in sent[str(i)]]
         assert [start for start, _ in sent[str(i)]] == ends[:-1] and ends[-1] == len(prompt)
+        if hits[str(i)]:  # a cached prefix goes out alone, at admission, before the rest
+            assert sent[str(i)][0] == (0, hits[str(i)]), (sent[str(i)], hits[str(i)])
     decode.drain()
     for s in (prefill.stats(), decode.stats()):
         assert s["free_rows"] == s["total_rows"] and s["free_kv_pages"] == s["total_kv_pages"], s

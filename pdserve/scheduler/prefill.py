@@ -150,6 +150,11 @@ class PrefillEngine:
             table[req.row, : req.prompt_len] = slots.to(device=table.device, dtype=table.dtype)
             self.prefilling.append(req)
             self.sink.on_admit(req)
+            if req.prefix_hit:
+                # NOTE: a cached prefix's KV is final (a cached page is never written), so
+                # it goes now and crosses the wire while the rest of the prompt computes,
+                # rather than after the first chunk, on the first token's path.
+                self.sink.on_chunk(req, self.runner.kv_pool, req.slots, 0, req.prefix_hit)
 
     def _plan_chunk(self) -> list[tuple[Req, int, int]]:
         """(req, start, end) prompt ranges for this step, within the token budget.
@@ -225,10 +230,7 @@ class PrefillEngine:
         for req, start, end in plan:
             req.prefilled = end
             assert req.slots is not None  # set at admission
-            # the decode receives the whole prompt's KV: a cached prefix goes with the
-            # first chunk computed after it
-            lo = 0 if start == req.prefix_hit else start
-            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, lo, end)
+            self.sink.on_chunk(req, self.runner.kv_pool, req.slots, start, end)
         for j, (_, req) in enumerate(finished):
             req.prefill_logprobs = prompt_logprobs.carried(req, tops[j])
             self._prompt_done(req, int(tokens[j]), logprobs[j])
