@@ -97,7 +97,8 @@ def test_default_budget_follows_the_device(tiny_model) -> None:
     sink = RecordingSink()
     engine = PrefillEngine(cfg, ModelRunner(cfg), sink)
     engine.add_request(_req("a", list(range(3, 103))))  # 100 tokens: one step
-    engine.add_request(_req("b", list(range(3, 203))))  # 200: fits a whole step, the next
+    # 200, sharing no page with "a" (a cached prefix would go out alone): a whole step, the next
+    engine.add_request(_req("b", list(range(202, 2, -1))))
     engine.step()
     assert sink.chunks == [("a", 0, 100)]
     engine.step()
