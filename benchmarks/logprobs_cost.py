@@ -19,15 +19,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_e2e_pd import free_port, spawn, stop, wait_healthy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from up_stack import pdserve_up  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The history of Rome", "A recipe for bread", "Dear diary,"]
 MODES = ("plain", "top", "mixed")
@@ -82,14 +81,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--grace-period", "5"]
-    if args.model:
-        argv += ["--model", args.model]
-    proc: subprocess.Popen = spawn(argv, "bench-logprobs")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
+    with pdserve_up("bench-logprobs", args.model) as url:
         asyncio.run(run_batch(url, "mixed", 2, 2, args.top, 8))  # warm-up
         rate: dict[str, list[float]] = {m: [] for m in MODES}
         tpot: dict[str, list[float]] = {m: [] for m in (*MODES, "mixed-plain")}
@@ -111,8 +103,6 @@ def main() -> int:
               f"{means['mixed'] / means['plain']:.2f}); TPOT p50 ms: plain {p50['plain']:.1f}, "
               f"logprobs {p50['top']:.1f}, mixed {p50['mixed']:.1f} (its plain requests "
               f"{p50['mixed-plain']:.1f})")  # fmt: skip
-    finally:
-        stop(proc)
     return 0
 
 

@@ -18,15 +18,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_e2e_pd import free_port, spawn, stop, wait_healthy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from up_stack import pdserve_up  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -94,14 +93,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--grace-period", "5"]
-    if args.model:
-        argv += ["--model", args.model]
-    proc: subprocess.Popen = spawn(argv, "bench-structured")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
+    with pdserve_up("bench-structured", args.model) as url:
         asyncio.run(run_batch(url, 2, 2, True))  # warm-up: the engines' grammar tokenizer
         rows: dict[bool, list[float]] = {False: [], True: []}
         tpot: dict[bool, list[float]] = {False: [], True: []}
@@ -118,8 +110,6 @@ def main() -> int:
         print(f"mean: plain {plain:.1f} tok/s, json_schema {with_schema:.1f} tok/s "
               f"(ratio {with_schema / plain:.2f}); TPOT p50 plain {tp:.1f} ms, "
               f"json_schema {ts:.1f} ms (ratio {ts / tp:.2f})")  # fmt: skip
-    finally:
-        stop(proc)
     return 0
 
 
