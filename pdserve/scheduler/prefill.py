@@ -25,10 +25,10 @@ from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
-from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import logprobs_of, pick
+from pdserve.model.sampling.grammar import GrammarState, NextMask, ll_tokenizer
+from pdserve.model.sampling.penalties import PenaltyState
+from pdserve.model.sampling.pick import logprobs_of, pick
 from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler import prompt_logprobs
 from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed

@@ -11,7 +11,7 @@ On the CPU two backends share one forward (`CpuAttention`: decode tokens batched
 padding, extend requests one by one) and differ in how they compute it:
 
     TorchAttention   portable: decode tokens through an eager gather
-                     (model/decode_attention.py), extends through torch's fused attention
+                     (model/attention/gather.py), extends through torch's fused attention
     NativeAttention  kernels/native/paged_decode.c reads the pool in place, every query
                      token (an extend's too) one query of it; the KV write in one call
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from pdserve.kernels.native.decode_ops import DecodeOps
 from pdserve.kernels.native.paged_decode import PagedDecode
 from pdserve.kvcache.pools import KVPool
-from pdserve.model import decode_attention
-from pdserve.model.attention_plan import Plan
+from pdserve.model.attention import gather as decode_attention
+from pdserve.model.attention.plan import Plan
 from pdserve.model.forward_batch import ForwardBatch
 
 

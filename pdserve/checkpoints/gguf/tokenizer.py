@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from pdserve.model import gguf_sentencepiece
+from pdserve.checkpoints.gguf import sentencepiece as gguf_sentencepiece
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 

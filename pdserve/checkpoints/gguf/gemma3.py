@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pdserve.model.gguf_error import GGUFError
+from pdserve.checkpoints.gguf.error import GGUFError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,8 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.model.gguf_arch import GLOBAL_TENSORS, GGUFArch
-from pdserve.model.gguf_error import GGUFError
+from pdserve.checkpoints.gguf.arch import GLOBAL_TENSORS, GGUFArch
+from pdserve.checkpoints.gguf.error import GGUFError
 
 if TYPE_CHECKING:
     import gguf

@@ -61,7 +61,7 @@ class _TritonPlan:
 
 
 class TritonAttention:
-    """Same contract as TorchAttention (see pdserve.model.attention.AttentionBackend)."""
+    """Same contract as TorchAttention (see pdserve.model.attention.backends.AttentionBackend)."""
 
     def __init__(
         self,

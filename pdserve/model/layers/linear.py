@@ -19,7 +19,7 @@ processes needs more (ModelRunner.warm_up_prefill).
 Either way y equals x @ W.T + b up to float rounding; the original W is not kept.
 
 A GGUF's projections on the CPU may instead stay in their block formats (`use_quant`,
-model/gguf_quant.py): each part of a fused projection (q|k|v, gate|up) is its own
+model/quant_weights.py): each part of a fused projection (q|k|v, gate|up) is its own
 tensor of blocks, computed by kernels/native/linear_quant.c into its columns of y.
 """
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.model import arch_rules as rules
-from pdserve.model import gemma3_config
-from pdserve.model.activations import ACTIVATIONS
+from pdserve.model.arch import gemma3_config
+from pdserve.model.arch import rules as rules
+from pdserve.model.layers.activations import ACTIVATIONS
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ModelArch:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    hidden_act: str  # a name in pdserve.model.activations.ACTIVATIONS
+    hidden_act: str  # a name in pdserve.model.layers.activations.ACTIVATIONS
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # None: default rope; else rope_type + its parameters
     max_position_embeddings: int
@@ -41,7 +41,7 @@ class ModelArch:
     layer_windows: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    # Gemma 3 (pdserve.model.gemma3_config); the defaults are every other family's
+    # Gemma 3 (pdserve.model.arch.gemma3_config); the defaults are every other family's
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
     # rope of the sliding-window layers where it differs from rope_theta / rope_scaling
     # (which then hold the full-attention layers'); None: every layer has the same rope

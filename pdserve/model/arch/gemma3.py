@@ -1,6 +1,6 @@
 """Gemma 3 decoder (`Gemma3ForCausalLM`), computed as transformers' modeling_gemma3 does.
 
-What differs from the Llama layer (pdserve.model.llama), per layer:
+What differs from the Llama layer (pdserve.model.arch.llama), per layer:
 
     x = norm_in(h);   a = o(attn(rope_l(q_norm(q)), rope_l(k_norm(k)), v))
     h = h + norm_post_attn(a)
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.attention import AttentionBackend
+from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch.llama import LayerWeights, LlamaModel
+from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.hf_config import ModelArch
-from pdserve.model.linear import Linear
-from pdserve.model.llama import LayerWeights, LlamaModel
+from pdserve.model.layers.linear import Linear
 from pdserve.model.state_reader import StateReader
 
 Tables = tuple[torch.Tensor, torch.Tensor]

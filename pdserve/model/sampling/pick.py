@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.model.grammar import NextMask, apply_mask
-from pdserve.model.penalties import PenaltyState, adjust
+from pdserve.model.sampling.grammar import NextMask, apply_mask
+from pdserve.model.sampling.penalties import PenaltyState, adjust
 from pdserve.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, index) pairs
@@ -59,7 +59,7 @@ def pick(
     `seeds[i]` is request i's seed (the engine fills one in when the user gave
     none); `out_index[i]` the index of the token being sampled in its output.
     `argmax`: the greedy pick, [B, V] -> [B] as logits.argmax(-1) (the model's ops,
-    pdserve.model.ops; torch's when None).
+    pdserve.model.layers.ops; torch's when None).
     `states[i]`: request i's penalty state (penalties.py), read for its penalties and
     given the sampled token; None for a request without penalties.
     `masks[i]`: request i's grammar mask (grammar.py), waited for here, after the

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.model.gemma3 import Gemma3Model
-from pdserve.model.gemma3_config import GEMMA3
-from pdserve.model.llama import LlamaModel
+from pdserve.model.arch.gemma3 import Gemma3Model
+from pdserve.model.arch.gemma3_config import GEMMA3
+from pdserve.model.arch.llama import LlamaModel
 
 MODEL_REGISTRY: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": LlamaModel,  # Mistral, Qwen2 and Qwen3 share the Llama layout

@@ -1,7 +1,7 @@
 """Read safetensors weights (one file or an indexed set of shards) from a HF folder.
 
 Tensors named in `skip` are not read: they come back as `meta` tensors of their stored
-shape (shapes checked, no memory), for weights served from elsewhere (model/gguf_quant.py).
+shape (shapes checked, no memory), for weights served from elsewhere (model/quant_weights.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.native.decode_ops import DecodeOps
-from pdserve.model.rope import rotate
+from pdserve.model.layers.rope import rotate
 
 Tables = tuple[torch.Tensor, torch.Tensor]
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -49,7 +49,7 @@ class TorchOps:
         return rms_norm(x, w, eps)
 
     def rotate(self, x: torch.Tensor, tables: Tables) -> torch.Tensor:
-        """x [T, heads, D] rotated by the rope tables of its tokens (model/rope.py)."""
+        """x [T, heads, D] rotated by the rope tables of its tokens (model/layers/rope.py)."""
         return rotate(x, tables)
 
     def act_mul(self, act: Act, gate_up: torch.Tensor) -> torch.Tensor:

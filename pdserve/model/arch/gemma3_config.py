@@ -2,7 +2,7 @@
 transformers 5's Gemma3TextConfig does.
 
 A field absent from config.json takes that class's default. What differs from the
-Llama family (pdserve.model.arch_rules):
+Llama family (pdserve.model.arch.rules):
 
     layer_types      per layer "sliding_attention" or "full_attention"; absent: every
                      `sliding_window_pattern`-th layer (default 6th) is full, the rest slide
@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdserve.model import arch_rules as rules
-from pdserve.model.activations import ACTIVATIONS
-from pdserve.model.arch_rules import FULL, SLIDING, refuse
+from pdserve.model.arch import rules as rules
+from pdserve.model.arch.rules import FULL, SLIDING, refuse
+from pdserve.model.layers.activations import ACTIVATIONS
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Weights are plain tensors (no nn.Module): q/k/v and gate/up are fused at load
 time so each layer runs four matmuls, each a `Linear` whose weight is stored in the
-layout the device's fast GEMM reads (pdserve.model.linear). The passes between them
-(norms, rotation, activation, residual adds) go through `self.ops` (pdserve.model.ops).
+layout the device's fast GEMM reads (pdserve.model.layers.linear). The passes between them
+(norms, rotation, activation, residual adds) go through `self.ops` (pdserve.model.layers.ops).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.activations import ACTIVATIONS
-from pdserve.model.attention import AttentionBackend
+from pdserve.model.arch.config import ModelArch
+from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.hf_config import ModelArch
-from pdserve.model.linear import Linear
-from pdserve.model.ops import TorchOps
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.layers.activations import ACTIVATIONS
+from pdserve.model.layers.linear import Linear
+from pdserve.model.layers.ops import TorchOps
+from pdserve.model.layers.rope import RotaryEmbedding
 from pdserve.model.state_reader import CheckpointMismatch, StateReader
 
 
@@ -38,7 +38,7 @@ class LayerWeights:
 
 
 class LlamaModel:
-    # the embedding as quantized row look-ups (model/gguf_quant.py); None: self.embed
+    # the embedding as quantized row look-ups (model/quant_weights.py); None: self.embed
     embed_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, arch: ModelArch, state: dict[str, torch.Tensor], max_positions: int) -> None:

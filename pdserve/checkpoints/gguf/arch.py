@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.model import gemma3_gguf
+from pdserve.checkpoints.gguf import gemma3 as gemma3_gguf
 
 if TYPE_CHECKING:
     import numpy as np

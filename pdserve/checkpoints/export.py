@@ -14,9 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from pdserve.model.gguf_error import GGUFError
-from pdserve.model.gguf_tokenizer import GGUFTokenizerError
-from pdserve.model.resolve import DEFAULT_MODEL, resolve_model
+from pdserve.checkpoints.gguf.error import GGUFError
+from pdserve.checkpoints.gguf.tokenizer import GGUFTokenizerError
+from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
 
 # What a user can fix (a file pdserve refuses, a path or package that is missing): one
 # line on stderr and exit status 1. Anything else is a bug and keeps its traceback.

@@ -24,8 +24,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.model import make, model_wheels
-from pdserve.model.build_once import build_once
+from pdserve.checkpoints import presets as make
+from pdserve.checkpoints import wheels as model_wheels
+from pdserve.checkpoints.build_once import build_once
 
 DEFAULT_MODEL = "smollm2"
 GEMMA3_270M = "gemma3-270m"
@@ -74,7 +75,7 @@ def gguf_folder(gguf_path: str | Path) -> Path:
     target = make.cache_root() / "models" / "gguf" / f"{src.stem}-{key}"
 
     def build(tmp: Path) -> None:
-        from pdserve.model.gguf_convert import convert
+        from pdserve.checkpoints.gguf.convert import convert
 
         convert(src, tmp)
 
@@ -85,7 +86,7 @@ def gguf_folder(gguf_path: str | Path) -> Path:
 
 def _link_source(folder: Path, src: Path) -> None:
     """folder/source.gguf -> the GGUF it came from, where --weights quantized reads the
-    blocks (model/gguf_quant.py); made atomically, and also for a folder converted before
+    blocks (model/quant_weights.py); made atomically, and also for a folder converted before
     the link existed. A read-only cache leaves it out: the engine then serves float32."""
     link = folder / "source.gguf"
     if link.is_symlink() and link.resolve() == src:

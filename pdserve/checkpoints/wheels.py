@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from pdserve.checkpoints.build_once import build_once
 from pdserve.envs import cache_root
-from pdserve.model.build_once import build_once
 
 _CHUNK = 1 << 20
 

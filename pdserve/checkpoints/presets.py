@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` stays fast
     import torch
 
+from pdserve.checkpoints import tokenizer_build as tb
+from pdserve.checkpoints.build_once import build_once
 from pdserve.envs import cache_root
-from pdserve.model import tokenizer_build as tb
-from pdserve.model.build_once import build_once
 
 FORMAT_VERSION = 2  # bump when the files written here change; names the cache folder
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from pdserve.model import gguf_tokenizer
-from pdserve.model.gguf_arch import ARCHES, REFUSED_KEYS, GGUFArch
-from pdserve.model.gguf_tensors import GGUFError, check_tensors, write_safetensors
+from pdserve.checkpoints.gguf import tokenizer as gguf_tokenizer
+from pdserve.checkpoints.gguf.arch import ARCHES, REFUSED_KEYS, GGUFArch
+from pdserve.checkpoints.gguf.tensors import GGUFError, check_tensors, write_safetensors
 
 if TYPE_CHECKING:
     import gguf

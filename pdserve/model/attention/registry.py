@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 
 from pdserve.kvcache.pools import KVPool
-from pdserve.model.attention import AttentionBackend, TorchAttention
-from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.attention.backends import AttentionBackend, TorchAttention
+from pdserve.model.attention.triton_backend import TritonAttention
 
 BackendFactory = Callable[[KVPool, torch.Tensor, float, tuple[int, ...]], AttentionBackend]
 ATTENTION_BACKENDS: dict[str, BackendFactory] = {"torch": TorchAttention, "triton": TritonAttention}

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pdserve.checkpoints.gguf.arch import ARCHES, GGUFArch
+from pdserve.checkpoints.gguf.tensors import hf_name, hf_shape, unpermute
 from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, QuantTensor
-from pdserve.model.gguf_arch import ARCHES, GGUFArch
-from pdserve.model.gguf_tensors import hf_name, hf_shape, unpermute
 
 if TYPE_CHECKING:
     import gguf
 
-    from pdserve.model.llama import LlamaModel
+    from pdserve.model.arch.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 

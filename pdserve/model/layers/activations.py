@@ -1,6 +1,6 @@
 """MLP activations under the names transformers' ACT2FN gives them, computed the same way.
 
-A `hidden_act` not listed here is refused at load (pdserve.model.hf_config)."""
+A `hidden_act` not listed here is refused at load (pdserve.model.arch.config)."""
 
 from __future__ import annotations
 
