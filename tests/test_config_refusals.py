@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM
-from pdserve.model.arch.config import arch_from_config, load_arch
+from pdserve.model.arch.registry import arch_from_config, load_arch
 from tests.test_config_conformance import BASE, make_checkpoint
 
 

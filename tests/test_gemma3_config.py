@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.model.arch.config import arch_from_config, load_arch
 from pdserve.model.arch.gemma3 import gemma_rms_norm
+from pdserve.model.arch.registry import arch_from_config, load_arch
 from pdserve.model.arch.rules import UnsupportedConfig
 from tests.test_config_conformance import BASE
 

@@ -11,9 +11,9 @@ from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.kernels.core_share import Cores
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
-from pdserve.model.arch.config import ModelArch, load_arch
+from pdserve.model.arch.config import ModelArch
 from pdserve.model.arch.llama import LlamaModel
-from pdserve.model.arch.registry import MODEL_REGISTRY
+from pdserve.model.arch.registry import load_arch, lookup
 from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.attention.registry import make_attention
 from pdserve.model.attention.triton_backend import TritonAttention
@@ -66,19 +66,14 @@ class ModelRunner:
         # native kernels or the portable paths, chosen once (model/native_kernels.py)
         self.native = NativeKernels.for_engine(cfg, self.cores.kernel_threads)
         self.arch: ModelArch = load_arch(cfg.model_path)
-        if self.arch.architecture not in MODEL_REGISTRY:
-            raise ValueError(
-                f"architecture {self.arch.architecture} is not supported; "
-                f"supported: {sorted(MODEL_REGISTRY)}"
-            )
+        make_model = lookup(self.arch.architecture).model
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
         self.max_context = cfg.cache.context_length(self.arch.max_position_embeddings)
         if model is None:
-            cls = MODEL_REGISTRY[self.arch.architecture]
             model = load_model(
                 cfg, self.arch, self.dtype, self.native,
-                lambda state: cls(self.arch, state, self.max_context),
+                lambda state: make_model(self.arch, state, self.max_context),
             )  # fmt: skip
         self.model = model
         self.layout = KVLayout(

@@ -1,18 +1,19 @@
-"""The part of a Hugging Face `config.json` that the Llama-family models need."""
+"""What every architecture's config reader produces (`ModelArch`), the record that
+registers an architecture (`Architecture`), and reading a folder's config files once.
+
+A family's module (llama_config.py, gemma3_config.py) turns a `config.json` dict into a
+ModelArch or refuses a field by name; registry.py maps an architecture name to its record.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.model.arch import gemma3_config
-from pdserve.model.arch import rules as rules
-from pdserve.model.layers.activations import ACTIVATIONS
-
-log = logging.getLogger(__name__)
+from pdserve.model.arch.rules import refuse
 
 
 @dataclass(frozen=True)
@@ -89,65 +90,37 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def load_arch(model_dir: str | Path) -> ModelArch:
-    """Parse `config.json` as transformers 5 does; raises ValueError for a family pdserve
-    does not serve and UnsupportedConfig (naming the field) for a computation it does not
-    implement."""
+def read_config_files(model_dir: str | Path) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(config.json as a dict, the end-of-sequence ids of config and generation_config),
+    the one place a model folder's config files are read."""
     model_dir = Path(model_dir)
     cfg = _read_json(model_dir / "config.json")
     if not cfg:
         raise ValueError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
-    try:
-        return arch_from_config(cfg, _eos_ids(cfg, model_dir))
-    except rules.UnsupportedConfig as e:
-        raise rules.UnsupportedConfig(f"{model_dir}: {e}") from None
+    return cfg, _eos_ids(cfg, model_dir)
 
 
-def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
-    default = gemma3_config.GEMMA3 if cfg.get("model_type") == "gemma3_text" else rules.LLAMA
-    arch = (cfg.get("architectures") or [default])[0]
-    if arch == gemma3_config.GEMMA3:
-        return ModelArch(**gemma3_config.arch_fields(cfg), eos_token_ids=eos_token_ids)
-    if arch not in rules.SUPPORTED:
-        supported = (*rules.SUPPORTED, gemma3_config.GEMMA3)
-        raise ValueError(f"architecture {arch} is not supported; supported: {supported}")
-    rules.refuse_foreign_fields(cfg)
-    if unread := rules.unread_fields(cfg):
-        log.warning("config.json fields pdserve does not read: %s", ", ".join(unread))
-    heads, hidden = int(_required(cfg, "num_attention_heads")), int(_required(cfg, "hidden_size"))
-    layers = int(_required(cfg, "num_hidden_layers"))
-    act = str(cfg.get("hidden_act", "silu"))
-    if act not in ACTIVATIONS:
-        raise rules.refuse("hidden_act", act, f"implemented: {', '.join(sorted(ACTIVATIONS))}")
-    max_pos = int(cfg.get("max_position_embeddings") or rules.MAX_POSITIONS_DEFAULT[arch])
-    rope_theta, rope_scaling = rules.rope(cfg, max_pos)
-    bias = rules.biases(cfg, arch)
-    return ModelArch(
-        architecture=arch,
-        vocab_size=int(_required(cfg, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_required(cfg, "intermediate_size")),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=rules.kv_heads(cfg, arch, heads),
-        head_dim=rules.head_dim(cfg, arch, hidden, heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        hidden_act=act,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bias.qkv,
-        o_bias=bias.o,
-        mlp_bias=bias.mlp,
-        qk_norm=arch == rules.QWEN3,
-        layer_windows=rules.layer_windows(cfg, arch, layers),
-        eos_token_ids=eos_token_ids,
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-    )
-
-
-def _required(cfg: dict[str, Any], field: str) -> Any:
+def required(cfg: dict[str, Any], field: str) -> Any:
     if cfg.get(field) is None:
-        raise rules.refuse(field, None, "required")
+        raise refuse(field, None, "required")
     return cfg[field]
+
+
+# (config.json, eos ids) -> ModelArch, or UnsupportedConfig naming the field
+ConfigReader = Callable[[dict[str, Any], tuple[int, ...]], ModelArch]
+# (arch, state dict, max context) -> the model that computes it: a LlamaModel or a
+# subclass (typed Any here: the model classes import this module)
+ModelFactory = Callable[[ModelArch, dict[str, Any], int], Any]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything pdserve knows of one Hugging Face architecture name: registering one
+    of these (registry.register) is all it takes to serve it."""
+
+    name: str  # config.json "architectures"[0], e.g. "LlamaForCausalLM"
+    model_types: tuple[str, ...]  # config.json "model_type"s that mean this name when
+    # "architectures" is absent
+    read_config: ConfigReader
+    model: ModelFactory
+    gguf: str | None = None  # the GGUF architecture converted into it (checkpoints/gguf/arch.py)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch import gemma3_config
+from pdserve.model.arch.config import Architecture, ModelArch
 from pdserve.model.arch.llama import LayerWeights, LlamaModel
 from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
@@ -192,3 +193,8 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
             layer.update({f"self_attn.{x}_proj.bias": (n,) for x, n in zip("qkvo", (q, kv, kv, h))})
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return shapes
+
+
+ARCHITECTURE = Architecture(
+    gemma3_config.GEMMA3, ("gemma3_text",), gemma3_config.read_config, Gemma3Model, "gemma3"
+)

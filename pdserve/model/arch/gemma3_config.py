@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdserve.model.arch import rules as rules
+from pdserve.model.arch import rules
+from pdserve.model.arch.config import ModelArch
 from pdserve.model.arch.rules import FULL, SLIDING, refuse
 from pdserve.model.layers.activations import ACTIVATIONS
 
@@ -57,6 +58,10 @@ _READ = frozenset({
 _INERT = frozenset(
     {"hidden_act", "_sliding_window_pattern", "attention_dropout", "is_encoder_decoder"}
 )
+
+
+def read_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
+    return ModelArch(**arch_fields(cfg), eos_token_ids=eos_token_ids)
 
 
 def arch_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch import llama_config, rules
+from pdserve.model.arch.config import Architecture, ModelArch
 from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers.activations import ACTIVATIONS
@@ -238,3 +239,14 @@ def _rope(
 def _must(t: torch.Tensor | None) -> torch.Tensor:
     assert t is not None
     return t
+
+
+ARCHITECTURES = tuple(
+    Architecture(name, model_types, llama_config.read_config, LlamaModel, gguf)
+    for name, model_types, gguf in (
+        (rules.LLAMA, ("llama",), "llama"),
+        (rules.MISTRAL, ("mistral",), None),
+        (rules.QWEN2, ("qwen2",), "qwen2"),
+        (rules.QWEN3, ("qwen3",), "qwen3"),
+    )
+)  # Mistral, Qwen2 and Qwen3 share the Llama layout; their config rules differ

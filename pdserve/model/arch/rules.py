@@ -18,7 +18,6 @@ LLAMA, MISTRAL, QWEN2, QWEN3 = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3)
 
 # transformers' default when a field is absent from config.json
 MAX_POSITIONS_DEFAULT = {LLAMA: 2048, MISTRAL: 131072, QWEN2: 32768, QWEN3: 32768}
