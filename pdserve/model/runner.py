@@ -1,4 +1,5 @@
-"""ModelRunner: one model, its request rows and paged KV pool, attention and sampling."""
+"""ModelRunner: one model, its request rows and paged KV pool and its attention backend;
+it computes logits (the engines pick tokens from them: model/sampling/)."""
 
 from __future__ import annotations
 

@@ -181,8 +181,7 @@ class PrefillEngine:
     def _budget(self) -> int:
         """This step's prompt tokens. The budget splits prompts so that in a burst the
         first ones finish (and start decoding) before the last; a prompt alone in the
-        engine gains nothing from a split and pays one more pass over the weights (CPU,
-        one thread: 290 tokens 235 -> 218 ms whole, 380 tokens 312 -> 279 ms). So with
+        engine gains nothing from a split and pays one more pass over the weights. So with
         CPU's default budget a lone prompt whose rest fits in LONE_STRETCH budgets is
         computed in one step. Not on CUDA (a step's activations grow with its tokens,
         and a GPU's default budget is already large), nor under a budget set by the

@@ -3,7 +3,7 @@
 An entry says which Hugging Face class the file becomes, which tensor names it may
 hold beyond the dense-decoder skeleton, whether llama.cpp permuted its Q/K rows, how a
 stored value differs from the Hugging Face one, which metadata keys would change the
-computation (refused by name), and which config fields it adds. gguf_convert.py does
+computation (refused by name), and which config fields it adds. convert.py does
 the rest the same way for every entry. To serve a new architecture exactly, add an
 entry here; everything not described is refused.
 """

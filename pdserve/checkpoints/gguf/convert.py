@@ -3,7 +3,7 @@
 The rest of pdserve serves Hugging Face folders, so a GGUF is converted once into
 one: its tensors de-quantized to float32 with the `gguf` package (llama.cpp's own
 reader) and streamed to disk (gguf_tensors.py), renamed and fixed per architecture
-(gguf_arch.py), config and tokenizer rebuilt from the file's metadata
+(arch.py), config and tokenizer rebuilt from the file's metadata
 (gguf_tokenizer.py). resolve.py caches the folder. Anything the converter does not
 implement exactly is refused by name: an architecture, a tensor type, a tensor, a
 metadata key that changes the computation (rope scaling, sliding window, ...).

@@ -1,4 +1,4 @@
-"""A `gemma3` GGUF file read as transformers' GGUF loader reads it (gguf_arch.ARCHES entry).
+"""A `gemma3` GGUF file read as transformers' GGUF loader reads it (an arch.ARCHES entry).
 
 transformers maps the metadata onto Gemma3TextConfig (integrations/ggml.py): head_dim
 from attention.key_length, sliding_window from attention.sliding_window, the full

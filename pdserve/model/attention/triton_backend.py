@@ -1,6 +1,6 @@
 """The Triton attention backend: paged decode and extend kernels over the KV pool.
 
-Registered as "triton" in `attention_registry`, where "auto" picks it on CUDA. Without CUDA the kernels run under
+Registered as "triton" in `attention/registry.py`, where "auto" picks it on CUDA. Without CUDA the kernels run under
 the Triton interpreter (pdserve.kernels sets TRITON_INTERPRET): correct, but slow,
 which is why "auto" keeps the torch backend on CPU.
 

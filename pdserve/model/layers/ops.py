@@ -5,9 +5,8 @@
     NativeOps   kernels/native/decode_ops.c, one call per pass; CPU engines turn it on at
                 start-up (ModelRunner.warm_up_decode / warm_up_prefill) for fp32 models:
                 at a decode's few rows each torch op costs more in dispatch than in
-                arithmetic (decode step 1.49 -> 1.22x its matmul floor at batch 8), and a
-                prefill's passes read each value once instead of 2-4 times (3% of a
-                256-token forward)
+                arithmetic, and a prefill's passes read each value once instead of 2-4
+                times
 
 Both compute the same values up to float rounding (the native sum of squares and exp
 round differently in the last bit). NativeOps mutates `h` in place in `add_norm`; the
