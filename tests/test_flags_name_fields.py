@@ -14,8 +14,11 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, TransferC
 from pdserve.server.serve_flags import add_engine_flags, add_server_flags, config_from_flags
 from pdserve.server.server_config import ServerConfig
 
-CONFIGS = (TransferConfig, EngineConfig, CacheConfig, SchedulerConfig)
-NOT_FLAGS = {"model_path", "cache", "scheduler"}  # the resolved --model; the nested configs
+CONFIGS = (TransferConfig, EngineConfig, CacheConfig, SchedulerConfig, ServerConfig)
+# set otherwise: the role's command, the resolved --model, the nested configs; and the
+# frontend's fields without a flag (docs/reliability.md)
+NOT_FLAGS = {"role", "model_path", "cache", "scheduler", "engine_heartbeat_timeout_s",
+             "health_generate_timeout_s", "default_max_new_tokens"}  # fmt: skip
 # strings the configs check: a value they accept other than the default
 ACCEPTED = {"dtype": "bfloat16", "weights": "float32", "device": "cuda"}
 ROLES = ("prefill", "decode")
@@ -49,7 +52,7 @@ def test_every_field_has_the_flag_named_after_it(cls: type) -> None:
 
 def test_no_two_fields_share_a_flag() -> None:
     """(TransferConfig's `host` and the HTTP frontend's would both be `--host`.)"""
-    flags = [_flag(f) for cls in (*CONFIGS, ServerConfig) for f in _fields(cls)]
+    flags = [_flag(f) for cls in CONFIGS for f in _fields(cls)]
     assert not sorted({f for f in flags if flags.count(f) > 1})
 
 
@@ -73,7 +76,7 @@ def _argv(p: argparse.ArgumentParser) -> tuple[list[str], dict[str, Any]]:
         else:
             value = ACCEPTED.get(f.name, f"value-of-{f.name}")
         argv += [_flag(f), str(value)]
-        want[f.name] = value
+        want[f.name] = (value,) if isinstance(f.default, tuple) else value
     return argv, want
 
 
@@ -88,7 +91,8 @@ def test_parsed_flags_give_configs_whose_fields_came_from_their_flags(role: str)
         config_from_flags(SchedulerConfig, args),
     )
     engine = config_from_flags(EngineConfig, args, model_path="m", cache=cache, scheduler=scheduler)
-    for cfg in (transfer, engine, cache, scheduler):
+    server = config_from_flags(ServerConfig, args, role=role, model_path="m")
+    for cfg in (transfer, engine, cache, scheduler, server):
         for f in _fields(type(cfg)):
             expected = want.get(f.name, f.default)  # no flag in this role: the default
             assert getattr(cfg, f.name) == expected, f"{type(cfg).__name__}.{f.name}"

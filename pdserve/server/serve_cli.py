@@ -46,15 +46,15 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         scheduler=config_from_flags(SchedulerConfig, args),
     )
     transfer = config_from_flags(TransferConfig, args)
-    server = ServerConfig(
-        role=role, model_path=model, host=args.host, port=args.port,
+    server = config_from_flags(
+        ServerConfig,
+        args,
+        role=role,
+        model_path=model,
         served_model_name=args.served_model_name or resolved.name,
-        api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
-        max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
-        log_level=getattr(args, "log_level", "info"),
-        unknown_fields=args.unknown_fields, chat_template=args.chat_template,
-        cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
-    )  # fmt: skip
+        api_key=args.api_key or ENV.API_KEY.get(),
+        metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
+    )
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
 
 

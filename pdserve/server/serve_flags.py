@@ -47,7 +47,8 @@ def _flag(p: Any, cls: type, field: str, help: str) -> None:
 def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
     """`cls` from parsed flags: each field from its flag (config.flag_of), a switch that is
     on by default from its `--disable-` flag, the fields in `given` as given. A field
-    whose flag this role lacks (--data-port on a prefill) keeps its default."""
+    without a flag here (--data-port on a prefill, ServerConfig's
+    engine_heartbeat_timeout_s) keeps its default."""
     values = dict(given)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         dest = flag_of(f.name)[2:].replace("-", "_")
@@ -56,7 +57,8 @@ def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C
         if f.default is True and hasattr(args, f"disable_{dest}"):
             values[f.name] = not getattr(args, f"disable_{dest}")
         elif hasattr(args, dest):
-            values[f.name] = getattr(args, dest)
+            value = getattr(args, dest)  # nargs="*": a list, kept as the field's tuple
+            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
     return cls(**values)
 
 
