@@ -67,12 +67,12 @@ class KVReceiver(DataChannel):
     ) -> None:
         """`settings`: the data socket binds `transfer_host:data_port` (0: any free port,
         then in `self.data_port`) and is advertised as `advertise_host` (an address, "auto"
-        resolved by the caller); the timers are its fields. `native_scatter`: write whole pages and hash chunks in C, on as many threads
-        as the engine's kernels use, `kernel_threads` (kernels/core_share.Cores; None:
-        torch's thread count), built (once per machine, about a second) and loaded here
-        at start-up, never inside a transfer; False, or no C compiler: numpy and
-        Python's xxhash (--disable-compile). Either is the page I/O of
-        kernels/page_io.py, chosen here once."""
+        resolved by the caller); the timers are its fields. `native_scatter`: write whole
+        pages and hash chunks in C, on as many threads as the engine's kernels use,
+        `kernel_threads` (kernels/core_share.Cores; None: torch's thread count), built
+        (once per machine, about a second) and loaded here at start-up, never inside a
+        transfer; False, or no C compiler: numpy and Python's xxhash (--disable-compile).
+        Either is the page I/O of kernels/page_io.py, chosen here once."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
         self._pages = page_io(cache_root() if native_scatter else None, kernel_threads)

@@ -81,10 +81,11 @@ class KVSender(BootstrapChannel):
         kernel_threads: Callable[[], int] | None = None,
     ) -> None:
         """`settings`: the bootstrap socket binds `transfer_host:bootstrap_port` (port 0:
-        any free one, then in `self.bootstrap_port`); the timers are its fields. `native`: gather and hash pieces whose pages are scattered over the pool with
-        the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
-        (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
-        torch's index_select, Python's xxhash and pyzmq's zero-copy send
+        any free one, then in `self.bootstrap_port`); the timers are its fields.
+        `native`: gather and hash pieces whose pages are scattered over the pool with the
+        native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C
+        API (zmq_native.py), both built (once per machine) and loaded here at start-up;
+        False: torch's index_select, Python's xxhash and pyzmq's zero-copy send
         (--disable-compile). `kernel_threads`: the engine's (kernels/core_share.Cores),
         else torch's thread count."""
         self.layout = layout
