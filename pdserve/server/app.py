@@ -64,8 +64,8 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
     # the key on every route but /health (and /metrics with metrics_public)
     app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
     # added last, so outermost: a browser's preflight (no key) is answered before the key check
-    if cfg.cors_origins:  # opt-in: browsers may call the API from these origins
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+    if cfg.allowed_origins:  # opt-in: browsers may call the API from these origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])  # fmt: skip
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
