@@ -31,8 +31,9 @@ from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
 from pdserve.server.engine_client import EngineClient, EngineDead
-from pdserve.server.generation import Bootstrap, Frontend, RequestError, collect, run_sample
+from pdserve.server.generation import Frontend, collect, run_sample
 from pdserve.server.http_util import ClientGone, check_api_key, error_response, read_json
+from pdserve.server.jobs import Bootstrap, RequestError
 from pdserve.server.metrics import Metrics
 from pdserve.server.server_config import ServerConfig
 from pdserve.server.tokenizer import Tokenizer
