@@ -168,3 +168,21 @@ def test_activity_keeps_the_last_requests_stages():
     d = a.as_dict()
     assert d["finished"] == 4 and d["output_tokens"] == 3 and len(d["recent"]) == 2
     assert d["recent"][0]["stages"]["prefill"] == pytest.approx(0.2)
+
+
+def test_concurrent_polls_share_one_fan_out(workers, monkeypatch):
+    """However many pages poll, each worker gets at most one /stats per CACHE_S."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(console, "CACHE_S", 60.0)  # all polls below fall in one period
+    r = router(workers)
+    stats_gets = [lambda w=w: sum(x.path == "/stats" for x in w.received) for w in workers]
+    before = [f() for f in stats_gets]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.get(r.url + "/console/state").status_code,
+                                  range(8)))  # fmt: skip
+    finally:
+        r.stop()
+    assert codes == [200] * 8
+    assert [f() - b for f, b in zip(stats_gets, before)] == [1, 1]

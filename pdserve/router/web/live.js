@@ -108,15 +108,15 @@ function stageBar(stages, scale) {
   return bar;
 }
 
+// One row a request; its bar splits its own TTFT (the TTFT column compares requests).
 function recentRows(recent) {
   const ttft = (r) => STAGES.reduce((a, [k]) => a + (r.stages[k] || 0), 0);
-  const scale = Math.max(1e-6, ...recent.map(ttft));
   return recent.map((r) => {
     const tr = el("tr");
     const when = new Date(r.done_at * 1000).toLocaleTimeString();
     const parts = STAGES.map(([k, label]) => `${label} ${ms(r.stages[k] || 0)}`).join(", ");
     const cell = el("td", "wide");
-    cell.append(stageBar(r.stages, scale), el("div", "muted small", parts));
+    cell.append(stageBar(r.stages, ttft(r)), el("div", "muted small", parts));
     tr.append(el("td", null, when), el("td", "muted", r.worker), el("td", null, `${r.prompt_tokens} / ${r.output_tokens}`),
       el("td", null, ms(ttft(r))), cell);
     return tr;
