@@ -107,6 +107,7 @@ def screenshot(driver: Any, path: Path) -> None:
 
 # ---- against a real stack (tests/test_e2e_pd.py) ------------------------------------------
 CHAT = "Name three colours."
+SYSTEM = "You answer in one word."
 
 
 def check_chat(driver: Any, url: str, shots: Path) -> None:
@@ -121,6 +122,14 @@ def check_chat(driver: Any, url: str, shots: Path) -> None:
     stats = driver.find_element(by("CSS_SELECTOR"), ".msg.assistant .stats").text
     assert "TTFT" in stats and "TPOT" in stats and "16 tokens" in stats, stats
     screenshot(driver, shots / "console-chat.png")
+    # Regenerate, now with a system prompt: the answer the API gives to both messages
+    driver.find_element(by("ID"), "system").send_keys(SYSTEM)
+    driver.find_element(by("ID"), "regenerate").click()
+    again = answered(driver)
+    body["messages"] = [{"role": "system", "content": SYSTEM}, *body["messages"]]
+    api = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S).json()
+    assert again["content"] == api["choices"][0]["message"]["content"]
+    assert [m["role"] for m in conversation(driver)] == ["user", "assistant"]
     assert errors(driver) == []
 
 
@@ -155,8 +164,12 @@ def _load(url: str, stop_at: threading.Event) -> None:
 
 
 def worker_stat(driver: Any, role: str, key: str) -> str:
+    """A value on a worker's card, read in one script (the view redraws every poll, so an
+    element found in one call may be gone by the next)."""
     sel = f'.worker[data-role="{role}"] .stat[data-key="{key}"] .value'
-    return str(driver.find_element(by("CSS_SELECTOR"), sel).text)
+    return str(
+        driver.execute_script("return document.querySelector(arguments[0]).textContent", sel)
+    )
 
 
 def check_live(driver: Any, url: str, shots: Path) -> None:
@@ -164,7 +177,9 @@ def check_live(driver: Any, url: str, shots: Path) -> None:
     css = by("CSS_SELECTOR")
     driver.find_element(by("ID"), "tab-live").click()
     until(driver, lambda d: len(d.find_elements(css, ".worker")) == 2, "two worker cards")
-    roles = {e.get_attribute("data-role") for e in driver.find_elements(css, ".worker")}
+    roles = set(driver.execute_script(
+        "return [...document.querySelectorAll('.worker')].map(e => e.dataset.role)"
+    ))  # fmt: skip
     assert roles == {"prefill", "decode"}
     before = int(worker_stat(driver, "decode", "finished"))
     kv_before = worker_stat(driver, "decode", "kv_bytes")
