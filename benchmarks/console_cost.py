@@ -20,7 +20,7 @@ import httpx
 from up_stack import pdserve_up
 
 from pdserve.router.console import CACHE_S
-from pdserve.router.web import FILES, load_files
+from pdserve.router.webui import FILES, load_files
 
 
 def page_sizes() -> None:

@@ -12,7 +12,7 @@ from fake_workers import FakeWorker, Served
 
 from pdserve.router import console
 from pdserve.router.app import RouterConfig, create_app
-from pdserve.router.web import CSP, FILES, page_bytes
+from pdserve.router.webui import CSP, FILES, page_bytes
 from pdserve.server.activity import Activity, console_stages
 
 KEY = "console-test-key"

@@ -83,3 +83,20 @@ def test_the_page_asks_for_the_key_and_sends_it_as_a_bearer_header(console_drive
     finally:
         console_driver.execute_script("sessionStorage.clear()")
         r.stop()
+
+
+def test_a_refused_request_shows_the_servers_message(console_driver, workers):
+    _, d = workers
+    r = router(workers)
+    d.fail_status = 400
+    try:
+        open_page(console_driver, r.url)
+        send(console_driver, "hello", 8)
+        answered(console_driver, "error")
+        shown = console_driver.find_element(by("ID"), "chat-error").text
+        assert shown == "400: D failed", shown
+    finally:
+        d.fail_status = None
+        r.stop()
+    # the browser logs the 400 response itself; nothing else went wrong
+    assert [e for e in errors(console_driver) if "status of 400" not in e["message"]] == []

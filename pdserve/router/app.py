@@ -30,7 +30,7 @@ from pdserve.router.http1 import Http1Pool
 from pdserve.router.loops import every, watch
 from pdserve.router.metrics import registry, render
 from pdserve.router.proxy import PDProxy
-from pdserve.router.web import OPEN_PATHS, add_web_ui
+from pdserve.router.webui import OPEN_PATHS, add_web_ui
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -53,7 +53,7 @@ class RouterConfig:
     health_timeout_s: float = 5.0
     health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
-    web_ui: bool = True  # GET / serves the web console (router/web.py); --no-web-ui
+    web_ui: bool = True  # GET / serves the web console (router/webui.py); --no-web-ui
 
 
 class RouterState:

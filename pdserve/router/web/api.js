@@ -17,8 +17,11 @@ function headers(extra) {
 
 // Resolves once the user has entered a key (one dialog however many callers wait).
 export function askKey(message) {
-  if (asking) return asking;
   const dialog = document.getElementById("key-dialog");
+  if (asking) {
+    if (!dialog.open) dialog.showModal(); // closed with Escape: the key button reopens it
+    return asking;
+  }
   const form = document.getElementById("key-form");
   const input = document.getElementById("key-input");
   if (message) dialog.querySelector("p").textContent = message;

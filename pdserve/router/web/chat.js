@@ -145,7 +145,10 @@ async function answer() {
     await readEvents(r, (ev) => onChunk(m, st, ev, redraw));
   } catch (e) {
     if (e.name === "AbortError") st.finish = "stopped";
-    else showError(String(e.message || e));
+    else {
+      st.finish = "error";
+      showError(String(e.message || e));
+    }
   } finally {
     controller = null;
     if (st.first !== undefined) st.ttft = (st.first - st.t0) / 1000;
@@ -154,7 +157,7 @@ async function answer() {
     m.node.classList.remove("streaming");
     renderMarkdown(m.content, body);
     m.node.querySelector(".stats").textContent = statsText(st);
-    m.node.dataset.state = st.finish === "stopped" ? "stopped" : "done";
+    m.node.dataset.state = st.finish === "stopped" || st.finish === "error" ? st.finish : "done";
     setBusy(false);
   }
 }
