@@ -42,7 +42,10 @@ class Activity:
     def __init__(self, size: int = RECENT) -> None:
         self.output_tokens = 0  # streamed to clients so far (grows while a request runs)
         self.finished = 0
-        self._recent: deque[dict[str, Any]] = deque(maxlen=size)
+        # (done_at, prompt tokens, output tokens, finish reason, stamps): the stages are
+        # worked out when /stats asks, off the request's path
+        self._recent: deque[tuple[float, int, int, str | None, dict[str, float]]]
+        self._recent = deque(maxlen=size)
 
     def tokens(self, k: int) -> None:
         self.output_tokens += k
@@ -52,14 +55,10 @@ class Activity:
         self.finished += 1
         if not stages:  # a request that never reached an engine step has nothing to show
             return
-        self._recent.append({
-            "done_at": round(time.time(), 3),
-            "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens,
-            "finish_reason": reason,
-            "stages": console_stages(stages),
-        })  # fmt: skip
+        self._recent.append((time.time(), prompt_tokens, output_tokens, reason, stages))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"output_tokens": self.output_tokens, "finished": self.finished,
-                "recent": list(self._recent)}  # fmt: skip
+        recent = [{"done_at": round(at, 3), "prompt_tokens": p, "output_tokens": o,
+                   "finish_reason": why, "stages": console_stages(st)}
+                  for at, p, o, why, st in self._recent]  # fmt: skip
+        return {"output_tokens": self.output_tokens, "finished": self.finished, "recent": recent}
