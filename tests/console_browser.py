@@ -73,6 +73,10 @@ def errors(driver: Any) -> list[dict]:
 
 
 def open_page(driver: Any, url: str) -> None:
+    """Load the console afresh: what an earlier page logged (a live view polling a
+    server since stopped) is read and dropped first."""
+    driver.get("about:blank")
+    driver.get_log("browser")
     driver.get(url + "/")
     until(driver, lambda d: d.execute_script("return !!window.pdconsole"), "the app")
 

@@ -68,6 +68,8 @@ def test_model_markup_is_shown_as_text(console_driver, workers):
 def test_the_page_asks_for_the_key_and_sends_it_as_a_bearer_header(console_driver, workers):
     r = router(workers, api_key=KEY)
     try:
+        console_driver.get("about:blank")
+        console_driver.get_log("browser")  # drop an earlier page's messages
         console_driver.get(r.url + "/#live")
         dialog = console_driver.find_element(by("ID"), "key-dialog")
         until(console_driver, lambda d: dialog.get_attribute("open") is not None, "the key dialog")
