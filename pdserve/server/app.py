@@ -168,6 +168,17 @@ def _add_info_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig, spec: Engine
             "architectures": mc.get("architectures"),
         })  # fmt: skip
 
+    @app.get("/stats")
+    async def stats() -> Response:
+        # the router's console polls this (router/console.py): small, JSON, no config
+        return JSONResponse({
+            "role": cfg.role,
+            "engine_alive": fe.client.alive,
+            "in_flight": fe.client.in_flight,
+            "engine": await engine_stats(),
+            **fe.activity.as_dict(),
+        })  # fmt: skip
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = fe.metrics.render(await engine_stats())

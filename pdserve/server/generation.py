@@ -25,6 +25,7 @@ import msgspec
 
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams, prompt_problem
+from pdserve.server.activity import Activity
 from pdserve.server.detokenizer import TextStream
 from pdserve.server.engine_client import EngineClient, EngineDead
 from pdserve.server.jobs import (
@@ -47,6 +48,7 @@ class Frontend:
     tokenizer: Tokenizer
     metrics: Metrics
     max_context: int
+    activity: Activity = field(default_factory=Activity)  # the console's view (GET /stats)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -125,7 +127,7 @@ async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncItera
     q = fe.client.submit(req)
     # the tokenizers library's own decode (skips special tokens, as Tokenizer.decode does)
     text = TextStream(fe.tokenizer.hf.decode, fe.tokenizer.byte_piece_ids, req.params.stop)
-    clock = _Clock(fe.metrics)
+    clock = _Clock(fe.metrics, fe.activity)
     done = False
     try:
         while not done:
@@ -144,6 +146,7 @@ async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncItera
             done = d.finished
             if done:
                 clock.finish(fe.metrics, "error" if d.error else (d.finish_reason or "stop"))
+                fe.activity.finish(len(req.input_ids), clock.n, d.finish_reason, d.stages)
             yield d
     finally:
         if not done:  # the consumer went away (client disconnect): free the engine's row
@@ -154,14 +157,16 @@ async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncItera
 class _Clock:
     """Feeds TTFT / inter-token / e2e latency of one sample into the metrics."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, activity: Activity) -> None:
         self.t0 = self.last = time.monotonic()
         self.n = 0
         self.metrics = metrics
+        self.activity = activity
 
     def tokens(self, k: int) -> None:
         if k == 0:
             return
+        self.activity.tokens(k)
         now = time.monotonic()
         if self.n == 0:
             self.metrics.ttft.observe(now - self.t0)
