@@ -78,6 +78,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         log_level=getattr(args, "log_level", "info"),
         unknown_fields=args.unknown_fields, chat_template=args.chat_template,
         cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
 

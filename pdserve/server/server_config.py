@@ -26,10 +26,12 @@ class ServerConfig:
     # a request field the server does not know: "refuse" (400 naming it) or "warn" (logged)
     unknown_fields: str = "refuse"
     chat_template: str | None = None  # a Jinja file that replaces the model's chat template
-    cors_origins: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # origins allowed cross-origin ("*": any); none: no CORS
     # how tool calls are found in the output: a parser name (tool_calls.py), "auto" (from
     # the chat template) or "none"
-    tool_call_parser: str = "auto"  # origins allowed cross-origin ("*": any); none: no CORS
+    tool_call_parser: str = "auto"
+    # how a chat answer's reasoning is split from its content (reasoning.py); None: not split
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:
