@@ -20,8 +20,10 @@ import json
 import sys
 
 import httpx
+import openai
 import pytest
 import qwen_tools_reference as ref
+from pydantic import BaseModel
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.model.resolve import gguf_folder
@@ -114,3 +116,117 @@ def test_tool_call_streamed(server, answers) -> None:
                 text += delta.get("content") or ""
     assert text == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+# ---- forced calls end; tool_choice modes as agent clients send them ------------------------
+def forced(url: str, choice, **kw) -> dict:  # type: ignore[no-untyped-def]
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "tool_choice": choice, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, **kw}, timeout=90)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_call_ends_without_max_tokens(server, choice) -> None:
+    """The grammar lets the model end after its call (it wants to, after one newline);
+    without that, it was forced into call after call until the context was full."""
+    r = forced(server, choice)
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert c["message"]["content"] is None
+    assert r["usage"]["completion_tokens"] <= 24, r["usage"]  # the call, a newline, the end
+
+
+def test_forced_call_cut_by_max_tokens(server) -> None:
+    """Cut inside the call: `length`, no call, no tag text, streamed or not."""
+    c = forced(server, "required", max_tokens=6)["choices"][0]
+    assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
+    assert "<tool_call" not in (c["message"]["content"] or "") and "name" not in (
+        c["message"]["content"] or ""
+    )
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "tool_choice": "required",
+            "temperature": 0, "max_tokens": 6, "stream": True}  # fmt: skip
+    text, calls, finish = "", [], None
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=90) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["delta"].get("content") or ""
+                calls += choice["delta"].get("tool_calls") or []
+                finish = choice["finish_reason"] or finish
+    assert (text, calls, finish) == ("", [], "length")
+
+
+def test_parallel_tool_calls_false_with_auto(server, answers) -> None:
+    """openai-agents' second turn: tool_choice unset, parallel_tool_calls false."""
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "parallel_tool_calls": False,
+            "temperature": 0, "max_tokens": ref.MAX_TOKENS}  # fmt: skip
+    r = post(server, "/v1/chat/completions", body)
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1
+    assert r["usage"]["completion_tokens"] <= len(answers["turn1"]["greedy"])
+
+
+def test_strict_tool_arguments_follow_the_schema(server) -> None:
+    """A strict tool whose schema asks for more than the model writes unasked: the
+    grammar takes over at the call tag and the arguments hold the schema."""
+    unit = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "unit": unit},
+              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {**ref.TOOLS[0]["function"], "strict": True,
+                                               "parameters": params}}, ref.TOOLS[1]]  # fmt: skip
+    body = {"messages": ref.TURN1, "tools": tools, "temperature": 0, "max_tokens": 48}
+    c = post(server, "/v1/chat/completions", body)["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert args["city"] == "Paris" and args["unit"] in unit["enum"], args
+
+
+# ---- real clients: structured output through a forced tool, no max_tokens --------------------
+class CityFacts(BaseModel):
+    city: str
+    country: str
+
+
+QUESTION = "Paris is the capital of which country? Answer with the city and its country."
+
+
+def test_pydantic_ai_default_structured_output(server) -> None:
+    """pydantic-ai's default output mode is a tool it forces (tool_choice required)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0,
+                                timeout=90)  # fmt: skip
+    model = OpenAIChatModel(served_name(server), provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=CityFacts, model_settings={"temperature": 0})
+    out = agent.run_sync(QUESTION).output
+    assert isinstance(out, CityFacts) and out.city == "Paris" and "France" in out.country
+
+
+def test_instructor_tools_mode(server) -> None:
+    """instructor's Mode.TOOLS names its one tool in tool_choice."""
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=90),
+        mode=instructor.Mode.TOOLS,
+    )
+    out = client.chat.completions.create(
+        model=served_name(server), response_model=CityFacts, max_retries=0, temperature=0,
+        messages=[{"role": "user", "content": QUESTION}],
+    )  # fmt: skip
+    assert isinstance(out, CityFacts) and out.city == "Paris" and "France" in out.country
+
+
+@functools.cache
+def served_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]

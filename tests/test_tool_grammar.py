@@ -100,3 +100,17 @@ def test_strict_refusals_name_the_tool() -> None:
     with pytest.raises(FieldRefused) as e:
         auto_tool_grammar([ref], None)
     assert e.value.param == "tools[0].function.strict"
+
+
+def test_auto_bare_calls_are_constrained_too(tok) -> None:
+    """Qwen2.5-Coder-0.5B answers with bare call objects, no tags: an answer that opens
+    with `{` is calls, and strict arguments hold there as well."""
+    g = auto_tool_grammar(TOOLS, None, tool_tags(tok))
+    good = json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+    bad = json.dumps({"name": "add", "arguments": {"a": "x", "b": 2}})
+    for text in (good, "\n" + good + "\n", good + "\n" + good, "Sure: " + bad):
+        assert accepts(tok, g, text), text
+    for text in (bad, '{"a": 1}', good + " and text"):
+        assert not accepts(tok, g, text), text
+    one = auto_tool_grammar(TOOLS, False, tool_tags(tok))
+    assert accepts(tok, one, good + "\n") and not accepts(tok, one, good + "\n" + good)

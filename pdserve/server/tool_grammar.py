@@ -11,11 +11,14 @@ writes there (it wants the end of the turn next, not another call).
 
 Under "auto" the call's JSON is constrained once the model writes the opening tag: the
 tag is a lazy lexeme (it ends the free text at its first appearance), or, where the
-vocabulary holds it as one added token, that token by id. A call's arguments follow
-its tool's `parameters` schema when the tool is `strict` (and always when the call is
-forced), else any JSON object. Answers that leave the tags out (bare call objects, which
-tool_calls.py also reads) are free text to the grammar, so `strict` holds for tagged
-calls only.
+vocabulary holds it as one added token, that token by id. Small models of the family
+often leave the tags out and answer with bare call objects (which tool_calls.py reads
+as calls too): an answer that opens with `{` is such calls, one per line, so free text
+may not open with `{`. A call's arguments follow its tool's `parameters` schema when
+the tool is `strict` (and always when the call is forced), else any JSON object.
+
+    auto:  start: block* TEXT | bare          bare: BLANK call ("\n" call)* "\n"?
+           (one call: TEXT | block "\n"? | BLANK call "\n"?)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pdserve.server.request_fields import FieldRefused
 # the separators the chat templates write calls with (`tojson`), and no free whitespace
 # (a small model is not left free to emit whitespace forever)
 _CALL_JSON: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_TEXT = "TEXT: /(.|\\n)*/"
+# free text, which may not open with "{" (an answer that does is bare calls)
+_TEXT = 'TEXT: /\\s*([^{\\s](.|\\n)*)?/\nBLANK: /\\s*/'
 
 
 def tool_tags(tok: Any) -> tuple[int, int] | None:
@@ -123,7 +127,10 @@ def auto_tool_grammar(
     # text up to the tag: a lazy lexeme where the tag is text (it ends at the tag's first
     # appearance); the free text never holds a special token, so an id ends it anyway
     lead = f"lead: TEXT {open_}" if tags is not None else f"lead[lazy]: TEXT {open_}"
-    start = 'start: TEXT | block "\\n"?' if parallel is False else "start: block* TEXT"
+    if parallel is False:
+        start = 'start: TEXT | block "\\n"? | BLANK call "\\n"?'
+    else:
+        start = 'start: block* TEXT | BLANK call ("\\n" call)* "\\n"?'
     schema = _calls_schema(tools, None, forced=False)
     lark = (f'%llguidance {{}}\n{start}\nblock: lead "\\n" call "\\n" {close}\n{lead}\n'
             f"{_TEXT}\ncall: %json {json.dumps(schema)}")  # fmt: skip
