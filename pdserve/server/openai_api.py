@@ -38,6 +38,8 @@ class Options(NamedTuple):
     top: int = 0  # the top k logprobs of each output token
     prompt_top: int | None = None  # echo with logprobs: the prompt's, with their top k
     tool_names: frozenset[str] = frozenset()  # chat: the names an untagged tool call may use
+    max_calls: int | None = None  # chat: 1 with parallel_tool_calls false
+    reasoning: str | None = None  # chat: the reasoning parser that splits the answer
 
 
 class StreamOptions(Body):
@@ -278,11 +280,13 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
                                '"none" to pass the tools to the template only', "tools")  # fmt: skip
         return True
 
-    def options(self, tool_parser: str | None) -> Options:
+    def options(self, tool_parser: str | None, reasoning_parser: str | None = None) -> Options:
         """What the handler needs of the body beyond its plain fields, in one call."""
         top = (self.top_logprobs or 0) if self.logprobs else 0
         return Options(self.bootstrap(), self.include_usage, self.max_output,
-                       self.parse_tools(tool_parser), top, tool_names=self.tool_names)  # fmt: skip
+                       self.parse_tools(tool_parser), top, tool_names=self.tool_names,
+                       max_calls=1 if self.parallel_tool_calls is False else None,
+                       reasoning=self.reasoning_parser(reasoning_parser))  # fmt: skip
 
     def reasoning_parser(self, parser: str | None) -> str | None:
         """The server's reasoning parser, unless the request asks for no split."""

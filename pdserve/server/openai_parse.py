@@ -56,11 +56,10 @@ async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
 async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: dict[str, float],
                     tool_parser: str | None) -> OpenAIRequest:  # fmt: skip
     body = await read_body(request, ChatIn, cfg)
-    opts = body.options(tool_parser)
+    opts = body.options(tool_parser, cfg.reasoning_parser)
     prompts = [chat_prompt_ids(fe, body)]
     job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, opts.top)
-    out = ChatOutput(opts.tools, opts.tool_names, 1 if body.parallel_tool_calls is False else None,
-                     body.reasoning_parser(cfg.reasoning_parser))  # fmt: skip
+    out = ChatOutput(opts.tools, opts.tool_names, opts.max_calls, opts.reasoning)
     return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, out)
 
 

@@ -34,7 +34,7 @@ from pdserve.server.request_fields import FieldRefused
 # (a small model is not left free to emit whitespace forever)
 _CALL_JSON: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # free text, which may not open with "{" (an answer that does is bare calls)
-_TEXT = 'TEXT: /\\s*([^{\\s](.|\\n)*)?/\nBLANK: /\\s*/'
+_TEXT = "TEXT: /\\s*([^{\\s](.|\\n)*)?/\nBLANK: /\\s*/"
 
 
 def tool_tags(tok: Any) -> tuple[int, int] | None:
