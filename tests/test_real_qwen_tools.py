@@ -8,6 +8,12 @@ message, and the answer states the result (a temperature the model cannot guess)
 Prompts equal transformers' `apply_chat_template(..., tools=...)` id for id, answers its
 greedy tokens (computed once and cached: tests/qwen_tools_reference.py).
 
+Then the tool_choice modes agent clients send, without `max_tokens`: a forced call
+ends after the call (finish_reason tool_calls), cut by `max_tokens` it says `length`
+with no tag text; parallel_tool_calls false under auto; a strict tool's schema holds;
+pydantic-ai's default structured output (a forced tool) and instructor's Mode.TOOLS (a
+named tool) return their object.
+
 Turn 2 sends no `tools`: with the tools still in its system prompt this 0.5B model
 repeats its call after the result (transformers' greedy answer does the same, token for
 token), so a client asks for the answer without them.
