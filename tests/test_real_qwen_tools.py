@@ -53,7 +53,9 @@ def answers() -> dict:
 def server(answers):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(ref.gguf_file()),
-            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048"]  # fmt: skip
+            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048",
+            # a shared two-core machine can hold a prefill's heartbeat past the default 5 s
+            "--heartbeat-timeout", "30"]  # fmt: skip
     proc = spawn(argv, "real-qwen-tools")
     url = f"http://127.0.0.1:{port}"
     try:
