@@ -1,13 +1,16 @@
-"""Tool calls as an llguidance grammar (the engines enforce it token by token), in the
-Hermes form the chat templates of Qwen2.5 and its kin write: `<tool_call>\\n{json}\\n</tool_call>`.
+r"""Tool calls as an llguidance grammar (the engines enforce it token by token), in the
+Hermes form the chat templates of Qwen2.5 and its kin write: `<tool_call>\n{json}\n</tool_call>`.
 
-    tool_choice "required" / named   calls and nothing else:  block ("\\n" block)* "\\n"?
-    tool_choice "auto" (or unset)    free text, then calls:   (TEXT block)* TEXT
-      with a `strict` tool or parallel_tool_calls false only; else no grammar at all
+    tool_choice "required" / named   calls and nothing else   start: block ("\n" block)* "\n"?
+    tool_choice "auto" (or unset)    text, or calls           start: block* TEXT | bare
+      only with a `strict` tool or parallel_tool_calls false; else no grammar at all
 
-parallel_tool_calls false allows exactly one call, after which only the end may come. A
-forced answer may end after any complete call, and after the one newline the model
-writes there (it wants the end of the turn next, not another call).
+    block: <tool_call> "\n" call "\n" </tool_call>      bare: BLANK call ("\n" call)* "\n"?
+
+parallel_tool_calls false allows exactly one call, after which only the end may come
+(auto: `TEXT | block "\n"? | BLANK call "\n"?`). A forced answer may end after any
+complete call, and after the one newline the model writes there (it wants the end of
+the turn next, not another call).
 
 Under "auto" the call's JSON is constrained once the model writes the opening tag: the
 tag is a lazy lexeme (it ends the free text at its first appearance), or, where the
@@ -16,9 +19,6 @@ often leave the tags out and answer with bare call objects (which tool_calls.py 
 as calls too): an answer that opens with `{` is such calls, one per line, so free text
 may not open with `{`. A call's arguments follow its tool's `parameters` schema when
 the tool is `strict` (and always when the call is forced), else any JSON object.
-
-    auto:  start: block* TEXT | bare          bare: BLANK call ("\n" call)* "\n"?
-           (one call: TEXT | block "\n"? | BLANK call "\n"?)
 """
 
 from __future__ import annotations
