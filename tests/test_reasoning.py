@@ -1,19 +1,18 @@
 """Reasoning output (--reasoning-parser): `<think>` text split into `reasoning_content`,
-unit by unit, and through a frontend serving the tiny-qwen3 preset (its tokenizer and
-config; the fake engine echoes the prompt, so the "model" writes what the template
-renders: a Qwen3-style thinking answer)."""
+unit by unit, and through `pdserve up` on the random tiny-qwen3 preset, whose greedy
+answer a regex opens with a thinking block (a random model would not write one)."""
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_engine import ServerProc
+from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
-from pdserve.model.make import default_model_path
 from pdserve.server.chat_output import ChatOutput
 from pdserve.server.reasoning import ReasoningStream, split_reasoning
 
@@ -62,74 +61,68 @@ def test_reasoning_then_a_tool_call() -> None:
     assert [c["function"]["name"] for c in parts.calls] == ["f"]
 
 
-# ---- through a frontend ------------------------------------------------------------------
-# Qwen3's shape: thinking on by default; enable_thinking false closes an empty block in
-# the prompt. The echo then "answers" with the last message's text.
-TEMPLATE = (
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{{ messages[-1]['content'] }}"
-)
-EOS = "<|endoftext|>"
+# ---- through `pdserve up` -----------------------------------------------------------------
+THINKING = "<think>\n[a-z ]{1,40}\n</think>\n\n[a-z ]{1,20}"  # Qwen3's shape, bounded
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model = default_model_path("tiny-qwen3")  # made once, cached (other tests share it)
-    template = tmp_path_factory.mktemp("tpl") / "t.jinja"
-    template.write_text(TEMPLATE)
-    s = ServerProc(model, "decode", "--chat-template", str(template),
-                   "--reasoning-parser", "qwen3")  # fmt: skip
+def server() -> Iterator[str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny-qwen3", "--port",
+            str(port), "--grace-period", "5", "--reasoning-parser", "qwen3",
+            "--heartbeat-timeout", "30"]  # fmt: skip
+    proc = spawn(argv, "reasoning")
     try:
-        yield s.wait_healthy(60.0).url
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        yield f"http://127.0.0.1:{port}"
     finally:
-        s.stop()
+        stop(proc)
 
 
-def chat(url: str, text: str, **kw) -> dict:  # type: ignore[no-untyped-def]
-    body = {"messages": [{"role": "user", "content": text + EOS}], "max_tokens": 200, **kw}
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+def body(**kw) -> dict:  # type: ignore[no-untyped-def]
+    return {"messages": [{"role": "user", "content": "Hello, who are you?"}], "temperature": 0,
+            "max_tokens": 80, "guided_regex": THINKING, **kw}  # fmt: skip
+
+
+def chat(url: str, **kw) -> dict:  # type: ignore[no-untyped-def]
+    r = httpx.post(url + "/v1/chat/completions", json=body(**kw), timeout=120)
     assert r.status_code == 200, r.text
-    return r.json()
+    return r.json()["choices"][0]["message"]
 
 
-def chat_streamed(url: str, text: str, **kw) -> tuple[str, str, str | None]:  # type: ignore[no-untyped-def]
-    body = {"messages": [{"role": "user", "content": text + EOS}], "max_tokens": 200,
-            "stream": True, **kw}  # fmt: skip
-    reasoning, content, finish = "", "", None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+def chat_streamed(url: str, **kw) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    reasoning, content = "", ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body(stream=True, **kw),
+                      timeout=120) as r:  # fmt: skip
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                delta = choice["delta"]
+                delta = json.loads(line[6:])["choices"][0]["delta"]
                 assert delta.get("reasoning") == delta.get("reasoning_content")
                 reasoning += delta.get("reasoning_content") or ""
                 content += delta.get("content") or ""
-                finish = choice["finish_reason"] or finish
-    return reasoning, content, finish
+    return reasoning, content
 
 
 def test_chat_splits_reasoning_streamed_as_whole(server: str) -> None:
-    msg = chat(server, THOUGHT)["choices"][0]["message"]
-    assert msg["reasoning_content"] == msg["reasoning"] == "The user greets me.\nI greet back."
-    assert msg["content"] == "Hello there!"
-    assert chat_streamed(server, THOUGHT) == (msg["reasoning_content"], msg["content"], "stop")
+    msg = chat(server)
+    assert msg["reasoning_content"] == msg["reasoning"] and msg["reasoning_content"]
+    assert msg["content"] and "<think>" not in msg["content"] + msg["reasoning_content"]
+    assert chat_streamed(server) == (msg["reasoning_content"], msg["content"])
+    whole = chat(server, separate_reasoning=False)  # sglang's field: no split
+    assert "reasoning_content" not in whole
+    assert whole["content"].startswith("<think>\n")
+    assert split_reasoning(whole["content"]) == (msg["reasoning"], msg["content"])
 
 
-def test_enable_thinking_false_and_separate_reasoning_false(server: str) -> None:
-    """Thinking off: the template closes an empty block in the prompt (the echo writes it
-    back, as Qwen3 would not: its reasoning is empty). separate_reasoning false (sglang's
-    field) leaves the text whole."""
-    off = {"chat_template_kwargs": {"enable_thinking": False}}
-    msg = chat(server, "Hi!", **off)["choices"][0]["message"]
-    assert (msg["reasoning_content"], msg["content"]) == ("", "Hi!")
-    assert chat_streamed(server, "Hi!", **off)[:2] == ("", "Hi!")
-    msg = chat(server, "Hi!")["choices"][0]["message"]
-    assert (msg["reasoning_content"], msg["content"]) == (None, "Hi!")
-    msg = chat(server, THOUGHT, separate_reasoning=False)["choices"][0]["message"]
-    assert msg["content"] == THOUGHT and "reasoning_content" not in msg
+def test_enable_thinking_false(server: str) -> None:
+    """Thinking off: Qwen3's template closes an empty block in the prompt, and the
+    answer (no <think> of its own) is all content; the template kwarg passes through."""
+    kw = {"guided_regex": "[a-z ]{1,20}", "chat_template_kwargs": {"enable_thinking": False}}
+    msg = chat(server, **kw)
+    assert msg["reasoning_content"] is None and msg["content"]
+    assert chat_streamed(server, **kw) == ("", msg["content"])
 
 
 def test_stream_reasoning_false_is_refused_by_name(server: str) -> None:
-    body = {"messages": [{"role": "user", "content": "x"}], "stream_reasoning": False}
-    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(server + "/v1/chat/completions", json=body(stream_reasoning=False), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_reasoning"
