@@ -238,11 +238,14 @@ def test_with_bootstrap_does_not_touch_the_clients_body():
     assert isinstance(out["bootstrap_room"], int)
 
 
-def test_unknown_route_and_wrong_method_in_the_openai_shape(workers):
+def test_unknown_route_and_wrong_method_in_the_openai_shape(workers, caplog):
     prefills, decodes = workers
     router = start_router(prefills, decodes)
     try:
-        r = httpx.post(router.url + "/v1/responses", json={"input": "hi"})
+        with caplog.at_level("WARNING", logger="pdserve.http"):
+            r = httpx.post(router.url + "/v1/responses", json={"input": "hi"})
+        logged = [m for m in caplog.messages if "POST /v1/responses" in m]
+        assert len(logged) == 1, caplog.messages  # once
         assert r.status_code == 404
         err = r.json()["error"]
         assert err["code"] == 404 and err["type"] == "invalid_request_error"
