@@ -146,7 +146,7 @@ def test_forced_call_ends_without_max_tokens(server) -> None:
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert c["message"]["content"] is None
-    assert r["usage"]["completion_tokens"] <= 24, r["usage"]  # the call, a newline, the end
+    assert r["usage"]["completion_tokens"] <= 28, r["usage"]  # the call (22 tokens), the end
 
 
 def test_forced_call_cut_by_max_tokens(server) -> None:
