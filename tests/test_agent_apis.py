@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 from anthropic.resources.messages import Messages
-from openai.resources.responses import Responses
 from fake_engine import ServerProc, make_model_dir
+from openai.resources.responses import Responses
 
 from pdserve.server.tokenizer import Tokenizer
 
@@ -160,8 +160,10 @@ RESPONSES: dict[str, tuple[Any, Any]] = {
     "stream_options": ({"include_obfuscation": False}, REFUSED),  # alone: needs stream
     "temperature": (0.25, R.engine("temperature", 0.25)),
     # enforced by the engine's grammar: tests/test_openai_structured.py
-    "text": ({"format": {"type": "json_schema", "name": "o", "schema": {"type": "object"}}},
-             R.engine("grammar", 1)),  # fmt: skip
+    "text": (
+        {"format": {"type": "json_schema", "name": "o", "schema": {"type": "object"}}},
+        R.engine("grammar", 1),
+    ),  # fmt: skip
     "tool_choice": ({"type": "function", "name": "f"}, REFUSED),  # alone: needs tools
     "tools": ([FN], REFUSED),  # this model's template shows no tool-call format
     "top_logprobs": (2, REFUSED),
@@ -240,8 +242,9 @@ def test_responses_refuse_by_name(server) -> None:
     h = {"authorization": f"Bearer {KEY}"}
     cases = {
         "input.0.type": {"input": [{"type": "input_image", "image_url": "x"}]},
-        "input.0.content.0.type": {"input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": "x"}]}]},  # fmt: skip
+        "input.0.content.0.type": {
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+        },  # fmt: skip
         "tools.0.type": {"input": "hi", "tools": [{"type": "web_search"}]},
         "frobnicate": {"input": "hi", "frobnicate": 1},
     }
@@ -299,8 +302,10 @@ MESSAGES: dict[str, tuple[Any, Any]] = {
     "diagnostics": ({"previous_message_id": "msg_1"}, REFUSED),
     "inference_geo": ("us", REFUSED),
     "metadata": ({"user_id": "u-1"}, M_base),
-    "output_config": ({"format": {"type": "json_schema", "schema": {"type": "object"}}},
-                      _m_engine("grammar", 1)),  # fmt: skip
+    "output_config": (
+        {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        _m_engine("grammar", 1),
+    ),  # fmt: skip
     "service_tier": ("standard_only", M_base),  # one tier here: both values mean it
     "speed": ("fast", REFUSED),
     "stop_sequences": (["er"], _m_stop),
@@ -387,10 +392,18 @@ def test_messages_errors_have_anthropics_shape(server) -> None:
         ({"x-api-key": "wrong"}, ok, 401, "authentication_error"),
         ({}, ok, 401, "authentication_error"),
         ({"x-api-key": KEY}, {**ok, "model": "claude-x"}, 404, "not_found_error"),
-        ({"x-api-key": KEY}, {k: v for k, v in ok.items() if k != "max_tokens"}, 400,
-         "invalid_request_error"),  # fmt: skip
-        ({"x-api-key": KEY}, {**ok, "messages": [{"role": "user", "content": [image]}]}, 400,
-         "invalid_request_error"),  # fmt: skip
+        (
+            {"x-api-key": KEY},
+            {k: v for k, v in ok.items() if k != "max_tokens"},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
+        (
+            {"x-api-key": KEY},
+            {**ok, "messages": [{"role": "user", "content": [image]}]},
+            400,
+            "invalid_request_error",
+        ),  # fmt: skip
     ]
     for headers, body, status, kind in cases:
         r = httpx.post(url, json=body, headers=headers, timeout=30)
