@@ -59,6 +59,7 @@ def name(url) -> str:
 @pytest.fixture(scope="module")
 def chat_turns(url) -> tuple[dict, dict]:
     """The chat route's two greedy answers (turn 2 without tools, as the chat test)."""
+
     def post(messages: list, tools: list | None) -> dict:
         body = {"messages": messages, "temperature": 0, "max_tokens": MAX}
         r = httpx.post(url + "/v1/chat/completions", json={**body, **({"tools": tools} if tools else {})},
