@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.edge.stamps import arrival_stamps
 from pdserve.server.anthropic_api import RENAMES, CountTokensIn, MessagesIn
 from pdserve.server.anthropic_format import MessageEvents, MessageShell, error_response
-from pdserve.server.chat_bridge import AnswerFailed, ChatRun, answer, pieces, prepare
+from pdserve.server.chat_bridge import AnswerFailed, ChatRun, answer, pieces, prepare, start
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Frontend, RequestError
+from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Delta, Frontend, RequestError
 from pdserve.server.http_util import stream_until_disconnect
 from pdserve.server.openai_api import ChatIn
 from pdserve.server.openai_parse import chat_prompt_ids, parse_body, read_body
@@ -37,7 +37,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
             run = prepare(fe, cfg, body.to_chat(), stamps, parser, RENAMES)
             shell = MessageShell(cfg.model_name)
             if body.stream:
-                events = _events(fe, run, MessageEvents(shell))
+                events = _events(fe, run, start(fe, run), MessageEvents(shell))
                 return StreamingResponse(stream_until_disconnect(request, events),
                                          media_type="text/event-stream")  # fmt: skip
             return JSONResponse(shell.message(await answer(request, fe, run)))
@@ -63,10 +63,12 @@ def refused(e: RequestError) -> Response:
     return r
 
 
-async def _events(fe: Frontend, run: ChatRun, ev: MessageEvents) -> AsyncIterator[str]:
+async def _events(
+    fe: Frontend, run: ChatRun, deltas: AsyncIterator[Delta], ev: MessageEvents
+) -> AsyncIterator[str]:
     for e in ev.start(run.prompt_tokens):
         yield e
-    gen = pieces(fe, run)
+    gen = pieces(fe, run, deltas)
     try:
         async for p in gen:
             for e in ev.feed(p, run.fmt.completion_tokens):

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from pdserve.protocol import QUEUE_FULL
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import Frontend, RequestError, SampleResult
+from pdserve.server.generation import Delta, Frontend, RequestError, SampleResult
 from pdserve.server.http_util import until_disconnect
 from pdserve.server.openai_api import ChatIn
 from pdserve.server.openai_format import OpenAIFormatter
@@ -115,13 +115,16 @@ async def answer(request: Request, fe: Frontend, run: ChatRun) -> Answer:
                   run.prompt_tokens, len(r.output_ids))  # fmt: skip
 
 
-async def pieces(fe: Frontend, run: ChatRun) -> AsyncIterator[Piece]:
-    """The answer as it comes; raises AnswerFailed when the engine fails it (the route
-    turns that into its stream's error event). Closing it aborts the engine request."""
-    try:
-        _, gen = fe.start(run.req.job)
-    except EngineDead as e:
-        raise AnswerFailed(f"engine unavailable: {e}", 503) from e
+def start(fe: Frontend, run: ChatRun) -> AsyncIterator[Delta]:
+    """The request submitted, before a stream's headers go out: RequestError for bad
+    parameters, EngineDead when the engine is gone (the route's 4xx / 503)."""
+    return fe.start(run.req.job)[1]
+
+
+async def pieces(fe: Frontend, run: ChatRun, gen: AsyncIterator[Delta]) -> AsyncIterator[Piece]:
+    """The answer of a started request (`start`) as it comes; raises AnswerFailed when the
+    engine fails it (the route's stream ends with its error event). Closing it closes
+    `gen`, which aborts the engine request."""
     try:
         async for d in gen:
             if d.error:

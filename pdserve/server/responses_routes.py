@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.edge.stamps import arrival_stamps
-from pdserve.server.chat_bridge import AnswerFailed, ChatRun, answer, pieces, prepare
-from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Frontend, RequestError
+from pdserve.server.chat_bridge import AnswerFailed, ChatRun, answer, pieces, prepare, start
+from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Delta, Frontend, RequestError
 from pdserve.server.http_util import check_api_key, error_response, stream_until_disconnect
 from pdserve.server.openai_parse import read_body
 from pdserve.server.openai_routes import tool_parser
@@ -39,7 +39,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         run = prepare(fe, cfg, body.to_chat(), stamps, parser, RENAMES)
         shell = ResponseShell(body, cfg.model_name)
         if body.stream:
-            events = _events(fe, run, ResponseEvents(shell))
+            events = _events(fe, run, start(fe, run), ResponseEvents(shell))
             return StreamingResponse(stream_until_disconnect(request, events),
                                      media_type="text/event-stream")  # fmt: skip
         try:
@@ -65,10 +65,12 @@ def failed_response(e: AnswerFailed) -> Response:
     return r
 
 
-async def _events(fe: Frontend, run: ChatRun, ev: ResponseEvents) -> AsyncIterator[str]:
+async def _events(
+    fe: Frontend, run: ChatRun, deltas: AsyncIterator[Delta], ev: ResponseEvents
+) -> AsyncIterator[str]:
     for e in ev.start():
         yield e
-    gen = pieces(fe, run)
+    gen = pieces(fe, run, deltas)
     try:
         async for p in gen:
             for e in ev.feed(p, run.prompt_tokens, run.fmt.completion_tokens):
