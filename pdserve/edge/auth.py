@@ -19,7 +19,8 @@ import hmac
 import json
 from typing import Any
 
-from pdserve.edge.errors import anthropic_error_body, error_body, is_anthropic
+from pdserve.edge.anthropic_errors import anthropic_error_body, is_anthropic
+from pdserve.edge.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # served without the key (orchestrators' probes)
 METRICS_PATH = "/metrics"  # open only where `metrics_public` says so

@@ -19,9 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.edge.anthropic_errors import anthropic_error_body, is_anthropic
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
-from pdserve.edge.errors import anthropic_error_body, error_body, is_anthropic
+from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences

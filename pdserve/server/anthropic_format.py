@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pdserve.edge.errors import anthropic_error_body
+from pdserve.edge.anthropic_errors import anthropic_error_body
 from pdserve.server.chat_bridge import Answer, Piece, call_arguments, call_input
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
