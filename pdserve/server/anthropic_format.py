@@ -1,11 +1,13 @@
 """Anthropic Messages bodies, stream events and errors, built from the chat path's answer
 (chat_bridge.py's Answer and Pieces).
 
-A message's `content` is its blocks in the order the model wrote them: `text`, then a
-`tool_use` per tool call. Streamed:
+A message's `content` is its blocks in the order the model wrote them: `thinking` (when
+the chat route splits reasoning out, `--reasoning-parser`; its `signature` is empty),
+`text`, then a `tool_use` per tool call. Streamed:
 
     message_start, ping,
-    per block: content_block_start, content_block_delta (text_delta | input_json_delta)...,
+    per block: content_block_start,
+               content_block_delta (thinking_delta | text_delta | input_json_delta)...,
                content_block_stop
     message_delta (stop_reason, stop_sequence, usage), message_stop
 
@@ -56,6 +58,10 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any]:
             "input": call_input(call)}  # fmt: skip
 
 
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 class MessageShell:
     def __init__(self, model: str) -> None:
         self.id = "msg_" + uuid.uuid4().hex
@@ -68,7 +74,8 @@ class MessageShell:
                 "usage": usage}  # fmt: skip
 
     def message(self, a: Answer) -> dict[str, Any]:
-        content = [{"type": "text", "text": a.text}] if a.text.strip() else []
+        content = [_thinking(a.reasoning)] if a.reasoning else []
+        content += [{"type": "text", "text": a.text}] if a.text.strip() else []
         content += [tool_use(c) for c in a.calls]
         usage = {"input_tokens": a.prompt_tokens, "output_tokens": a.output_tokens}
         return self.envelope(content, stop_reason(a.finish, a.stop_sequence), a.stop_sequence,
@@ -81,7 +88,7 @@ class MessageEvents:
     def __init__(self, shell: MessageShell) -> None:
         self.shell = shell
         self.blocks = 0  # blocks started so far
-        self._text_open = False
+        self._open: str | None = None  # the kind of the block being written
         self._space = ""  # whitespace held back until text that opens a block follows
 
     def start(self, prompt_tokens: int) -> list[str]:
@@ -90,37 +97,49 @@ class MessageEvents:
         return [event({"type": "message_start", "message": msg}), event({"type": "ping"})]
 
     def feed(self, p: Piece, output_tokens: int) -> list[str]:
+        if p.kind == "reasoning":
+            return self._thinking(p.text)
         if p.kind == "text":
             return self._text(p.text)
         if p.kind == "call" and p.call is not None:
-            return self._close_text() + self._call(p.call)
+            return self._close_block() + self._call(p.call)
         delta = {"stop_reason": stop_reason(p.finish, p.stop_sequence),
                  "stop_sequence": p.stop_sequence}  # fmt: skip
-        return self._close_text() + [
+        return self._close_block() + [
             event({"type": "message_delta", "delta": delta,
                    "usage": {"output_tokens": output_tokens}}),
             event({"type": "message_stop"}),
         ]  # fmt: skip
 
+    def _thinking(self, text: str) -> list[str]:
+        out = self._close_block() if self._open == "text" else []
+        if self._open is None:
+            self._open = "thinking"
+            out.append(event({"type": "content_block_start", "index": self.blocks,
+                              "content_block": _thinking("")}))  # fmt: skip
+        out.append(event({"type": "content_block_delta", "index": self.blocks,
+                          "delta": {"type": "thinking_delta", "thinking": text}}))  # fmt: skip
+        return out
+
     def _text(self, text: str) -> list[str]:
-        out: list[str] = []
-        if not self._text_open:
+        out = self._close_block() if self._open == "thinking" else []
+        if self._open is None:
             if not (self._space + text).strip():
                 self._space += text
                 return out
             text, self._space = self._space + text, ""
-            self._text_open = True
+            self._open = "text"
             out.append(event({"type": "content_block_start", "index": self.blocks,
                               "content_block": {"type": "text", "text": ""}}))  # fmt: skip
         out.append(event({"type": "content_block_delta", "index": self.blocks,
                           "delta": {"type": "text_delta", "text": text}}))  # fmt: skip
         return out
 
-    def _close_text(self) -> list[str]:
+    def _close_block(self) -> list[str]:
         self._space = ""
-        if not self._text_open:
+        if self._open is None:
             return []
-        self._text_open = False
+        self._open = None
         self.blocks += 1
         return [event({"type": "content_block_stop", "index": self.blocks - 1})]
 

@@ -38,9 +38,10 @@ class AnswerFailed(RequestError):
 
 @dataclass
 class Piece:
-    """One step of an answer: `text`, a whole tool `call` (OpenAI's shape), or the `end`."""
+    """One step of an answer: `reasoning` text (what the chat route returns as
+    reasoning_content), `text`, a whole tool `call` (OpenAI's shape), or the `end`."""
 
-    kind: str  # "text" | "call" | "end"
+    kind: str  # "reasoning" | "text" | "call" | "end"
     text: str = ""
     call: dict[str, Any] | None = None
     finish: str | None = None  # at the end: "stop" | "length" | "tool_calls"
@@ -57,6 +58,7 @@ class Answer:
     stop_sequence: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    reasoning: str = ""  # the chat route's reasoning_content
 
 
 @dataclass
@@ -78,7 +80,7 @@ def prepare(fe: Frontend, cfg: ServerConfig, chat: dict[str, Any], stamps: dict[
     names the field as the client sent it (`renames`: chat field -> the client's)."""
     try:
         body = parse_body(ChatIn, chat, cfg)
-        req = chat_request(fe, body, stamps, parser)
+        req = chat_request(fe, cfg, body, stamps, parser)
     except RequestError as e:
         old = next(
             (k for k in renames if e.param is not None and (e.param + ".").startswith(k + ".")),
@@ -112,7 +114,7 @@ async def answer(request: Request, fe: Frontend, run: ChatRun) -> Answer:
     msg = choice["message"]
     return Answer(msg.get("content") or "", list(msg.get("tool_calls") or []),
                   choice["finish_reason"], _stop_string(r.matched, run.stop),
-                  run.prompt_tokens, len(r.output_ids))  # fmt: skip
+                  run.prompt_tokens, len(r.output_ids), msg.get("reasoning_content") or "")  # fmt: skip
 
 
 def start(fe: Frontend, run: ChatRun) -> AsyncIterator[Delta]:
@@ -134,6 +136,8 @@ async def pieces(fe: Frontend, run: ChatRun, gen: AsyncIterator[Delta]) -> Async
                 continue
             c = chunk["choices"][0]
             delta = c["delta"]
+            if delta.get("reasoning_content"):
+                yield Piece("reasoning", delta["reasoning_content"])
             if delta.get("content"):
                 yield Piece("text", delta["content"])
             for call in delta.get("tool_calls") or []:

@@ -90,9 +90,32 @@ class FunctionCallOutputItem(Body):
         return "".join(p.content or "" for p in self.output)
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningPart(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Body):
+    """The model's reasoning of an earlier turn (as this server returns it): the next
+    assistant turn's reasoning_content."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    status: str | None = None
+    encrypted_content: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"encrypted_content": ()}
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 ITEMS: dict[str, type[Body]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                "function_call_output": FunctionCallOutputItem}  # fmt: skip
+                                "function_call_output": FunctionCallOutputItem,
+                                "reasoning": ReasoningItem}  # fmt: skip
 
 
 class FunctionTool(Body):
@@ -279,7 +302,7 @@ def _item(raw: Any, where: str) -> Item:
     if model is None:
         raise FieldRefused(f"{where}type: input items of type {short_repr(kind)} are not "
                            "supported by this server (message, function_call, "
-                           "function_call_output)", where + "type")  # fmt: skip
+                           "function_call_output, reasoning)", where + "type")  # fmt: skip
     try:
         item = parse(model, raw)
     except RequestError as e:
@@ -289,22 +312,37 @@ def _item(raw: Any, where: str) -> Item:
 
 
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
-    """The chat messages of the input items: consecutive function calls (with the
-    assistant text just before them) become one assistant message with tool_calls."""
+    """The chat messages of the input items: a reasoning item, the assistant text and the
+    function calls that follow it form one assistant message (reasoning_content,
+    content, tool_calls)."""
     out: list[dict[str, Any]] = []
     if instructions is not None:
         out.append({"role": "system", "content": instructions})
     for item in items:
-        if isinstance(item, MessageItem):
+        last = out[-1] if out else None
+        if isinstance(item, ReasoningItem):
+            out.append({"role": "assistant", "content": None, "reasoning_content": item.text})
+        elif isinstance(item, MessageItem) and item.role == "assistant" and _open(last):
+            last["content"] = item.text  # type: ignore[index]
+        elif isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
         else:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
-            last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
     return out
+
+
+def _open(msg: dict[str, Any] | None) -> bool:
+    """An assistant message holding only reasoning so far (its text may follow)."""
+    return (
+        msg is not None
+        and msg["role"] == "assistant"
+        and msg["content"] is None
+        and not msg.get("tool_calls")
+    )

@@ -2,10 +2,12 @@
 (chat_bridge.py's Answer and Pieces).
 
 A response's `output` is a list of items in the order the model wrote them: a
-`message` with one `output_text` part for its text, a `function_call` per tool call.
-Streamed, each item goes out as
+`reasoning` item with one `reasoning_text` part (when the chat route splits reasoning
+out, `--reasoning-parser`), a `message` with one `output_text` part for its text, a
+`function_call` per tool call. Streamed, each item goes out as
 
     response.output_item.added
+      reasoning:      response.reasoning_text.delta..., response.reasoning_text.done
       message:        response.content_part.added, response.output_text.delta...,
                       response.output_text.done, response.content_part.done
       function_call:  response.function_call_arguments.delta, ...arguments.done
@@ -36,7 +38,8 @@ def event(obj: dict[str, Any]) -> str:
 
 
 def _usage(prompt: int, output: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + output}  # fmt: skip
 
@@ -49,6 +52,12 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     content = [_text_part(text)] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": content}  # fmt: skip
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}  # fmt: skip
 
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -91,7 +100,8 @@ class ResponseShell:
         }  # fmt: skip
 
     def response(self, a: Answer) -> dict[str, Any]:
-        output = [message_item(_id("msg"), a.text)] if a.text.strip() else []
+        output = [reasoning_item(_id("rs"), a.reasoning)] if a.reasoning else []
+        output += [message_item(_id("msg"), a.text)] if a.text.strip() else []
         output += [call_item(c) for c in a.calls]
         status = "incomplete" if a.finish == "length" else "completed"
         return self.envelope(status, output, _usage(a.prompt_tokens, a.output_tokens), a.finish)
@@ -104,7 +114,7 @@ class ResponseEvents:
         self.shell = shell
         self.seq = 0
         self.output: list[dict[str, Any]] = []
-        self._msg: dict[str, Any] | None = None  # the message item being written
+        self._msg: dict[str, Any] | None = None  # the message or reasoning item being written
         self._text = ""  # its text so far
         self._space = ""  # whitespace held back until text that opens a message follows
 
@@ -119,6 +129,8 @@ class ResponseEvents:
                 self._ev("response.in_progress", response=snap)]  # fmt: skip
 
     def feed(self, p: Piece, prompt_tokens: int, output_tokens: int) -> list[str]:
+        if p.kind == "reasoning":
+            return self._reasoning(p.text)
         if p.kind == "text":
             return self._text_piece(p.text)
         if p.kind == "call" and p.call is not None:
@@ -129,8 +141,23 @@ class ResponseEvents:
         final = self.shell.envelope(status, self.output, usage, p.finish)
         return out + [self._ev(f"response.{status}", response=final)]
 
+    def _reasoning(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self._msg is not None and self._msg["type"] != "reasoning":
+            out += self._close_message()
+        if self._msg is None:
+            self._msg, self._text = reasoning_item(_id("rs"), "", "in_progress"), ""
+            out.append(self._ev("response.output_item.added", output_index=len(self.output),
+                                item=self._msg))  # fmt: skip
+        self._text += text
+        out.append(self._ev("response.reasoning_text.delta", item_id=self._msg_id,
+                            output_index=len(self.output), content_index=0, delta=text))  # fmt: skip
+        return out
+
     def _text_piece(self, text: str) -> list[str]:
         out: list[str] = []
+        if self._msg is not None and self._msg["type"] == "reasoning":
+            out += self._close_message()
         if self._msg is None:
             if not (self._space + text).strip():
                 self._space += text
@@ -160,6 +187,14 @@ class ResponseEvents:
         if self._msg is None:
             return []
         where = {"item_id": self._msg_id, "output_index": len(self.output), "content_index": 0}
+        if self._msg["type"] == "reasoning":
+            done = reasoning_item(self._msg_id, self._text)
+            self.output.append(done)
+            self._msg = None
+            return [self._ev("response.reasoning_text.done", text=done["content"][0]["text"],
+                             **where),
+                    self._ev("response.output_item.done", output_index=where["output_index"],
+                             item=done)]  # fmt: skip
         done = message_item(self._msg_id, self._text)
         out = [self._ev("response.output_text.done", text=self._text, logprobs=[], **where),
                self._ev("response.content_part.done", part=_text_part(self._text), **where),
