@@ -234,7 +234,8 @@ class MessagesIn(CountTokensIn):
 # chat field -> the Messages field a refusal names
 RENAMES = {"stop": "stop_sequences", "response_format.json_schema": "output_config.format",
            "response_format": "output_config.format",
-           "continue_final_message": "messages"}  # fmt: skip
+           "continue_final_message": "messages",
+           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}  # fmt: skip
 
 
 def chat_messages(

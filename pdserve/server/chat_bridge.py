@@ -89,7 +89,7 @@ def prepare(fe: Frontend, cfg: ServerConfig, chat: dict[str, Any], stamps: dict[
         if old is None or e.param is None:
             raise
         name = renames[old] + e.param[len(old) :]
-        raise RequestError(e.message.replace(old, renames[old]), name, e.status) from e
+        raise RequestError(e.message.replace(old, renames[old], 1), name, e.status) from e
     fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, req.job, False, req.tools,
                           req.tool_names)  # fmt: skip
     return ChatRun(req, fmt, list(req.job.params.stop))
