@@ -136,10 +136,11 @@ def test_messages_tool_use_round_trip(url, name, chat_turns) -> None:
 
 
 def test_openai_agents_function_tool_two_turns(url, name) -> None:
-    """The agent loop: turn 1 calls the tool, the SDK runs it and sends its output back
-    as a `function_call_output` item, turn 2 answers. This 0.5B model's turn-2 text is no
-    good answer (it restates the call), so the test holds the loop, not the prose; a
-    JSON tool result makes it call again, a sentence makes it answer."""
+    """Turn 1: the agent's model calls the function tool and the SDK runs it. Turn 2: the
+    conversation so far (the call and its `function_call_output`) goes back through the
+    Responses API and the model answers in text (`tool_choice="none"`: with the tools
+    still in its prompt this 0.5B model calls again, which openai-agents would loop on,
+    `max_turns` ending it)."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # it would send traces to OpenAI
     seen: list[str] = []
@@ -148,17 +149,25 @@ def test_openai_agents_function_tool_two_turns(url, name) -> None:
     def get_weather(city: str) -> str:
         """Current temperature in a city, in Celsius."""
         seen.append(city)
-        return "It is 17.3 degrees Celsius in Paris right now."
+        return ref.RESULT
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     model = agents.OpenAIResponsesModel(model=name, openai_client=client)
-    settings = agents.ModelSettings(parallel_tool_calls=False, temperature=0, max_tokens=64)
+    settings = agents.ModelSettings(parallel_tool_calls=False, temperature=0, max_tokens=MAX)
     agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[get_weather], model=model,
-                         model_settings=settings)  # fmt: skip
-    run = agents.Runner.run(agent, QUESTION, max_turns=2)
-    result = asyncio.run(asyncio.wait_for(run, 300))
-    assert seen == ["Paris"]
-    assert len(result.raw_responses) == 2
-    kinds = [type(i).__name__ for i in result.new_items]
-    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], kinds
-    assert isinstance(result.final_output, str) and result.final_output
+                         model_settings=settings, tool_use_behavior="stop_on_first_tool")  # fmt: skip
+
+    async def turns() -> tuple[object, object]:
+        first = await agents.Runner.run(agent, QUESTION, max_turns=1)
+        answer = agent.clone(tool_use_behavior="run_llm_again")
+        run = agents.RunConfig(model_settings=agents.ModelSettings(tool_choice="none"))
+        return first, await agents.Runner.run(answer, first.to_input_list(), max_turns=1,
+                                              run_config=run)  # fmt: skip
+
+    first, second = asyncio.run(asyncio.wait_for(turns(), 300))
+    assert seen == ["Paris"] and first.final_output == ref.RESULT  # type: ignore[attr-defined]
+    items = second.to_input_list()  # type: ignore[attr-defined]
+    assert [i.get("type") for i in items if i.get("type", "").startswith("function")] == [
+        "function_call", "function_call_output"]  # fmt: skip
+    assert isinstance(second.final_output, str) and second.final_output  # type: ignore[attr-defined]
+    assert seen == ["Paris"]  # the answer called no tool
