@@ -247,6 +247,8 @@ def test_responses_refuse_by_name(server) -> None:
         },  # fmt: skip
         "tools.0.type": {"input": "hi", "tools": [{"type": "web_search"}]},
         "frobnicate": {"input": "hi", "frobnicate": 1},
+        # a streamed request's parameters are checked before its stream starts
+        "temperature": {"input": "hi", "stream": True, "temperature": -1},
     }
     for param, body in cases.items():
         r = httpx.post(server.url + "/v1/responses", json=body, headers=h, timeout=30)
@@ -392,6 +394,8 @@ def test_messages_errors_have_anthropics_shape(server) -> None:
         ({"x-api-key": "wrong"}, ok, 401, "authentication_error"),
         ({}, ok, 401, "authentication_error"),
         ({"x-api-key": KEY}, {**ok, "model": "claude-x"}, 404, "not_found_error"),
+        # a streamed request's parameters are checked before its stream starts
+        ({"x-api-key": KEY}, {**ok, "stream": True, "top_p": 7}, 400, "invalid_request_error"),
         (
             {"x-api-key": KEY},
             {k: v for k, v in ok.items() if k != "max_tokens"},
