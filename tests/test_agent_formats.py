@@ -15,8 +15,9 @@ from pydantic import BaseModel
 
 from pdserve.server.anthropic_format import MessageEvents, MessageShell
 from pdserve.server.chat_bridge import Answer, Piece
-from pdserve.server.responses_api import ResponsesIn, chat_messages
+from pdserve.server.responses_api import ResponsesIn
 from pdserve.server.responses_format import ResponseEvents, ResponseShell
+from pdserve.server.responses_items import chat_messages
 
 CALL = {"index": 0, "id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
