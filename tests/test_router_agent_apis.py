@@ -38,6 +38,8 @@ def test_both_legs_get_the_body_and_the_bootstrap_fields(pd, path) -> None:
     assert pr.body["bootstrap_port"] == 9001 and isinstance(pr.body["bootstrap_room"], int)
     assert isinstance(pr.body["rid"], str) and pr.body["input"] == "hi"
     assert pr.headers["x-api-key"] == dr.headers["x-api-key"] == "k"
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert "pdserve:router_requests_total 1.0" in metrics
 
 
 @pytest.mark.parametrize("path", ROUTES)
