@@ -30,7 +30,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GEN_PATHS = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 
 
 def free_port() -> int:

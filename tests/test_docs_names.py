@@ -3,8 +3,8 @@
 A flag named in README.md or docs/ is one of pdserve's (any sub-command), one of a
 benchmark script's, or one of the other tools the docs show commands of (docker,
 kubectl, pip, sglang-router), listed here by tool. A PDSERVE_* variable is one of the
-typed registry (pdserve/envs.py) or one the deployment files define (compose, the
-Dockerfile, deploy/)."""
+typed registry (pdserve/envs.py), one the deployment files define (compose, the
+Dockerfile, deploy/) or one a test reads (tests/)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def script_flags() -> set[str]:
 def defined_vars() -> set[str]:
     found = set(VAR.findall((ROOT / "pdserve" / "envs.py").read_text()))
     deploy = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", *(ROOT / "deploy").rglob("*")]
+    deploy += [p for p in (ROOT / "tests").glob("*.py") if p.name != Path(__file__).name]
     for path in deploy:
         if path.is_file():
             found |= set(VAR.findall(path.read_text(errors="replace")))

@@ -89,12 +89,16 @@ def test_abort_names_exactly_one_request_or_its_samples(server):
 KEYED_GETS = ["/server_info", "/get_server_info", "/model_info", "/get_model_info",
               "/metrics", "/stats", "/health_generate", "/v1/models", "/openapi.json", "/docs",
               "/no-such-route"]  # fmt: skip
-KEYED_POSTS = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request"]
+KEYED_POSTS = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request",
+               "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]  # fmt: skip
 WRONG = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEY}"},
-         {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]  # fmt: skip
+         {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}, {"x-api-key": "nope"},
+         {"x-api-key": f"{KEY}x"}, {"x-api-key": ""}, {"x-api-key": f"Bearer {KEY}"}]  # fmt: skip
+WRONG_IDS = ["none", "wrong", "basic", "bare", "longer", "x-wrong", "x-longer", "x-empty",
+             "x-bearer"]  # fmt: skip
 
 
-@pytest.mark.parametrize("headers", WRONG, ids=["none", "wrong", "basic", "bare", "longer"])
+@pytest.mark.parametrize("headers", WRONG, ids=WRONG_IDS)
 def test_every_route_but_health_wants_the_key(server, headers):
     for path in KEYED_GETS:
         r = httpx.get(server.url + path, headers=headers, timeout=10)
@@ -112,14 +116,17 @@ def test_the_key_opens_the_info_routes(server):
     assert httpx.get(server.url + "/health").status_code == 200
     ok = httpx.get(server.url + "/server_info", headers={"authorization": f"bearer  {KEY}"})
     assert ok.status_code == 200  # the scheme in any case, spaces around the key
+    ok = httpx.get(server.url + "/server_info", headers={"x-api-key": KEY})
+    assert ok.status_code == 200  # Anthropic's header
 
 
 def test_a_non_ascii_key_header_is_a_401_not_a_500(server):
     """hmac.compare_digest raises on non-ASCII str: the comparison runs on bytes."""
-    header = [(b"authorization", "Bearer sésame-ключ".encode())]
-    for path in ("/v1/models", "/server_info"):
-        r = httpx.get(server.url + path, headers=header)
-        assert r.status_code == 401, (path, r.status_code, r.text)
+    for header in ([(b"authorization", "Bearer sésame-ключ".encode())],
+                   [(b"x-api-key", "sésame-ключ".encode())]):  # fmt: skip
+        for path in ("/v1/models", "/server_info"):
+            r = httpx.get(server.url + path, headers=header)
+            assert r.status_code == 401, (path, r.status_code, r.text)
 
 
 def test_metrics_public_opens_only_metrics(model):

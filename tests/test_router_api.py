@@ -243,13 +243,13 @@ def test_unknown_route_and_wrong_method_in_the_openai_shape(workers, caplog):
     router = start_router(prefills, decodes)
     try:
         with caplog.at_level("WARNING", logger="pdserve.http"):
-            r = httpx.post(router.url + "/v1/responses", json={"input": "hi"})
-        logged = [m for m in caplog.messages if "POST /v1/responses" in m]
+            r = httpx.post(router.url + "/v1/nowhere", json={"input": "hi"})
+        logged = [m for m in caplog.messages if "POST /v1/nowhere" in m]
         assert len(logged) == 1, caplog.messages  # once
         assert r.status_code == 404
         err = r.json()["error"]
         assert err["code"] == 404 and err["type"] == "invalid_request_error"
-        assert "POST /v1/responses" in err["message"]
+        assert "POST /v1/nowhere" in err["message"]
         r = httpx.get(router.url + "/v1/chat/completions")
         assert r.status_code == 405 and r.json()["error"]["code"] == 405
         assert "/v1/chat/completions" in r.json()["error"]["message"]

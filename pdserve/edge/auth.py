@@ -1,4 +1,5 @@
-"""The bearer API key, checked the same way by the frontends and the router.
+"""The API key, checked the same way by the frontends and the router: sent as
+`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
 
 `RequireKey` wraps a whole app, so every route needs the key except those named
 here (`/health`, `/metrics` where `metrics_public` says so, and the static files an app
@@ -19,12 +20,16 @@ import hmac
 import json
 from typing import Any
 
+from pdserve.edge.anthropic_errors import anthropic_error_body, is_anthropic
 from pdserve.edge.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # served without the key (orchestrators' probes)
 METRICS_PATH = "/metrics"  # open only where `metrics_public` says so
 _UNAUTHORIZED = json.dumps(
     error_body("invalid or missing API key", "authentication_error", None, 401)
+).encode()
+_UNAUTHORIZED_ANTHROPIC = json.dumps(
+    anthropic_error_body("authentication_error", "invalid or missing API key")
 ).encode()
 
 
@@ -41,6 +46,19 @@ def key_matches(authorization: bytes | str | None, api_key: str) -> bool:
     return same and scheme.lower() == b"bearer"
 
 
+def headers_have_key(
+    authorization: bytes | str | None, x_api_key: bytes | str | None, api_key: str
+) -> bool:
+    """True when either header carries the key: `Authorization: Bearer <key>` (OpenAI's
+    clients) or `x-api-key: <key>` (Anthropic's). Both comparisons always run."""
+    raw = x_api_key or b""
+    if isinstance(raw, str):
+        raw = raw.encode("latin-1", "replace")
+    by_x = hmac.compare_digest(raw.strip(), api_key.encode())
+    by_bearer = key_matches(authorization, api_key)
+    return (by_x and bool(raw)) or by_bearer
+
+
 def needs_key(
     path: str, metrics_public: bool = False, open_paths: frozenset[str] = frozenset()
 ) -> bool:
@@ -51,8 +69,8 @@ def needs_key(
 
 
 class RequireKey:
-    """ASGI middleware: 401 (OpenAI error body) for an HTTP request to a path that
-    `needs_key` without `Authorization: Bearer <api_key>`. No key set: lets all through."""
+    """ASGI middleware: 401 for an HTTP request to a path that `needs_key` without the key
+    (in Anthropic's error shape on its routes, else OpenAI's). No key set: lets all through."""
 
     def __init__(
         self,
@@ -74,12 +92,13 @@ class RequireKey:
             scope["path"], self.metrics_public, self.open_paths
         ):
             return await self.app(scope, receive, send)
-        header = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
-        if key_matches(header, self.api_key):
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        if headers_have_key(headers.get(b"authorization"), headers.get(b"x-api-key"), self.api_key):
             return await self.app(scope, receive, send)
+        body = _UNAUTHORIZED_ANTHROPIC if is_anthropic(scope["path"]) else _UNAUTHORIZED
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"),
-            (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+            (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer"),
         ]})  # fmt: skip
-        await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+        await send({"type": "http.response.body", "body": body})

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.edge.anthropic_errors import anthropic_error_body, is_anthropic
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
 from pdserve.edge.errors import error_body
@@ -36,7 +37,13 @@ from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
-GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GEN_PATHS = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
@@ -86,8 +93,11 @@ class RouterState:
         """Headers for a worker: our API key, else the client's own Authorization."""
         if self.cfg.api_key:
             return {"authorization": f"Bearer {self.cfg.api_key}"}
-        auth = request.headers.get("authorization") if request else None
-        return {"authorization": auth} if auth else {}
+        if request is None:
+            return {}
+        # the client's own key, in whichever header it sent it (Anthropic's: x-api-key)
+        sent = ((k, request.headers.get(k)) for k in ("authorization", "x-api-key"))
+        return {k: v for k, v in sent if v}
 
     async def check(self, w: Worker) -> dict[str, Any]:
         try:
@@ -148,23 +158,35 @@ async def _health_loop(state: RouterState) -> None:
 def _add_generation(app: FastAPI, state: RouterState) -> None:
     async def generation(request: Request) -> Response:
         stamp = router_header()  # the TTFT breakdown's `router` stage starts here
+        path = request.url.path
         try:  # the frontends' reader and rules: size, JSON, finite floats, int64, rooms
             body = await read_json(request, state.cfg.max_body_bytes)
         except BodyError as e:
-            return JSONResponse(error_body(e.message, param=e.param, code=e.status), e.status)
+            return _refused(path, e.status, e.message, e.param)
         if not isinstance(body, dict):
-            return JSONResponse(
-                error_body("the body must be a JSON object", "invalid_request_error"), 400
-            )
+            return _refused(path, 400, "the body must be a JSON object")
         try:
-            num_sequences(request.url.path, body)
+            num_sequences(path, body)
         except ValueError as e:
-            return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
+            return _refused(path, 400, str(e))
         headers = {**state.worker_headers(request), **stamp}
         return await state.proxy.forward(request.url.path, body, headers, request)
 
     for path in GEN_PATHS:
         app.add_api_route(path, generation, methods=["POST"])
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        # renders the prompt only: one worker answers it (a decode's, as /v1/models)
+        w = next((w for w in state.pool.decode.workers if w.healthy), state.pool.decode.workers[0])
+        try:
+            r = await state.client.post(w.url + "/v1/messages/count_tokens",
+                                        content=await request.body(),
+                                        headers={**state.worker_headers(request),
+                                                 "content-type": "application/json"})  # fmt: skip
+        except httpx.HTTPError as e:
+            return _refused("/v1/messages", 502, f"decode {w.url} unreachable: {e!r}")
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -189,6 +211,15 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
             message = f"no request with rid {rid!r} is in flight through this router"
             return JSONResponse(error_body(message, param="rid", code=404), 404)
         return JSONResponse({"success": True, "rid": rid, "workers": results})
+
+
+def _refused(path: str, status: int, message: str, param: str | None = None) -> Response:
+    """An error the router answers itself, in the route's API's shape."""
+    if is_anthropic(path):
+        kind = "invalid_request_error" if status < 500 else "api_error"
+        return JSONResponse(anthropic_error_body(kind, message), status)
+    kind = "invalid_request_error" if status < 500 else "router_error"
+    return JSONResponse(error_body(message, kind, param, status), status)
 
 
 def _add_info(app: FastAPI, state: RouterState) -> None:
@@ -230,6 +261,10 @@ def _add_info(app: FastAPI, state: RouterState) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await first_decode(request, "/v1/models")
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(request: Request, response_id: str) -> Response:
+        return await first_decode(request, request.url.path)  # no worker stores them: a 404
 
     @app.get("/metrics")
     async def metrics() -> Response:

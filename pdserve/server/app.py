@@ -30,7 +30,7 @@ from pdserve.edge.auth import RequireKey
 from pdserve.edge.route_errors import add_route_errors
 from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
-from pdserve.server import native_api, openai_routes
+from pdserve.server import anthropic_routes, native_api, openai_routes, responses_routes
 from pdserve.server.engine_client import EngineClient, EngineDead
 from pdserve.server.generation import Frontend, collect, run_sample
 from pdserve.server.http_util import ClientGone, check_api_key, error_response, read_json
@@ -72,6 +72,8 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
     openai_routes.register(app, fe, cfg)
+    responses_routes.register(app, fe, cfg)
+    anthropic_routes.register(app, fe, cfg)
     _add_health_routes(app, fe, cfg)
     _add_info_routes(app, fe, cfg, spec)
     return app

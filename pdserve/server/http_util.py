@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pdserve.edge import body
-from pdserve.edge.auth import key_matches
+from pdserve.edge.auth import headers_have_key
 from pdserve.edge.errors import ClientGone, error_body
 from pdserve.server.jobs import RequestError
 
@@ -54,10 +54,12 @@ async def read_model(request: Request, model: type[M], api_key: str | None, limi
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """RequestError 401 unless `Authorization: Bearer <api_key>` (when a key is set).
+    """RequestError 401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (when a key is set).
     The app's RequireKey (edge/auth.py) checks every route already; this stays as the
     handlers' own guard."""
-    if api_key and not key_matches(request.headers.get("authorization"), api_key):
+    h = request.headers
+    if api_key and not headers_have_key(h.get("authorization"), h.get("x-api-key"), api_key):
         raise RequestError("invalid or missing API key", status=401)
 
 

@@ -57,6 +57,13 @@ async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
 async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: dict[str, float],
                     tool_parser: str | None) -> OpenAIRequest:  # fmt: skip
     body = await read_body(request, ChatIn, cfg)
+    return chat_request(fe, cfg, body, stamps, tool_parser)
+
+
+def chat_request(fe: Frontend, cfg: ServerConfig, body: ChatIn, stamps: dict[str, float],
+                 tool_parser: str | None) -> OpenAIRequest:  # fmt: skip
+    """A checked chat body as the request the engine runs, under the server's settings
+    `cfg` (the Responses and Messages routes build a ChatIn and come here too)."""
     opts = body.options(tool_parser, cfg.reasoning_parser)
     prompts = [chat_prompt_ids(fe, body)]
     job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, opts.top)
