@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.model import arch_rules as rules
-from pdserve.model import gemma3_config
+from pdserve.model import gemma3_config, moe_config, phi3_config
 from pdserve.model.activations import ACTIVATIONS
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class ModelArch:
     # (which then hold the full-attention layers'); None: every layer has the same rope
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    rotary_dim: int | None = None  # the values of a head rope turns (Phi-3); None: head_dim
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] (OLMoE)
+    moe: moe_config.MoeSpec | None = None  # the expert layers (model/moe.py); None: dense
 
     @property
     def attention_scale(self) -> float:
@@ -60,6 +63,15 @@ class ModelArch:
         if self.sliding_rope is not None and self.layer_windows[layer]:
             return self.sliding_rope
         return self.rope_theta, self.rope_scaling
+
+    @property
+    def context_positions(self) -> int:
+        """The longest context the model computes: max_position_embeddings, times `factor`
+        under dynamic rope (which rescales past it)."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "dynamic":
+            return int(self.max_position_embeddings * float(s["factor"]))
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -104,12 +116,21 @@ def load_arch(model_dir: str | Path) -> ModelArch:
 
 
 def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
-    default = gemma3_config.GEMMA3 if cfg.get("model_type") == "gemma3_text" else rules.LLAMA
+    default = _DEFAULT_ARCH.get(cfg.get("model_type"), rules.LLAMA)
     arch = (cfg.get("architectures") or [default])[0]
     if arch == gemma3_config.GEMMA3:
         return ModelArch(**gemma3_config.arch_fields(cfg), eos_token_ids=eos_token_ids)
+    if arch in moe_config.MOE_ARCHS:
+        return ModelArch(**moe_config.arch_fields(arch, cfg), eos_token_ids=eos_token_ids)
+    if arch == phi3_config.PHI3:
+        return ModelArch(**phi3_config.arch_fields(cfg), eos_token_ids=eos_token_ids)
     if arch not in rules.SUPPORTED:
-        supported = (*rules.SUPPORTED, gemma3_config.GEMMA3)
+        supported = (
+            *rules.SUPPORTED,
+            gemma3_config.GEMMA3,
+            phi3_config.PHI3,
+            *moe_config.MOE_ARCHS,
+        )
         raise ValueError(f"architecture {arch} is not supported; supported: {supported}")
     rules.refuse_foreign_fields(cfg)
     if unread := rules.unread_fields(cfg):
@@ -145,6 +166,13 @@ def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -
         eos_token_ids=eos_token_ids,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
+
+
+_DEFAULT_ARCH = {
+    "gemma3_text": gemma3_config.GEMMA3,
+    "phi3": phi3_config.PHI3,
+    **moe_config.MODEL_TYPES,
+}
 
 
 def _required(cfg: dict[str, Any], field: str) -> Any:

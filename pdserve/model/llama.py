@@ -232,7 +232,9 @@ def _rope(
     arch: ModelArch, layer: int, max_positions: int, dtype: torch.dtype, device: str
 ) -> RotaryEmbedding:
     theta, scaling = arch.layer_rope(layer)
-    return RotaryEmbedding(arch.head_dim, max_positions, theta, scaling, dtype, device)
+    return RotaryEmbedding(
+        arch.head_dim, max_positions, theta, scaling, dtype, device, arch.rotary_dim
+    )
 
 
 def _must(t: torch.Tensor | None) -> torch.Tensor:

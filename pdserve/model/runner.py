@@ -73,7 +73,7 @@ class ModelRunner:
             )
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
-        self.max_context = cfg.cache.context_length(self.arch.max_position_embeddings)
+        self.max_context = cfg.cache.context_length(self.arch.context_positions)
         if model is None:
             cls = MODEL_REGISTRY[self.arch.architecture]
             model = load_model(
@@ -160,6 +160,9 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """On CUDA, the decode forward's graphs for every batch size the engine runs."""
         if not (self.cfg.cuda_graph and self.device.startswith("cuda")):
+            return
+        if self.arch.moe is not None:  # its routing reads each expert's token count on the host
+            log.info("decode steps launch kernels one by one: the expert routing syncs")
             return
         if not isinstance(self.attn, TritonAttention):
             log.info("decode steps launch kernels one by one: graphs need Triton attention")
