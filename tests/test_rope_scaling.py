@@ -3,8 +3,9 @@
 Two levels: the cos/sin tables against transformers' own rotary modules, called one
 position at a time as generate calls them (so its per-forward switches, longrope's short
 to long and dynamic's growing base, happen as in serving), bit for bit; and greedy
-tokens of checkpoints made by transformers, served by the engine pair, with prompts that
-start inside the original context and generations that run past it.
+tokens of checkpoints made by transformers, served by the engine pair: a prompt inside
+the original context whose generation runs past it, and a prompt longer than it (which
+transformers turns wholly by its length's frequencies).
 """
 
 from __future__ import annotations
@@ -95,9 +96,20 @@ def _serve(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[i
     return [o.token_ids for o in outs]
 
 
-# name -> (family, config kwargs); prompts of 20 and 27 tokens, 16 new: past ORIGINAL
+# name -> (family, config kwargs); prompts of 20 and 40 tokens, 16 new: past ORIGINAL
 SERVED: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-yarn": ("Qwen2", dict(rope_parameters={"rope_theta": 100.0, **YARN})),
+    "llama-longrope": (
+        "Llama",
+        dict(
+            max_position_embeddings=4 * ORIGINAL,
+            rope_parameters={
+                "rope_theta": 100.0,
+                "original_max_position_embeddings": ORIGINAL,
+                **LONG,
+            },
+        ),
+    ),  # fmt: skip
     "llama-dynamic": (
         "Llama",
         dict(
@@ -118,6 +130,6 @@ def test_served_like_transformers_past_the_original_context(root: Path, case: st
     family, kw = SERVED[case]
     path = make_checkpoint(root, case, family, **kw)
     g = torch.Generator().manual_seed(len(case))
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 27)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 40)]
     want = [hf_greedy(path, p, 16) for p in prompts]
     assert _serve(path, prompts, 16) == want

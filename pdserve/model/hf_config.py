@@ -116,7 +116,7 @@ def load_arch(model_dir: str | Path) -> ModelArch:
 
 
 def arch_from_config(cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
-    default = _DEFAULT_ARCH.get(cfg.get("model_type"), rules.LLAMA)
+    default = _DEFAULT_ARCH.get(str(cfg.get("model_type")), rules.LLAMA)
     arch = (cfg.get("architectures") or [default])[0]
     if arch == gemma3_config.GEMMA3:
         return ModelArch(**gemma3_config.arch_fields(cfg), eos_token_ids=eos_token_ids)

@@ -152,7 +152,7 @@ class LlamaModel:
         count, read again)."""
         ops, eps = self.ops, self.arch.rms_norm_eps
         h = self.embed_rows(batch.input_ids)
-        rope = self.rope.tables(batch.positions)
+        rope = self.rope.tables(batch.positions, batch)
         delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             if i and between_layers is not None:

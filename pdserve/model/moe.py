@@ -199,8 +199,8 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes[f"model.layers.{i}.self_attn.k_norm.weight"] = (a.kv_size,)
         if not spec.sparse[i]:
             continue
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            del shapes[f"model.layers.{i}.mlp.{n}.weight"]
+        for dense in _DENSE:
+            del shapes[f"model.layers.{i}.mlp.{dense}weight"]
         p, router, (gate, up, down) = _names(a, i)
         shapes[router] = (spec.num_experts, h)
         inter = spec.expert_size
@@ -209,8 +209,8 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes[up.format(j=j)] = (inter, h)
             shapes[down.format(j=j)] = (h, inter)
         if spec.shared_size:
-            s, n = p + "shared_expert.", spec.shared_size
-            shapes.update({s + "gate_proj.weight": (n, h), s + "up_proj.weight": (n, h)})
-            shapes[s + "down_proj.weight"] = (h, n)
+            sh, n = p + "shared_expert.", spec.shared_size
+            shapes.update({sh + "gate_proj.weight": (n, h), sh + "up_proj.weight": (n, h)})
+            shapes[sh + "down_proj.weight"] = (h, n)
             shapes[p + "shared_expert_gate.weight"] = (1, h)
     return shapes

@@ -11,12 +11,13 @@ computes them (modeling_rope_utils), and the factor its cos/sin tables are scale
     dynamic                   the default vector below max_position_embeddings; at p past
                               it, NTK's base for a sequence of p + 1 tokens
 
-transformers switches longrope's and dynamic's frequencies per forward, by the longest
-position in it: a generation step at p computes position p with the vector of a sequence
-of p + 1 tokens and keeps the keys cached before. A table per position gives every
-request that same vector at every step, batched or not; a prompt that itself crosses the
-switch is the one case where transformers' single forward differs (it rotates the whole
-prompt with the longest position's vector).
+transformers switches longrope's and dynamic's frequencies per forward, by its sequence
+length (the longest position + 1): a generation step at p turns position p by the vector
+of a sequence of p + 1 tokens and keeps the keys cached before; a prompt longer than the
+switch turns all its positions by its length's vector. pdserve applies that rule per
+request: the table per position (`angles`) is what a generation step uses, and an
+extend of a request whose length passes the switch takes `sequence_angles` of that
+length (model/rope.py). A prompt prefilled in chunks takes each chunk's end as its length.
 """
 
 from __future__ import annotations
@@ -115,26 +116,56 @@ def longrope_attention_factor(s: dict[str, Any]) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
 
 
+def switch_length(scaling: dict[str, Any] | None) -> int | None:
+    """The sequence length past which longrope / dynamic change their frequencies."""
+    kind = None if not scaling else scaling["rope_type"]
+    if kind == "longrope":
+        return int(scaling["original_max_position_embeddings"])  # type: ignore[index]
+    if kind == "dynamic":
+        return int(scaling["max_position_embeddings"])  # type: ignore[index]
+    return None
+
+
+def _longrope_inv(dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)
+
+
+def _dynamic_inv(dim: int, theta: float, s: dict[str, Any], seq_len: int) -> torch.Tensor:
+    """NTK's frequencies for a sequence of `seq_len` tokens, the base computed in float32
+    tensors as transformers computes it."""
+    factor, old_ctx = float(s["factor"]), int(s["max_position_embeddings"])
+    seq = torch.tensor(max(seq_len, old_ctx))
+    return inv_base(dim, theta * ((factor * seq / old_ctx) - (factor - 1)) ** (dim / (dim - 2)))
+
+
+def sequence_angles(
+    dim: int, theta: float, scaling: dict[str, Any], seq_len: int, positions: torch.Tensor
+) -> torch.Tensor:
+    """freqs [len(positions), dim / 2] as a forward over a sequence of `seq_len` tokens
+    past the switch turns `positions` (float32)."""
+    if scaling["rope_type"] == "longrope":
+        inv = _longrope_inv(dim, theta, scaling["long_factor"])
+    else:
+        inv = _dynamic_inv(dim, theta, scaling, seq_len)
+    return positions.float()[:, None] * inv[None, :]
+
+
 def _longrope(
     dim: int, max_positions: int, theta: float, s: dict[str, Any]
 ) -> tuple[torch.Tensor, float]:
-    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    short = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * theta**shape)
-    long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * theta**shape)
+    short = _longrope_inv(dim, theta, s["short_factor"])
     pos = torch.arange(max_positions, dtype=torch.float32)[:, None]
-    is_long = pos >= int(s["original_max_position_embeddings"])
-    return torch.where(is_long, pos * long[None, :], pos * short[None, :]), (
-        longrope_attention_factor(s)
-    )
+    freqs = pos * short[None, :]
+    old_ctx = int(s["original_max_position_embeddings"])
+    freqs[old_ctx:] = sequence_angles(dim, theta, s, old_ctx + 1, pos[old_ctx:, 0])
+    return freqs, longrope_attention_factor(s)
 
 
 def _dynamic(dim: int, max_positions: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
-    """At p < max_position_embeddings the default frequencies; at p past it NTK's, with
-    the base transformers computes (in float32 tensors) for a sequence of p + 1 tokens."""
-    factor, old_ctx = float(s["factor"]), int(s["max_position_embeddings"])
+    """At p < max_position_embeddings the default frequencies; at p past it those of a
+    sequence of p + 1 tokens."""
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_base(dim, theta)
-    for p in range(old_ctx, max_positions):
-        seq = torch.tensor(p + 1)
-        base = theta * ((factor * seq / old_ctx) - (factor - 1)) ** (dim / (dim - 2))
-        freqs[p] = torch.tensor(float(p)) * inv_base(dim, base)
+    for p in range(int(s["max_position_embeddings"]), max_positions):
+        freqs[p] = sequence_angles(dim, theta, s, p + 1, torch.tensor([p]))[0]
     return freqs
