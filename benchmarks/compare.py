@@ -110,17 +110,17 @@ def model_path(args: argparse.Namespace) -> str:
     """The Hugging Face folder every server loads (a GGUF's is converted once)."""
     spec = args.model or args.gguf
     if spec:
-        from pdserve.model.resolve import resolve_model
+        from pdserve.checkpoints.resolve import resolve_model
 
         return str(resolve_model(spec).path)
-    from pdserve.model.make import default_model_path
+    from pdserve.checkpoints.presets import default_model_path
 
     return str(default_model_path("bench"))
 
 
 def gguf_path(args: argparse.Namespace, model: str) -> Path | None:
     """The GGUF llama.cpp serves: --gguf, else the file `model` was converted from."""
-    from pdserve.model.gguf_quant import source_gguf
+    from pdserve.model.quant_weights import source_gguf
 
     return Path(args.gguf).resolve() if args.gguf else source_gguf(model)
 
@@ -508,7 +508,7 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 def pdserve_weights(args: argparse.Namespace, model: str) -> str:
     """What pdserve computes with: a GGUF folder's blocks unless told float32 (weights.py)."""
-    from pdserve.model.gguf_quant import source_gguf
+    from pdserve.model.quant_weights import source_gguf
 
     flags = shlex.split(args.pdserve_args)
     told = [f.split("=", 1)[1] for f in flags if f.startswith("--weights=")] + [

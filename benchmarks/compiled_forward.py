@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_step import PAGE, make_reqs, make_runner  # noqa: E402
 
-from pdserve.model import linear  # noqa: E402
+from pdserve.checkpoints.presets import default_model_path  # noqa: E402
 from pdserve.model.forward_batch import ForwardBatch  # noqa: E402
-from pdserve.model.make import default_model_path  # noqa: E402
+from pdserve.model.layers import linear  # noqa: E402
 from pdserve.model.runner import ModelRunner  # noqa: E402
 from pdserve.scheduler.decode_step import build_batch  # noqa: E402
 from pdserve.scheduler.future_map import FutureMap  # noqa: E402

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.kernels.native import paged_decode  # noqa: E402
-from pdserve.model import decode_attention  # noqa: E402
+from pdserve.model.attention import gather as decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
 T = TypeVar("T")

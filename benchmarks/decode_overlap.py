@@ -40,9 +40,9 @@ import time
 
 import torch
 
+from pdserve.checkpoints.presets import default_model_path
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.envs import engine_env
-from pdserve.model.make import default_model_path
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams

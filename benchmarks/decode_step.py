@@ -13,7 +13,7 @@ forward, sample, publish) and reports the share of each part:
                weight streamed once, the fastest of three measured side by side: torch.mm
                on [in, out]-contiguous copies, oneDNN's prepacked linear, and the model's
                own projections (on CPU the native linear, kernels/native/linear_f32.c, after
-               the decode's warm-up; model/linear.py): what a step cannot beat without
+               the decode's warm-up; model/layers/linear.py): what a step cannot beat without
                changing the arithmetic
     onednn/own the oneDNN floor over the model's own projections' floor (> 1: the native
                linear streams the weights faster)
@@ -42,11 +42,11 @@ from dataclasses import replace
 
 import torch
 
+from pdserve.checkpoints.presets import default_model_path
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.model.linear import Linear
-from pdserve.model.make import default_model_path
+from pdserve.model.layers.linear import Linear
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import sample
+from pdserve.model.sampling.pick import sample
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode_step import build_batch
 from pdserve.scheduler.future_map import FutureMap

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
-from pdserve.model.resolve import resolve_model  # noqa: E402
+from pdserve.checkpoints.resolve import resolve_model  # noqa: E402
 from pdserve.server.detokenizer import IncrementalDetokenizer  # noqa: E402
 from pdserve.server.tokenizer import byte_piece_ids  # noqa: E402
 

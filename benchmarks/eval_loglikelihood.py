@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_e2e_pd import free_port, spawn, stop, wait_healthy  # noqa: E402
 
-from pdserve.model.resolve import resolve_model  # noqa: E402
+from pdserve.checkpoints.resolve import resolve_model  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent / "eval_task"
 TASK = "pdserve_mc"

@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_path(model: str) -> str:
-    from pdserve.model.make import PRESETS, default_model_path
+    from pdserve.checkpoints.presets import PRESETS, default_model_path
 
     return str(default_model_path(model)) if model in PRESETS else model
 

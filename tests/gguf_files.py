@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 import torch
 
-from pdserve.model import make
-from pdserve.model import tokenizer_build as tb
+from pdserve.checkpoints import presets as make
+from pdserve.checkpoints import tokenizer_build as tb
 from tests.conftest import greedy_of
 
 # Rows of 128 (a multiple of every block size used here: 32).

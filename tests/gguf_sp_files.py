@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 from gguf_files import gguf_name
 
-from pdserve.model import make
+from pdserve.checkpoints import presets as make
 
 SP_CORPUS = [
     "The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",

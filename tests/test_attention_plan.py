@@ -1,4 +1,4 @@
-"""The attention plan's decode keys (model/attention.py, padded_slots): on the CPU they
+"""The attention plan's decode keys (model/attention/backends.py, padded_slots): on the CPU they
 are built with numpy, not torch's kernels, and must be exactly what torch's
 `table[rows, :Lmax]` masked past each request's length gives, as copies. The same for
 the native forward's per-window bounds (host_bounds)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.model.attention_plan import host_bounds, padded_slots
+from pdserve.model.attention.plan import host_bounds, padded_slots
 
 
 def _table() -> torch.Tensor:

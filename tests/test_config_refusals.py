@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM
-from pdserve.model.hf_config import arch_from_config, load_arch
+from pdserve.model.arch.registry import arch_from_config, load_arch
 from tests.test_config_conformance import BASE, make_checkpoint
 
 
@@ -197,7 +197,7 @@ def test_arch_matches_transformers_config_object(root: Path) -> None:
 
 
 def test_unknown_fields_are_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="pdserve.model.hf_config"):
+    with caplog.at_level("WARNING", logger="pdserve.model.arch.config"):
         arch_from_config(_cfg(some_new_knob=3, use_cache=True))
     assert "some_new_knob" in caplog.text and "use_cache" not in caplog.text
 
@@ -208,7 +208,7 @@ def test_a_model_that_is_not_there_is_refused_by_name(tmp_path):
     import subprocess
     import sys
 
-    from pdserve.model.resolve import resolve_model
+    from pdserve.checkpoints.resolve import resolve_model
     from pdserve.server.tokenizer import Tokenizer
 
     missing = tmp_path / "no-such-model"

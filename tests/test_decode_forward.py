@@ -157,7 +157,7 @@ def test_a_model_it_does_not_cover_keeps_the_per_call_path_and_says_why(
 ) -> None:
     import torch.nn.functional as F
 
-    from pdserve.model import activations
+    from pdserve.model.layers import activations
 
     if library.compiler() is None:
         pytest.skip("no C compiler")

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.native import decode_ops, library
-from pdserve.model.attention import NativeAttention
-from pdserve.model.ops import NativeOps, TorchOps
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.attention.backends import NativeAttention
+from pdserve.model.layers.ops import NativeOps, TorchOps
+from pdserve.model.layers.rope import RotaryEmbedding
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 

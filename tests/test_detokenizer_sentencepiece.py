@@ -90,7 +90,8 @@ def gemma_style_tokenizer() -> Tokenizer:
     import gguf
     from gguf_sp_files import write_sentencepiece_gguf
 
-    from pdserve.model import gguf_convert, gguf_tokenizer
+    from pdserve.checkpoints.gguf import convert as gguf_convert
+    from pdserve.checkpoints.gguf import tokenizer as gguf_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
         path = write_sentencepiece_gguf(Path(d) / "g.gguf", "gemma3")

@@ -70,7 +70,7 @@ def test_a_message_ends_a_long_wait_at_once(tmp_path, monkeypatch):
         assert pull.poll(2000), "no answer"
         reply = P.from_engine_decoder.decode(pull.recv())
         assert isinstance(reply, P.Stats) and reply.nonce == 7
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 4.0  # not after the loop's 5 s wait
     finally:
         loop.stopping = True
         push.send(P.encode(P.Shutdown()))

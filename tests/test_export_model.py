@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model.export import MARKER, export_model
-from pdserve.model.resolve import resolve_model
+from pdserve.checkpoints.export import MARKER, export_model
+from pdserve.checkpoints.resolve import resolve_model
 
 
 def test_export_copies_the_served_folder_once(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.native.library import compiler
-from pdserve.model.attention import NativeAttention
+from pdserve.model.attention.backends import NativeAttention
 from tests.conftest import assert_pools_free, hf_greedy
 from tests.test_config_conformance import BASE, _prompts
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.model.arch_rules import UnsupportedConfig
-from pdserve.model.gemma3 import gemma_rms_norm
-from pdserve.model.hf_config import arch_from_config, load_arch
+from pdserve.model.arch.gemma3 import gemma_rms_norm
+from pdserve.model.arch.registry import arch_from_config, load_arch
+from pdserve.model.arch.rules import UnsupportedConfig
 from tests.test_config_conformance import BASE
 
 S, F = "sliding_attention", "full_attention"
@@ -181,7 +181,7 @@ def test_fingerprint_names_what_differs_per_layer() -> None:
 
 
 def test_unknown_fields_are_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="pdserve.model.gemma3_config"):
+    with caplog.at_level("WARNING", logger="pdserve.model.arch.gemma3_config"):
         arch_from_config(_cfg(some_new_knob=3, use_cache=True, hidden_act="silu"))
     assert "some_new_knob" in caplog.text
     assert "use_cache" not in caplog.text and "hidden_act" not in caplog.text

@@ -14,8 +14,8 @@ import torch
 from gguf_files import _add, _tokenizer_metadata, hf_greedy_gguf
 from safetensors.torch import load_file
 
+from pdserve.checkpoints.gguf import convert as gguf_convert
 from pdserve.llm import LLM
-from pdserve.model import gguf_convert
 from pdserve.sampling_params import SamplingParams
 from tests.test_config_conformance import _prompts
 from tests.test_gemma3 import make_gemma3
@@ -123,7 +123,7 @@ def test_metadata_read_otherwise_by_llama_cpp_is_refused(key, value, words):
 
 
 def test_norm_weights_stored_plus_one_are_shifted_back():
-    from pdserve.model.gemma3_gguf import value_fix
+    from pdserve.checkpoints.gguf.gemma3 import value_fix
 
     w = np.array([1.5, 0.25], np.float32)
     assert value_fix("blk.0.post_ffw_norm.weight", w).tolist() == [0.5, -0.75]

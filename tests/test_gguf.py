@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from gguf_files import PRESET, hf_greedy_gguf, llama_cpp_permute, write_llama_gguf
 
+from pdserve.checkpoints import resolve
+from pdserve.checkpoints.gguf import convert as gguf_convert
+from pdserve.checkpoints.gguf import tensors as gguf_tensors
 from pdserve.llm import LLM
-from pdserve.model import gguf_convert, gguf_tensors, resolve
 from pdserve.sampling_params import SamplingParams
 
 NEW = 8
@@ -115,7 +117,7 @@ def test_metadata_that_changes_the_computation_is_refused(key, value, words):
 
 
 def test_unsupported_tokenizers_are_refused_by_name():
-    from pdserve.model.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+    from pdserve.checkpoints.gguf.tokenizer import GGUFTokenizerError, build_tokenizer
 
     with pytest.raises(GGUFTokenizerError, match="'t5'"):
         build_tokenizer({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
@@ -169,7 +171,7 @@ def test_an_architectures_value_fix_applies_to_every_slab(tmp_path, monkeypatch)
     from gguf_files import write_random_gguf
     from safetensors.numpy import load_file
 
-    from pdserve.model import gguf_arch
+    from pdserve.checkpoints.gguf import arch as gguf_arch
 
     monkeypatch.setattr(gguf_tensors, "SLAB_FLOATS", 7 * 256)
     path = write_random_gguf(tmp_path / "r.gguf", "Q4_K")
@@ -186,7 +188,7 @@ def test_an_architectures_value_fix_applies_to_every_slab(tmp_path, monkeypatch)
 # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec
 _PEAK_SCRIPT = """
 import sys
-from pdserve.model import gguf_convert  # imports done: the baseline
+from pdserve.checkpoints.gguf import convert as gguf_convert  # imports done: the baseline
 def peak():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))

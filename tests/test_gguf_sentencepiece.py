@@ -13,7 +13,9 @@ import gguf
 import pytest
 from gguf_sp_files import write_sentencepiece_gguf
 
-from pdserve.model import gguf_convert, gguf_tokenizer, model_wheels
+from pdserve.checkpoints import wheels as model_wheels
+from pdserve.checkpoints.gguf import convert as gguf_convert
+from pdserve.checkpoints.gguf import tokenizer as gguf_tokenizer
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.tokenizer import byte_piece_ids
 
@@ -118,7 +120,7 @@ def test_converted_folder_tokenizes_like_transformers(tmp_path, monkeypatch):
     frontend reads it: prompts with BOS, special tokens, EOS ids."""
     import transformers
 
-    from pdserve.model.resolve import resolve_model
+    from pdserve.checkpoints.resolve import resolve_model
     from pdserve.server.tokenizer import Tokenizer
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))

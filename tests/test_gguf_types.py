@@ -13,8 +13,9 @@ import torch
 from gguf_files import hf_greedy_gguf, write_llama_gguf, write_random_gguf
 from safetensors.torch import load_file
 
+from pdserve.checkpoints.gguf import convert as gguf_convert
+from pdserve.checkpoints.gguf import tensors as gguf_tensors
 from pdserve.llm import LLM
-from pdserve.model import gguf_convert, gguf_tensors
 from pdserve.sampling_params import SamplingParams
 
 # The types named in the project's model list; the installed gguf may read more.

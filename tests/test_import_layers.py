@@ -6,6 +6,7 @@
     edge/                                            the HTTP edge rules server/ and router/ share
     scheduler/                                       engines, engine process, composition root
     model/          transfer/                        (siblings: neither knows the other)
+    checkpoints/                                     what lies on disk (below model/)
     kernels/        kvcache/                         the bottom
     protocol.py  config.py  sampling_params.py  envs.py  netaddr.py     leaves anyone may import
 
@@ -33,20 +34,18 @@ TOP = {"cli", "llm", "__init__"}
 MAY_IMPORT: dict[str, set[str]] = {
     "kvcache": set(),
     "kernels": set(),
-    "model": {"kvcache", "kernels"},
+    "checkpoints": set(),
+    "model": {"kvcache", "kernels", "checkpoints"},
     "transfer": {"kvcache", "kernels"},
     "scheduler": {"model", "transfer", "kernels", "kvcache"},
     "edge": set(),
-    "server": {"edge"},
+    "server": {"edge", "checkpoints"},
     "router": {"edge"},
     "bench": set(),
 }
-# Narrow, named exceptions. A frontend (and `pdserve up`) resolves a model name to a
-# folder (making a preset or converting a GGUF once, under a lock) before it starts its
-# engines: it calls the model package's resolver, never the model itself.
-EXCEPTIONS = {
-    ("server", "pdserve.model.resolve"),
-}
+# Narrow, named exceptions (none today): a frontend resolves a model name to a folder
+# through checkpoints/, which it may import, and never imports the model.
+EXCEPTIONS: set[tuple[str, str]] = set()
 # Module names a package may put on a command line: it starts that program as a new
 # process (`python -m NAME`) and never imports it.
 PROCESS_ENTRIES = {
@@ -135,7 +134,7 @@ def test_no_import_runs_up_the_stack_or_across() -> None:
             "pdserve.server.app",
             "import importlib\nimportlib.import_module('pdserve.scheduler.build')",
         ),
-        ("pdserve.model.attention", "from pdserve.transfer.base import Ticket"),
+        ("pdserve.model.attention.backends", "from pdserve.transfer.base import Ticket"),
         ("pdserve.kvcache.pools", "from pdserve.model.runner import ModelRunner"),
         ("pdserve.bench.runner", "from pdserve import server"),
         ("pdserve.router.app", "from pdserve.server.http_util import read_json"),
@@ -145,6 +144,55 @@ def test_no_import_runs_up_the_stack_or_across() -> None:
 def test_the_checker_catches_each_kind(module: str, source: str) -> None:
     """A checker that finds nothing proves nothing: each kind of bad import is caught."""
     assert violations(source, module), (module, source)
+
+
+# model/ inside: architectures over shared layers, the loading glue at the top.
+#   model top (runner, weights, quant_weights, native_*, cuda_graph)   may import all of model/ and checkpoints/
+#   model/arch/         one module per family, the registry           over the floor below
+#   model/layers/  model/attention/  model/sampling/  forward_batch, state_reader   the floor
+# No compute module (arch or the floor) imports checkpoints/: what is on disk reaches
+# the model only through the loading glue.
+MODEL = "pdserve.model"
+MODEL_FLOOR = ("layers", "attention", "sampling", "forward_batch", "state_reader")
+
+
+def model_rank(module: str) -> int | None:
+    """2: the model's top (loading glue), 1: model/arch, 0: the floor; None outside model/."""
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "model"] or len(parts) < 3:
+        return None
+    return 0 if parts[2] in MODEL_FLOOR else 1 if parts[2] == "arch" else 2
+
+
+def model_violations(source: str, src_module: str) -> list[str]:
+    """Imports up model/'s own floors, or of checkpoints/ by a compute module."""
+    src = model_rank(src_module)
+    if src is None:
+        return []
+    bad = set()
+    for target, _ in referenced_modules(ast.parse(source)):
+        dst = model_rank(target)
+        if (dst is not None and dst > src) or (src < 2 and layer_of(target) == "checkpoints"):
+            bad.add(f"{src_module} -> {target}")
+    return sorted(bad)
+
+
+def test_model_keeps_its_floors() -> None:
+    bad = []
+    for path in sorted((PKG / "model").rglob("*.py")):
+        bad += model_violations(path.read_text(), module_name(path))
+    assert not bad, "imports against model/'s floors:\n" + "\n".join(bad)
+
+
+def test_the_model_rules_catch_what_they_forbid() -> None:
+    assert model_violations("from pdserve.model.arch import llama", f"{MODEL}.layers.linear")
+    assert model_violations("from pdserve.model.runner import ModelRunner", f"{MODEL}.arch.llama")
+    assert model_violations("from pdserve.checkpoints import resolve", f"{MODEL}.arch.gemma3")
+    assert model_violations("from pdserve.checkpoints.gguf import arch", f"{MODEL}.sampling.pick")
+    assert not model_violations("from pdserve.checkpoints.gguf import arch", f"{MODEL}.weights")
+    assert not model_violations("from pdserve.model.layers import rope", f"{MODEL}.arch.llama")
+    assert violations("from pdserve.model.runner import ModelRunner", "pdserve.checkpoints.resolve")
+    assert violations("from pdserve.kernels import stream", "pdserve.checkpoints.presets")
 
 
 def test_the_checker_allows_what_the_stack_allows() -> None:
@@ -249,7 +297,9 @@ def test_c_structs_are_declared_only_in_the_abi_module() -> None:
 def test_the_native_rules_catch_what_they_forbid() -> None:
     assert native_violations("from pdserve.kernels import core_share", f"{NATIVE}.par")
     assert native_violations("from pdserve.envs import ENV", f"{NATIVE}.library")
-    assert native_violations("from pdserve.model.ops import NativeOps", f"{NATIVE}.decode_ops")
+    assert native_violations(
+        "from pdserve.model.layers.ops import NativeOps", f"{NATIVE}.decode_ops"
+    )
     assert native_violations("def f():\n    from pdserve.scheduler import build", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels.native import abi", f"{NATIVE}.par")
     assert not native_violations("from pdserve.kernels import core_share", "pdserve.model.runner")

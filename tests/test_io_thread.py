@@ -98,6 +98,6 @@ def test_a_handler_never_waits_on_an_empty_socket() -> None:
     try:
         t0 = time.monotonic()
         assert MsgSocket(pull, Decoder()).recv(block=False) == (None, None, [])
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.5  # not RCVTIMEO's 3 s
     finally:
         pull.close(linger=0)

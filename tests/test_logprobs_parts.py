@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pdserve.model.sampling import logprobs_of, sample
+from pdserve.model.sampling.pick import logprobs_of, sample
 from pdserve.protocol import PrefillLogprobs, PromptLogprobs, TopLogprobs
 from pdserve.sampling_params import SamplingParams, prompt_logprobs_problem
 from pdserve.scheduler import prompt_logprobs

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model import make
-from pdserve.model import tokenizer_build as tb
+from pdserve.checkpoints import presets as make
+from pdserve.checkpoints import tokenizer_build as tb
 
 transformers = pytest.importorskip("transformers")
 

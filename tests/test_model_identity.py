@@ -79,7 +79,7 @@ def test_both_engines_serve_their_own_model_afterwards(pairs, cross: str) -> Non
 
 
 def test_fingerprint_covers_every_computation_field_but_not_eos() -> None:
-    from pdserve.model.hf_config import load_arch
+    from pdserve.model.arch.registry import load_arch
 
     arch = load_arch(model_path("tiny"))
     layout = KVLayout(arch.num_layers, arch.num_kv_heads, arch.head_dim, "float32", 16)

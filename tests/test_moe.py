@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.arch_rules import UnsupportedConfig
-from pdserve.model.hf_config import arch_from_config, load_arch
-from pdserve.model.loader import load_state
-from pdserve.model.moe import Experts, MoeModel, route
+from pdserve.checkpoints.tensor_files import load_state
+from pdserve.model.arch.moe import Experts, MoeModel, route
+from pdserve.model.arch.registry import arch_from_config, load_arch
+from pdserve.model.arch.rules import UnsupportedConfig
 from tests.conftest import _hf_model, assert_pools_free, hf_greedy
 from tests.test_config_conformance import _prompts, make_checkpoint
 
@@ -89,7 +89,7 @@ def _serve(path: Path, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("case", list(SERVED))
 def test_served_like_transformers(root: Path, case: str) -> None:
     path = _checkpoint(root, case)
-    prompts = _prompts(len(case))
+    prompts = _prompts(len(case))[:2]  # 41 and 3 tokens
     want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
     assert any(len(set(w)) > 2 for w in want), want  # the model is not stuck on one token
     assert _serve(path, prompts) == want

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.kernels.native import library, paged_decode, par
-from pdserve.model import decode_attention as da
-from pdserve.model.attention import NativeAttention
+from pdserve.model.attention import gather as da
+from pdserve.model.attention.backends import NativeAttention
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 

@@ -1,4 +1,4 @@
-"""The CPU backend's native extend (model/attention.py, NativeAttention._extends): each prompt token
+"""The CPU backend's native extend (model/attention/backends.py, NativeAttention._extends): each prompt token
 one query of the decode kernel over its own causal keys, read in place from the pool.
 It must give what torch's fused attention over the gathered keys gives: whole prompts,
 a later chunk over a prefix, sliding windows, several requests and decode tokens in one
@@ -13,7 +13,7 @@ import torch
 
 from pdserve.kernels.native import library
 from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
-from pdserve.model.attention import CpuAttention, NativeAttention, TorchAttention
+from pdserve.model.attention.backends import CpuAttention, NativeAttention, TorchAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.native_kernels import NativeKernels
 

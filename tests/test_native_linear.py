@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.kernels.native import library, linear_f32, par
-from pdserve.model.linear import Linear
+from pdserve.model.layers.linear import Linear
 from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 

@@ -18,7 +18,7 @@ import torch
 from conftest import _hf_model, greedy_of
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
-from pdserve.model.resolve import resolve_model
+from pdserve.checkpoints.resolve import resolve_model
 from pdserve.server.tokenizer import Tokenizer
 
 TOL = 1e-4

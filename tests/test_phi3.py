@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.arch_rules import UnsupportedConfig
-from pdserve.model.hf_config import arch_from_config
+from pdserve.model.arch.registry import arch_from_config
+from pdserve.model.arch.rules import UnsupportedConfig
 from tests.conftest import assert_pools_free, hf_greedy
 from tests.test_config_conformance import VOCAB, make_checkpoint
 
@@ -33,13 +33,14 @@ LONGROPE = {
 }
 # name -> config kwargs (head_dim 32 = hidden 64 / 2 heads; kv heads 1)
 SERVED: dict[str, dict[str, Any]] = {
-    "longrope-partial": dict(
+    "longrope-partial-window-tied": dict(
         partial_rotary_factor=0.5,
         original_max_position_embeddings=ORIGINAL,
         max_position_embeddings=4 * ORIGINAL,
         rope_parameters=LONGROPE,
+        sliding_window=9,
+        tie_word_embeddings=True,
     ),
-    "window-tied": dict(sliding_window=9, tie_word_embeddings=True),
 }
 
 
@@ -78,9 +79,9 @@ def test_served_like_transformers(root: Path, case: str) -> None:
 def test_longrope_switches_at_the_original_context() -> None:
     """Past the original context the long factors turn the rotated pairs (the short
     ones before it); the attention factor sqrt(1 + ln 4 / ln 32) scales both."""
-    from pdserve.model.rope import RotaryEmbedding
+    from pdserve.model.layers.rope import RotaryEmbedding
 
-    arch = arch_from_config(_cfg(**SERVED["longrope-partial"]))
+    arch = arch_from_config(_cfg(**SERVED["longrope-partial-window-tied"]))
     assert arch.rotary_dim == 16 and arch.rope_scaling is not None
     rope = RotaryEmbedding(32, 64, arch.rope_theta, arch.rope_scaling, torch.float32, "cpu", 16)
     factor = (1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(32.0))).sqrt()

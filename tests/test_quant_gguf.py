@@ -51,7 +51,7 @@ def test_quantized_greedy_tokens_equal_transformers(tmp_path, monkeypatch, qtype
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_per_call_decode_gives_the_native_forwards_tokens(tmp_path, monkeypatch, qtype):
-    """The decode's one native call and the per-call path (model/linear.py) run the same
+    """The decode's one native call and the per-call path (model/layers/linear.py) run the same
     kernel on the same blocks."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_random_gguf(tmp_path / f"r-{qtype}.gguf", qtype)
@@ -84,7 +84,7 @@ def test_float32_weights_hold_no_blocks(tmp_path, monkeypatch):
 def test_type_without_kernel_stays_float32_by_name(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_random_gguf(tmp_path / "r-Q5_1.gguf", "Q5_1")
-    with caplog.at_level(logging.INFO, logger="pdserve.model.gguf_quant"):
+    with caplog.at_level(logging.INFO, logger="pdserve.model.quant_weights"):
         llm = _llm(path, "quantized")
     try:
         assert all(lin.quant is None for lin in llm.prefill.runner.model.linears())

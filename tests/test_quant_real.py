@@ -16,7 +16,7 @@ import pytest
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 from test_real_model import CONVERSATIONS, EOS, MAX_TOKENS, Reference
 
-from pdserve.model.resolve import smollm2_gguf
+from pdserve.checkpoints.resolve import smollm2_gguf
 
 BLOCKS = "in GGUF blocks: Q4_1 x210, Q8_0 x1, Q8_0 (embedding) x1"
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
+from pdserve.checkpoints.resolve import resolve_model, smollm2_gguf
 from pdserve.llm import LLM
-from pdserve.model.resolve import resolve_model, smollm2_gguf
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.tokenizer import Tokenizer
 

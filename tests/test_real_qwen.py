@@ -15,8 +15,8 @@ import pytest
 import qwen_greedy_reference as qref
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
-from pdserve.model import model_wheels
-from pdserve.model.resolve import is_short_name, resolve_model
+from pdserve.checkpoints import wheels as model_wheels
+from pdserve.checkpoints.resolve import is_short_name, resolve_model
 from pdserve.server.tokenizer import Tokenizer
 
 NAME = "qwen2.5-coder-0.5b"

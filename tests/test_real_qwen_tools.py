@@ -24,7 +24,7 @@ import pytest
 import qwen_tools_reference as ref
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
-from pdserve.model.resolve import gguf_folder
+from pdserve.checkpoints.resolve import gguf_folder
 from pdserve.server.openai_api import ChatMessage
 from pdserve.server.openai_parse import template_message
 from pdserve.server.tokenizer import Tokenizer

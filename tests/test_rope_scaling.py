@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.hf_config import arch_from_config
-from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.arch.registry import arch_from_config
+from pdserve.model.layers.rope import RotaryEmbedding
 from tests.conftest import assert_pools_free, hf_greedy
 from tests.test_config_conformance import BASE, VOCAB, make_checkpoint
 

@@ -96,11 +96,11 @@ def test_prefill_answering_between_the_last_event_and_the_streams_end(pd):
 @pytest.mark.parametrize("stream", [False, True])
 def test_failing_prefill_returns_its_error_and_cancels_decode(pd, stream):
     p, d, url = pd
-    p.fail_status, d.hold_s = 500, 5.0
+    p.fail_status, d.hold_s = 500, 15.0
     t0 = time.monotonic()
     r = httpx.post(url + "/generate", json={"text": "x", "stream": stream}, timeout=10)
     assert r.status_code == 500 and r.json()["error"]["message"] == "P failed"
-    assert time.monotonic() - t0 < 3.0  # did not wait for the held decode
+    assert time.monotonic() - t0 < 8.0  # did not wait for the held decode (15 s)
     assert wait_for(lambda: d.disconnected == ["/generate"])
     rid = d.gen_requests()[0].body["rid"]
     assert wait_for(lambda: d.aborted == [{"rid": rid}] and p.aborted == [{"rid": rid}])
@@ -116,7 +116,7 @@ def test_decode_answer_is_not_held_by_a_stalled_prefill(pd, stream):
     r = httpx.post(url + "/generate", json={"text": "x", "stream": stream}, timeout=30)
     assert r.status_code == 200
     assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["text"].startswith("D:")
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 10.0  # not held by the prefill's 20 s
 
 
 def test_failing_decode_returns_its_error_and_cancels_prefill(pd):

@@ -3,9 +3,9 @@ from __future__ import annotations
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.penalties import PenaltyState, adjust
-from pdserve.model.resolve import resolve_model
-from pdserve.model.sampling import filter_probs, sample
+from pdserve.checkpoints.resolve import resolve_model
+from pdserve.model.sampling.penalties import PenaltyState, adjust
+from pdserve.model.sampling.pick import filter_probs, sample
 
 
 def test_filters() -> None:

@@ -74,7 +74,7 @@ def test_fault_fails_closed_once(fault: Fault, reason: str) -> None:
     assert len(dec_events) == 1 and len(pre_events) == 1
     assert not dec_events[0].ok and reason in dec_events[0].reason
     assert not pre_events[0].ok
-    assert elapsed < 2.0 + 0.5
+    assert elapsed < 2.0 + 2.0  # the 2 s timeout, not a later one (slack: a loaded machine)
 
 
 def test_reordered_chunks_are_harmless() -> None:
@@ -101,7 +101,7 @@ def test_dead_prefill_fails_within_heartbeat_bound() -> None:
         t0 = time.monotonic()
         [ev] = wait_for(rx.poll, 1, 5)
         assert not ev.ok and "silent" in ev.reason
-        assert time.monotonic() - t0 < HB_TIMEOUT + 0.5
+        assert time.monotonic() - t0 < HB_TIMEOUT + 2.0  # not kv_timeout_s (30)
         assert rx.active_rooms() == set()
     finally:
         tx.close()

@@ -13,9 +13,9 @@ import pdserve.kernels  # noqa: F401  (TRITON_INTERPRET before any kernel is def
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.kernels import attention_triton as at
 from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
-from pdserve.model.attention import TorchAttention
-from pdserve.model.attention_registry import make_attention
-from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.attention.backends import TorchAttention
+from pdserve.model.attention.registry import make_attention
+from pdserve.model.attention.triton_backend import TritonAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from tests.conftest import model_path

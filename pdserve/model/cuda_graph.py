@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.attention.triton_backend import TritonAttention
 from pdserve.model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
-from pdserve.model.attention import NativeAttention
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.attention.backends import NativeAttention
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.gguf_quant import QuantEmbedding
-from pdserve.model.linear import Linear
-from pdserve.model.llama import LlamaModel
-from pdserve.model.ops import NativeOps
+from pdserve.model.layers.linear import Linear
+from pdserve.model.layers.ops import NativeOps
+from pdserve.model.quant_weights import QuantEmbedding
 
 
 def refusal(model: LlamaModel, attn: object) -> str | None:
@@ -55,13 +55,10 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
 
 
 def computes_llama_layer(model: LlamaModel) -> bool:
-    """Whether the model's forward is LlamaModel's (a subclass may differ only in how it
-    reads its checkpoint, as Phi-3's)."""
+    """Whether the model computes what LlamaModel computes: LlamaModel itself, or a class
+    that says so of itself (not inherited: Phi-3's differs only in reading its checkpoint)."""
     cls = type(model)
-    return all(
-        getattr(cls, name) is getattr(LlamaModel, name)
-        for name in ("forward", "_attention", "_mlp", "_norm_weight")
-    )
+    return cls is LlamaModel or bool(cls.__dict__.get("same_compute_as_llama", False))
 
 
 def _proj(lin: Linear, keep: list[QuantProj]) -> Proj:

@@ -2,7 +2,7 @@
 
 A runner computes on portable objects first: TorchOps, TorchAttention, each Linear on
 oneDNN or torch.mm. `NativeKernels.for_engine` says, once per runner, whether native CPU
-kernels are on (a CPU engine, --compile, no PDSERVE_DISABLE_COMPILE): None keeps the
+kernels are on (a CPU engine without --disable-compile or PDSERVE_DISABLE_COMPILE): None keeps the
 portable objects throughout. Otherwise the runner's warm-up (its start-up, before any
 step) asks it for each native piece once and swaps it in for the portable one:
 
@@ -37,10 +37,10 @@ from pdserve.kernels.native import (
 )
 from pdserve.kernels.native.linear_quant import LinearQuant
 from pdserve.kernels.native.par import Threads
-from pdserve.model.attention import AttentionBackend, NativeAttention, TorchAttention
-from pdserve.model.llama import LlamaModel
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.attention.backends import AttentionBackend, NativeAttention, TorchAttention
+from pdserve.model.layers.ops import NativeOps
 from pdserve.model.native_forward import NativeDecodeForward
-from pdserve.model.ops import NativeOps
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""ModelRunner: one model, its request rows and paged KV pool, attention and sampling."""
+"""ModelRunner: one model, its request rows and paged KV pool and its attention backend;
+it computes logits (the engines pick tokens from them: model/sampling/)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from pdserve import config
 from pdserve.config import EngineConfig
 from pdserve.kernels.core_share import Cores
 from pdserve.kvcache.pools import KVLayout, KVPool, ReqToTokenPool
-from pdserve.model.attention import AttentionBackend
-from pdserve.model.attention_registry import make_attention
-from pdserve.model.attention_triton import TritonAttention
+from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.arch.registry import load_arch, lookup
+from pdserve.model.attention.backends import AttentionBackend
+from pdserve.model.attention.registry import make_attention
+from pdserve.model.attention.triton_backend import TritonAttention
 from pdserve.model.cuda_graph import GraphedDecode
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.hf_config import ModelArch, load_arch
-from pdserve.model.llama import LlamaModel
-from pdserve.model.models import MODEL_REGISTRY
 from pdserve.model.native_forward import NativeDecodeForward
 from pdserve.model.native_kernels import NativeKernels
 from pdserve.model.weights import load_model
@@ -66,19 +67,14 @@ class ModelRunner:
         # native kernels or the portable paths, chosen once (model/native_kernels.py)
         self.native = NativeKernels.for_engine(cfg, self.cores.kernel_threads)
         self.arch: ModelArch = load_arch(cfg.model_path)
-        if self.arch.architecture not in MODEL_REGISTRY:
-            raise ValueError(
-                f"architecture {self.arch.architecture} is not supported; "
-                f"supported: {sorted(MODEL_REGISTRY)}"
-            )
+        make_model = lookup(self.arch.architecture).model
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
         self.max_context = cfg.cache.context_length(self.arch.context_positions)
         if model is None:
-            cls = MODEL_REGISTRY[self.arch.architecture]
             model = load_model(
                 cfg, self.arch, self.dtype, self.native,
-                lambda state: cls(self.arch, state, self.max_context),
+                lambda state: make_model(self.arch, state, self.max_context),
             )  # fmt: skip
         self.model = model
         self.layout = KVLayout(
@@ -121,7 +117,7 @@ class ModelRunner:
     def warm_up_prefill(self) -> None:
         """Swap in what prefill steps run natively (start-up; a no-op when native kernels
         are off or the model is not fp32): the native norms, rotation and activation
-        (model/ops.py), the attention kernel (model/attention.py, NativeAttention), and
+        (model/layers/ops.py), the attention kernel (model/attention/backends.py, NativeAttention), and
         the linear kernel every projection moves to. Both kernels split a prompt's work
         over par.c's threads in chunks, not in one fixed part per thread as oneDNN's and
         torch's OpenMP regions do: on a host shared with the router, the HTTP servers and

@@ -2,7 +2,7 @@
 
     --weights quantized (default)  a converted GGUF folder, CPU, float32, native kernels
                                    built: projections (and the embedding) from the GGUF's
-                                   blocks (model/gguf_quant.py); the rest from the folder
+                                   blocks (model/quant_weights.py); the rest from the folder
     otherwise                      every tensor from the folder, in --dtype
 
 Either way the engine logs the bytes its weights hold (`resident_bytes`), so the memory
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.checkpoints.tensor_files import load_state
 from pdserve.config import EngineConfig
 from pdserve.kernels.native.linear_quant import LinearQuant
-from pdserve.model import gguf_quant
-from pdserve.model.hf_config import ModelArch
-from pdserve.model.linear import Linear
-from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import load_state
+from pdserve.model import quant_weights
+from pdserve.model.arch.config import ModelArch
+from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.layers.linear import Linear
 
 if TYPE_CHECKING:
     from pdserve.model.native_kernels import NativeKernels
@@ -35,10 +35,10 @@ Build = Callable[[dict[str, torch.Tensor]], LlamaModel]
 
 def _quant_source(
     cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native: NativeKernels | None
-) -> tuple[gguf_quant.QuantSource, LinearQuant] | None:
+) -> tuple[quant_weights.QuantSource, LinearQuant] | None:
     """The GGUF and the kernel to serve its blocks with, or None (said why when it was
     asked for and cannot be)."""
-    path = gguf_quant.source_gguf(cfg.model_path)
+    path = quant_weights.source_gguf(cfg.model_path)
     if cfg.weights != "quantized" or path is None:
         return None
     why = ""
@@ -51,7 +51,7 @@ def _quant_source(
         log.info("weights from the folder in %s: %s", dtype, why or "linear_quant not built")
         return None
     heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}
-    return gguf_quant.QuantSource(path, heads), kernel
+    return quant_weights.QuantSource(path, heads), kernel
 
 
 def load_model(
@@ -67,14 +67,14 @@ def load_model(
     groups = (
         []
         if quant is None
-        else gguf_quant.plan(quant[0], arch.num_layers, arch.tie_word_embeddings)
+        else quant_weights.plan(quant[0], arch.num_layers, arch.tie_word_embeddings)
     )
-    skip = gguf_quant.meta_names(groups)
+    skip = quant_weights.meta_names(groups)
     # NOTE: copies where blocks serve: a view would keep the whole float32 file mapped,
     # the dropped float embedding's pages resident with it
     model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
     if quant is not None:
-        gguf_quant.apply(model, quant[0], groups, quant[1])
+        quant_weights.apply(model, quant[0], groups, quant[1])
     log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
     return model
 
@@ -96,6 +96,6 @@ def resident_bytes(model: LlamaModel) -> int:
         for value in vars(obj).values():
             if not isinstance(value, Linear):
                 add(value)
-    if isinstance(model.embed_quant, gguf_quant.QuantEmbedding):
+    if isinstance(model.embed_quant, quant_weights.QuantEmbedding):
         add(model.embed_quant.tensor.data)
     return sum(seen.values())

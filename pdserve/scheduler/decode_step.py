@@ -28,10 +28,10 @@ import torch
 
 from pdserve.kernels.stream import Event, Stream
 from pdserve.model.forward_batch import ForwardBatch, device_tensor
-from pdserve.model.grammar import GrammarState, ll_tokenizer
-from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import logprobs_of, pick
+from pdserve.model.sampling.grammar import GrammarState, ll_tokenizer
+from pdserve.model.sampling.penalties import PenaltyState
+from pdserve.model.sampling.pick import logprobs_of, pick
 from pdserve.protocol import TopLogprobs
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req

@@ -41,8 +41,8 @@ log = logging.getLogger("pdserve.engine_proc")
 
 IDLE_POLL_MS = 5  # poll timeout while the engine has nothing to compute (it still steps)
 # poll timeout with no request at all: then only a message (which ends the poll at once)
-# or the heartbeat needs the loop; stepping every IDLE_POLL_MS cost an idle engine 1.6-1.7%
-# of a core (pdserve up --model bench, idle, 10 s), 0.3-0.4% this way
+# or the heartbeat needs the loop, and an idle engine should not spend a core's percent
+# waking up every IDLE_POLL_MS
 EMPTY_POLL_MS = 100
 HEARTBEAT_S = 0.5
 PARENT_CHECK_S = 0.5

@@ -25,10 +25,10 @@ from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.grammar import GrammarState, NextMask, ll_tokenizer
-from pdserve.model.penalties import PenaltyState
 from pdserve.model.runner import ModelRunner
-from pdserve.model.sampling import logprobs_of, pick
+from pdserve.model.sampling.grammar import GrammarState, NextMask, ll_tokenizer
+from pdserve.model.sampling.penalties import PenaltyState
+from pdserve.model.sampling.pick import logprobs_of, pick
 from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.scheduler import prompt_logprobs
 from pdserve.scheduler.admission import admit_cached, admit_fifo, refusal, request_seed
@@ -181,8 +181,7 @@ class PrefillEngine:
     def _budget(self) -> int:
         """This step's prompt tokens. The budget splits prompts so that in a burst the
         first ones finish (and start decoding) before the last; a prompt alone in the
-        engine gains nothing from a split and pays one more pass over the weights (CPU,
-        one thread: 290 tokens 235 -> 218 ms whole, 380 tokens 312 -> 279 ms). So with
+        engine gains nothing from a split and pays one more pass over the weights. So with
         CPU's default budget a lone prompt whose rest fits in LONE_STRETCH budgets is
         computed in one step. Not on CUDA (a step's activations grow with its tokens,
         and a GPU's default budget is already large), nor under a budget set by the

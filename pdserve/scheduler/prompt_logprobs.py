@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.sampling import Logprobs
+from pdserve.model.sampling.pick import Logprobs
 from pdserve.protocol import PrefillLogprobs, PromptLogprobs, TopLogprobs
 from pdserve.scheduler.request import Req
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.model.grammar import GrammarState
-from pdserve.model.penalties import PenaltyState
+from pdserve.model.sampling.grammar import GrammarState
+from pdserve.model.sampling.penalties import PenaltyState
 from pdserve.protocol import EDGE_STAMPS, EngineRequest, PrefillLogprobs, TopLogprobs
 from pdserve.sampling_params import SamplingParams
 
@@ -67,10 +67,10 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     # host-side count of decode steps launched; lets the scheduler place KV without tokens
     launched_steps: int = 0
-    # penalties' token history on the device (pdserve.model.penalties), made by the decode
+    # penalties' token history on the device (pdserve.model.sampling.penalties), made by the decode
     # at the request's first step and updated by each step's sampler; kept across preemption
     penalties: PenaltyState | None = None
-    # the structured-output matcher (pdserve.model.grammar), made and advanced the same way
+    # the structured-output matcher (pdserve.model.sampling.grammar), made and advanced the same way
     grammar: GrammarState | None = None
     # decode side, filled by the scheduler: admission order (kept across preemptions: the
     # victim policy's age), times preempted, and whether its KV comes from a recompute

@@ -143,7 +143,7 @@ def _prepare_model(spec: str | None) -> str:
     there fails at once, before any server starts, and the servers find a short name or
     a GGUF converted (once, under a lock); they get the spec itself, so they serve it
     under its short name."""
-    from pdserve.model.resolve import DEFAULT_MODEL, resolve_model
+    from pdserve.checkpoints.resolve import DEFAULT_MODEL, resolve_model
 
     spec = spec or DEFAULT_MODEL
     resolve_model(spec)

@@ -33,7 +33,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig, Any]:
     """(ServerConfig, EngineSpec) from parsed flags."""
-    from pdserve.model.resolve import resolve_model  # lazily: may convert or build the model
+    from pdserve.checkpoints.resolve import resolve_model  # lazily: may convert or build the model
     from pdserve.protocol import EngineSpec
 
     resolved = resolve_model(args.model)

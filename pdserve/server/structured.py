@@ -1,5 +1,5 @@
 """Structured output requests into one llguidance grammar (the engines enforce it token by
-token: pdserve.model.grammar).
+token: pdserve.model.sampling.grammar).
 
     response_format {"type": "json_object"}               any JSON object
     response_format {"type": "json_schema", "json_schema": {"schema": ...}}

@@ -2,7 +2,7 @@
 
 CPU engines turn them on at start-up (ModelRunner.warm_up_decode, warm_up_prefill); the
 model then calls these instead of the torch ops that compute the same values
-(model/ops.py holds both sides). Each wrapper checks what the C code trusts (dtype,
+(model/layers/ops.py holds both sides). Each wrapper checks what the C code trusts (dtype,
 device, contiguity, widths) and raises ValueError otherwise, so a bad call fails here
 and never reads or writes out of bounds.
 """

@@ -134,10 +134,9 @@ static void attend_group(const float *q, const float *k_pool, const float *v_poo
    - the rows PF_DIST keys ahead are prefetched while this block computes, one row per
      key inside the V loop of each kv head's first query head: rows sit wherever the slot
      table puts them (pages in any order), which the hardware prefetcher cannot follow
-     across pages. Spread one row per key rather than eight rows at once (the prefetches
-     then outnumbered the arithmetic between them and filled the miss buffers): batch 64,
-     context 512 / 1024, shuffled pages, one layer 2.7-3.0 -> 2.4 ms and 6.8-6.9 -> 5.8-6.0
-     ms built for AVX2, 2.1-2.6 -> 1.8 and 5.4 -> 4.4-4.8 ms for a group of 2 on AVX-512.
+     across pages. One row per key rather than eight rows at once: eight at once
+     outnumber the arithmetic between them and fill the miss buffers
+     (benchmarks/decode_attention.py measures it).
 
    Per lane the dot product's terms are added in the same order as the generic walk;
    across lanes the tree adds them in another order (results agree to fp32 rounding). */

@@ -14,12 +14,9 @@ pages, only once libzmq is done with every one of them (sender.py).
 Hashed early: a piece computed while the decode's Ready has not come yet (a decode
 that admits late, or a prefill faster than the decode's admission) is hashed at once
 (`Pusher.prepare`, the 'prepare' stage), so when the Ready comes its first byte goes on
-the wire without waiting for a hash (a 1k-token transfer here: Ready received to the K
-message queued, 0.33 -> 0.06 ms median). Its frames are made for the socket then too:
-the address arrays of a native send (zmq_native.Frames, about 25 us a message), or
-pyzmq's zero-copy zmq.Frames (`zero_copy`: about 12 us each, and a 1k-token prompt of
-the bench layout has 16: the K message's send on the Ready's path went from 0.31 to
-0.06 ms, traced). The
+the wire without waiting for a hash. Its frames are made for the socket then too (the
+address arrays of a native send, zmq_native.Frames, or pyzmq's zero-copy zmq.Frames,
+`zero_copy`), so that building them is off the Ready's path as well. The
 checksum sent is the one taken then: the pages it covers are final and stay untouched
 until the room is reported, and if they were not, the decode would refuse the chunk
 (tests/test_transfer_in_place.py).
