@@ -10,19 +10,25 @@ layers between sparse ones) are also compared layer by layer with transformers' 
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.checkpoints import tokenizer_build as tb
 from pdserve.checkpoints.tensor_files import load_state
 from pdserve.model.arch.moe import Experts, MoeModel, route
 from pdserve.model.arch.registry import arch_from_config, load_arch
 from pdserve.model.arch.rules import UnsupportedConfig
+from pdserve.server.tokenizer import Tokenizer
 from tests.conftest import _hf_model, assert_pools_free, hf_greedy
-from tests.test_config_conformance import _prompts, make_checkpoint
+from tests.test_config_conformance import VOCAB, _prompts, make_checkpoint
+from tests.test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 NEW_TOKENS = 8
 MOE = dict(num_experts_per_tok=2, intermediate_size=96)
@@ -93,6 +99,33 @@ def test_served_like_transformers(root: Path, case: str) -> None:
     want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
     assert any(len(set(w)) > 2 for w in want), want  # the model is not stuck on one token
     assert _serve(path, prompts) == want
+
+
+@pytest.mark.slow  # about 20 s of CPU: three processes start and stop
+def test_pdserve_up_serves_it_like_transformers(root: Path) -> None:
+    """The whole path once (router -> prefill -> ZeroMQ KV -> decode, completions API) on
+    the Qwen3-MoE preset, with a tokenizer of its vocabulary beside it."""
+    path = _checkpoint(root, "qwen3moe-norm-mlp-only")
+    tb.build_tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(tb.tokenizer_config(256)))
+    prompt = _prompts(9)[0]
+    want = hf_greedy(path, prompt, NEW_TOKENS)
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(path), "--port",
+            str(port), "--grace-period", "5", "--max-total-tokens", "1024"]  # fmt: skip
+    proc = spawn(argv, "moe-up")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [proc], timeout_s=300.0)
+        body = {"prompt": [prompt], "max_tokens": NEW_TOKENS, "temperature": 0,
+                "logprobs": 1, "ignore_eos": True}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    finally:
+        stop(proc)
+    assert r.status_code == 200, r.text
+    tok = Tokenizer(path)
+    pieces = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert pieces == [tok.decode([t], skip_special_tokens=False) for t in want]
 
 
 def _ours(path: Path) -> MoeModel:
