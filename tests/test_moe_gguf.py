@@ -1,4 +1,4 @@
-"""`qwen3moe` and `qwen2moe` GGUF files served like transformers loads the same file.
+"""`qwen3moe`, `qwen2moe` and `phi3` GGUF files served like transformers loads the same file.
 
 Each file is written here with the `gguf` package the way llama.cpp's converter lays
 it out (experts as one [E, rows, cols] tensor per projection, the router as
@@ -63,6 +63,11 @@ def _model(arch: str) -> torch.nn.Module:
         cfg = transformers.Qwen2MoeConfig(**common)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _reinit(model)
+    return model
+
+
+def _reinit(model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # far from the tiny init: clear top-1 gaps, every tensor matters
         for name, p in model.named_parameters():
@@ -73,7 +78,6 @@ def _model(arch: str) -> torch.nn.Module:
             else:
                 std = 1.0 if "embed" in name else 1.5 / p.shape[-1] ** 0.5
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 _MEAN_Q = {"Q4_K": 7.5, "Q5_K": 15.5}  # the mean of a random block's unsigned quants
@@ -156,6 +160,58 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(
 ) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_moe_gguf(tmp_path / f"{arch}-{qtype}.gguf", arch, qtype)
+    llm = LLM(str(path), page_size=4, max_total_tokens=512, max_context=128)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    finally:
+        llm.close()
+    want = [hf_greedy_gguf(path, p, NEW) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == want
+    assert any(len(set(w)) > 2 for w in want), want
+
+
+def write_phi3_gguf(path: Path, qtype: str) -> Path:
+    """A Phi-3 made by transformers, its fused q|k|v and gate|up as llama.cpp stores them."""
+    import transformers
+
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _reinit(model)
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(128)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(32)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(VOCAB)
+    _tokenizer_metadata(w, VOCAB)
+    w.add_pad_token_id(0)  # Phi3Config's default pad id (32000) lies past this vocabulary
+    names = {**_ATTN, "self_attn.qkv_proj.weight": "attn_qkv.weight",
+             "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    for hf, t in model.state_dict().items():
+        if hf in _GLOBAL:
+            _add(w, _GLOBAL[hf], t.numpy(), qtype)
+        else:
+            _, _, layer, rest = hf.split(".", 3)
+            _add(w, f"blk.{layer}.{names[rest]}", t.numpy(), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_phi3_gguf_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_phi3_gguf(tmp_path / "phi3-Q8_0.gguf", "Q8_0")
     llm = LLM(str(path), page_size=4, max_total_tokens=512, max_context=128)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))

@@ -107,6 +107,16 @@ ARCHES: dict[str, GGUFArch] = {
         implemented_keys=gemma3_gguf.IMPLEMENTED_KEYS,
         hidden_act="gelu_pytorch_tanh",  # not read by Gemma 3 (hidden_activation is)
     ),
+    # Phi-3 / Phi-4-mini: q|k|v and gate|up stored fused, as the Hugging Face checkpoint
+    # holds them (partial rotary and longrope's factor tensors are refused by name)
+    "phi3": GGUFArch(
+        "Phi3ForCausalLM",
+        "phi3",
+        block_tensors={
+            "attn_qkv.weight": "self_attn.qkv_proj.weight",
+            "ffn_up.weight": "mlp.gate_up_proj.weight",
+        },
+    ),
     "qwen2moe": GGUFArch(
         "Qwen2MoeForCausalLM",
         "qwen2_moe",
