@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.gguf_files import _add, _tokenizer_metadata, hf_greedy_gguf, random_blocks
+from tests.conftest import greedy_of
+from tests.gguf_files import _add, _tokenizer_metadata, random_blocks
 
 VOCAB, HIDDEN, NEW = 512, 256, 8
 PROMPTS = [[5, 17, 300, 42, 9, 100, 7, 250, 11], [3, 4]]
@@ -49,6 +50,16 @@ _GLOBAL = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+
+
+def _hf_greedy(path: Path) -> list[list[int]]:
+    """transformers' greedy tokens of PROMPTS, the GGUF loaded once by its own loader."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return [greedy_of(m, p, NEW) for p in PROMPTS]
 
 
 def _model(arch: str) -> torch.nn.Module:
@@ -165,7 +176,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     finally:
         llm.close()
-    want = [hf_greedy_gguf(path, p, NEW) for p in PROMPTS]
+    want = _hf_greedy(path)
     assert [o.token_ids for o in outs] == want
     assert any(len(set(w)) > 2 for w in want), want
 
@@ -217,6 +228,6 @@ def test_phi3_gguf_equals_transformers(tmp_path: Path, monkeypatch: pytest.Monke
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     finally:
         llm.close()
-    want = [hf_greedy_gguf(path, p, NEW) for p in PROMPTS]
+    want = _hf_greedy(path)
     assert [o.token_ids for o in outs] == want
     assert any(len(set(w)) > 2 for w in want), want
