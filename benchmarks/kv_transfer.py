@@ -77,7 +77,15 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.checksum import HASH_BLOCK, block_hashes
 from pdserve.transfer.heap import keep_freed_memory
-from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
+from pdserve.transfer.loopback import (
+    Side,
+    make_req,
+    push_prompt,
+    random_pool,
+    reserve,
+    transfer_settings,
+    wait_for,
+)
 from pdserve.transfer.pages import pool_views, request_pages
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.push import Pusher
@@ -134,11 +142,8 @@ def prefill_side(
     keep_freed_memory()  # as the engine process does, before its sockets exist
     raw = raw_peer(raw_port, kv_bytes(BENCH_LAYOUT, n))
     tx = KVSender(
-        "127.0.0.1",
-        0,
         BENCH_LAYOUT,
-        heartbeat_s=0.5,
-        ack_timeout_s=300,
+        transfer_settings(heartbeat_interval_s=0.5, kv_timeout_s=300),
         max_frame_bytes=frame_bytes,
         curve=curve,
     )
@@ -198,7 +203,8 @@ def zmq_run(
         args=(n, rooms, port_q, frame_bytes, curve, device, pages, ready, raw.port),
     )
     child.start()
-    rx = KVReceiver(BENCH_LAYOUT, kv_timeout_s=300, curve=curve)  # keep_freed_memory: main()
+    # keep_freed_memory: main()
+    rx = KVReceiver(BENCH_LAYOUT, transfer_settings(kv_timeout_s=300), curve=curve)
     stages.reset()
     try:
         raw.accept()

@@ -5,7 +5,7 @@
 
 Starts its own router + prefill + decode (real processes, `python -m pdserve.cli`);
 `Cluster` is also what tests/test_process_faults.py uses. Transfer timeouts go to the
-workers as flags (`--kv-timeout` ...), see TRANSFER_FLAGS.
+workers as flags (`--kv-timeout` ...), see FAST_TRANSFER.
 
 The load mixes native /generate greedy samples (kept and compared with transformers
 afterwards), OpenAI completions with stop strings, streamed or not, client cancellations
@@ -30,19 +30,14 @@ from typing import Any
 
 import httpx
 
+from pdserve.config import flag_of
 from pdserve.server.launch_children import Child, free_port, start, stop_all, wait_healthy
 
-# TransferConfig field -> `pdserve prefill|decode` flag
-TRANSFER_FLAGS = {
-    "ready_timeout_s": "--kv-ready-timeout",
-    "kv_timeout_s": "--kv-timeout",
-    "heartbeat_s": "--heartbeat-interval",
-    "heartbeat_timeout_s": "--heartbeat-timeout",
-}
+# TransferConfig fields, each passed as its `pdserve prefill|decode` flag (config.flag_of)
 FAST_TRANSFER = {
-    "ready_timeout_s": 4.0,
+    "kv_ready_timeout_s": 4.0,
     "kv_timeout_s": 6.0,
-    "heartbeat_s": 0.25,
+    "heartbeat_interval_s": 0.25,
     "heartbeat_timeout_s": 2.0,
 }
 ENGINE_FLAGS = ["--max-running-requests", "16", "--max-total-tokens", "8192",
@@ -76,7 +71,7 @@ class Cluster:
             str(port),
         ]
         for key, value in self.transfer.items():
-            argv += [TRANSFER_FLAGS[key], str(value)]
+            argv += [flag_of(key), str(value)]
         boot = free_port() if role == "prefill" else None
         if boot is not None:
             argv += ["--bootstrap-port", str(boot)]

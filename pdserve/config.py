@@ -154,26 +154,35 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """The prefill<->decode KV channel (docs/architecture.md §5)."""
+    """The prefill<->decode KV channel (docs/architecture.md §5). KVSender and KVReceiver
+    take it whole; each field is set by its flag (flag_of)."""
 
-    host: str = "127.0.0.1"  # interface the bootstrap (prefill) / data (decode) socket binds
+    # interface the bootstrap (prefill) / data (decode) socket binds
+    transfer_host: str = "127.0.0.1"
     bootstrap_port: int = 8998  # prefill side
     advertise_host: str = "127.0.0.1"  # address peers connect to; "auto": this host's IP
     data_port: int = 0  # decode side: KV data socket port (0: any free port)
     # A live peer heartbeats, so a dead one is found within heartbeat_timeout_s; these
     # two bound how long a *live but overloaded* peer may keep a request queued.
-    ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
+    kv_ready_timeout_s: float = 300.0  # prefill: wait this long for the decode's Ready
     # Both sides: a room must be tied to the other side within this. The prefill frees a
     # room no decode announced (the decode announces a request as soon as it arrives);
     # the decode frees the pages of a Ready no prefill claimed. A live but slow other
     # side is then covered by heartbeats and the two timeouts above.
-    bootstrap_timeout_s: float = 10.0
-    kv_timeout_s: float = 300.0  # decode: wait this long for a request's KV
-    heartbeat_s: float = 1.0  # heartbeat period, both ways (prefill <-> decode)
+    kv_bootstrap_timeout_s: float = 10.0
+    # decode: wait this long for a request's KV; prefill: for the decode's Ack of a KVDone
+    kv_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 1.0  # heartbeat period, both ways (prefill <-> decode)
     heartbeat_timeout_s: float = 5.0  # either side fails the other's rooms after this silence
     # One cluster CURVE keypair (a zmq.auth `.key_secret` file) encrypts and authenticates
     # the channel; None falls back to PDSERVE_CURVE_PUBLIC/SECRET, else no CURVE.
     curve_secret_key_file: str | None = None
+
+
+def flag_of(field_name: str) -> str:
+    """The command-line flag that sets a config field: one name from the flag to the
+    field, a unit suffix `_s` dropped (`kv_timeout_s` <- `--kv-timeout`)."""
+    return "--" + field_name.removesuffix("_s").replace("_", "-")
 
 
 def _at_least(cfg: object, low: int, *names: str) -> None:
@@ -181,8 +190,7 @@ def _at_least(cfg: object, low: int, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
         if value < low:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{name} ({flag}) must be >= {low}, got {value}")
+            raise ValueError(f"{name} ({flag_of(name)}) must be >= {low}, got {value}")
 
 
 def _one_of(cfg: object, name: str, allowed: tuple[str, ...]) -> None:

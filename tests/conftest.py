@@ -63,3 +63,25 @@ def assert_pools_free(llm) -> None:
     for role, s in llm.stats().items():
         assert s["free_rows"] == s["total_rows"], (role, s)
         assert s["free_kv_pages"] == s["total_kv_pages"], (role, s)
+
+
+@pytest.fixture(scope="session")
+def console_driver():
+    """One headless Chromium for the console's browser tests (tests/console_browser.py);
+    skips when Chromium is not installed."""
+    from console_browser import start_driver
+
+    d = start_driver()
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+@pytest.fixture(scope="session")
+def console_shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the console's screenshots go: $PDSERVE_CONSOLE_SCREENSHOTS, else a temp folder."""
+    out = os.environ.get("PDSERVE_CONSOLE_SCREENSHOTS")
+    path = Path(out) if out else tmp_path_factory.mktemp("console")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

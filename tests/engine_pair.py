@@ -19,6 +19,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeEngine
 from pdserve.scheduler.prefill import PrefillEngine
 from pdserve.transfer.identity import model_fingerprint
+from pdserve.transfer.loopback import transfer_settings
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
 
@@ -44,14 +45,22 @@ class Pair:
         same = prefill_cfg.model_path == decode_cfg.model_path
         d_runner = ModelRunner(decode_cfg, model=p_runner.model if same else None)
         self.sender = KVSender(
-            "127.0.0.1", 0, p_runner.layout, ready_timeout_s=timeout_s, ack_timeout_s=timeout_s,
-            heartbeat_s=0.2, peer_timeout_s=2.0,
+            p_runner.layout,
+            transfer_settings(
+                kv_ready_timeout_s=timeout_s,
+                kv_timeout_s=timeout_s,
+                heartbeat_interval_s=0.2,
+                heartbeat_timeout_s=2.0,
+            ),
             model=model_fingerprint(p_runner.arch, p_runner.layout),
-        )  # fmt: skip
+        )
         self.receiver = KVReceiver(
-            d_runner.layout, kv_timeout_s=timeout_s, heartbeat_timeout_s=2.0, heartbeat_s=0.2,
+            d_runner.layout,
+            transfer_settings(
+                kv_timeout_s=timeout_s, heartbeat_timeout_s=2.0, heartbeat_interval_s=0.2
+            ),
             model=model_fingerprint(d_runner.arch, d_runner.layout),
-        )  # fmt: skip
+        )
         self.prefill = PrefillEngine(prefill_cfg, p_runner, self.sender)
         self.decode = DecodeEngine(decode_cfg, d_runner, self.receiver)
         self.events: dict[tuple[str, str], list[TokenEvent]] = defaultdict(list)

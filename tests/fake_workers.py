@@ -9,7 +9,9 @@ Behaviour knobs (set before or between requests):
   OpenAI-style error body;
 - `hold_s`: keep a generation request open this long before answering (polls
   for client disconnect meanwhile and records it in `disconnected`);
-- `stream_chunks` / `chunk_delay_s` / `end_delay_s`: shape of an SSE answer.
+- `stream_chunks` / `chunk_delay_s` / `end_delay_s`: shape of an SSE answer;
+- `chat_text`: a streamed /v1/chat/completions answers this text in OpenAI chat chunks;
+- `stats`: the body of GET /stats (the frontends' console stats, server/app.py).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class FakeWorker:
     stream_chunks: int = 3
     chunk_delay_s: float = 0.0
     end_delay_s: float = 0.0  # a stream's pause between its last event and its end
+    chat_text: str | None = None
+    stats: dict[str, Any] = field(default_factory=lambda: {"engine": {}, "recent": []})
     healthy: bool = True
     info_status: int = 200  # status of /server_info and /model_info
     model_info: dict[str, Any] = field(
@@ -151,6 +155,27 @@ def _sse(worker: FakeWorker, path: str, body: dict[str, Any]):
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 
+def _chat_sse(text: str, delay_s: float) -> StreamingResponse:
+    """`text` as an OpenAI chat stream: a few characters a chunk, then usage."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        body = {"object": "chat.completion.chunk", "choices": [choice], **extra}
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    async def gen():
+        yield chunk({"role": "assistant", "content": ""})
+        for i in range(0, len(text), 7):
+            yield chunk({"content": text[i : i + 7]})
+            await asyncio.sleep(delay_s)
+        yield chunk({}, "stop")
+        usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
 def build_app(worker: FakeWorker) -> FastAPI:
     app = FastAPI()
 
@@ -163,6 +188,8 @@ def build_app(worker: FakeWorker) -> FastAPI:
         if worker.fail_status is not None:
             err = {"message": f"{worker.name} failed", "type": "fake_error"}
             return JSONResponse({"error": err}, status_code=worker.fail_status)
+        if body.get("stream") and worker.chat_text is not None and path == GEN_PATHS[2]:
+            return _chat_sse(worker.chat_text, worker.chunk_delay_s)
         if body.get("stream"):
             return _sse(worker, path, body)
         return JSONResponse(_answer(worker, path, body))
@@ -185,6 +212,11 @@ def build_app(worker: FakeWorker) -> FastAPI:
         await record_get(request)
         info = {"role": worker.role, "name": worker.name, "disaggregation_mode": worker.role}
         return JSONResponse(info, status_code=worker.info_status)
+
+    @app.get("/stats")
+    async def stats(request: Request):
+        await record_get(request)
+        return JSONResponse({"role": worker.role, **worker.stats}, status_code=worker.info_status)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

@@ -5,7 +5,6 @@ attack, raw sockets that speak the wire format by hand, and the process's RSS.""
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
 )
 from pdserve.transfer.messages import Message, encode
@@ -39,21 +39,31 @@ class Pair:
 @contextlib.contextmanager
 def pair(**kw: float) -> Iterator[Pair]:
     """A sender and a receiver with short timers (`kw` overrides them by name)."""
-    boot = known(KVSender, bootstrap_timeout_s=kw.pop("bootstrap_timeout_s", 1.0))
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, peer_timeout_s=kw.pop("peer", 1.0),
-                  ready_timeout_s=kw.pop("ready", 30.0), **boot)  # fmt: skip
-    rx = KVReceiver(LAYOUT, kv_timeout_s=kw.pop("kv", 30.0), heartbeat_s=0.1,
-                    heartbeat_timeout_s=1.0, **boot)  # fmt: skip
+    boot = kw.pop("bootstrap_timeout_s", 1.0)
+    tx = KVSender(
+        LAYOUT,
+        transfer_settings(
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=kw.pop("peer", 1.0),
+            kv_ready_timeout_s=kw.pop("ready", 30.0),
+            kv_timeout_s=30.0,
+            kv_bootstrap_timeout_s=boot,
+        ),
+    )
+    rx = KVReceiver(
+        LAYOUT,
+        transfer_settings(
+            kv_timeout_s=kw.pop("kv", 30.0),
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=1.0,
+            kv_bootstrap_timeout_s=boot,
+        ),
+    )
     try:
         yield Pair(tx, rx)
     finally:
         tx.close()
         rx.close()
-
-
-def known(cls: type, **kw: float) -> dict[str, float]:
-    """The keywords `cls` takes (so the same test runs against the code before a fix)."""
-    return {k: v for k, v in kw.items() if k in inspect.signature(cls).parameters}
 
 
 def serves(p: Pair, room: int = 9999) -> None:

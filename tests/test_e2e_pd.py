@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import console_browser
 import httpx
 import openai
 import pytest
@@ -419,3 +420,17 @@ def test_edge_stamps_reach_the_engine_and_bad_ones_are_dropped():
     stages = Req.from_engine_request(er).stages
     assert stages["router_at"] == 12.5 and stages["http_at"] == 13.0 and "other" not in stages
     assert prefill_stages({"prefill_http": 13.0, "http_at": 1.0}) == {"prefill_http": 13.0}
+
+
+# ---- the web console in headless Chromium, on this stack (tests/console_browser.py) -------
+def test_console_chat_streams_the_greedy_answer(console_driver, console_shots, stack):
+    console_browser.check_chat(console_driver, stack.url, console_shots)
+
+
+def test_console_stop_ends_the_stream_and_frees_it(console_driver, stack):
+    console_browser.check_stop(console_driver, stack.url)
+    assert_all_free_soon(stack)
+
+
+def test_console_live_view_moves_under_load(console_driver, console_shots, stack):
+    console_browser.check_live(console_driver, stack.url, console_shots)

@@ -87,7 +87,7 @@ def test_abort_names_exactly_one_request_or_its_samples(server):
 
 
 KEYED_GETS = ["/server_info", "/get_server_info", "/model_info", "/get_model_info",
-              "/metrics", "/health_generate", "/v1/models", "/openapi.json", "/docs",
+              "/metrics", "/stats", "/health_generate", "/v1/models", "/openapi.json", "/docs",
               "/no-such-route"]  # fmt: skip
 KEYED_POSTS = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request"]
 WRONG = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEY}"},

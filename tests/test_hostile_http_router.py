@@ -84,7 +84,9 @@ def test_router_aborts_only_the_legs_it_leased_by_their_exact_rid(pair):
 def test_every_router_route_but_health_wants_the_key(pair):
     router = start(*pair, api_key=KEY)
     try:
-        for path in ("/metrics", "/server_info", "/model_info", "/v1/models", "/health_generate"):
+        paths = ("/metrics", "/server_info", "/model_info", "/v1/models", "/health_generate",
+                 "/console/state")  # fmt: skip
+        for path in paths:  # (the console's static files are open: tests/test_console.py)
             for headers in ({}, {"Authorization": "Bearer no"}, {"Authorization": KEY}):
                 assert httpx.get(router.url + path, headers=headers).status_code == 401, path
         header = [(b"authorization", "Bearer ключ".encode())]  # compare_digest on bytes

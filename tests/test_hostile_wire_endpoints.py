@@ -16,7 +16,7 @@ import zmq
 from hostile_wire import LAYOUT, N, pair, raw, send, serves
 
 from pdserve.transfer.base import KVTicket
-from pdserve.transfer.loopback import random_pool, reserve, wait_for, wait_until
+from pdserve.transfer.loopback import random_pool, reserve, transfer_settings, wait_for, wait_until
 from pdserve.transfer.messages import Abort, Decoder, Ready
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,7 +117,12 @@ def test_decodes_coming_and_going_keep_the_prefills_data_sockets_bounded() -> No
     with pair() as p:
         p.tx._data.max_sockets = 2
         for i in range(4):  # four decodes, one after another, each on its own port
-            rx = KVReceiver(LAYOUT, kv_timeout_s=10, heartbeat_s=0.1, heartbeat_timeout_s=1.0)
+            rx = KVReceiver(
+                LAYOUT,
+                transfer_settings(
+                    kv_timeout_s=10, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0
+                ),
+            )
             try:
                 serves(type(p)(p.tx, rx), room=7000 + i)
             finally:

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from hostile_wire import LAYOUT, N, pair, raw, rss_mib, send, serves
 
-from pdserve.transfer.loopback import wait_until
+from pdserve.transfer.loopback import transfer_settings, wait_until
 from pdserve.transfer.messages import Abort, Decoder, Ready
 from pdserve.transfer.sending.sender import KVSender
 
@@ -49,7 +49,7 @@ def test_ready_flood_with_long_layout_strings_keeps_nothing() -> None:
 
 def test_one_peer_opens_at_most_its_share_of_rooms() -> None:
     cap = 100
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_rooms_per_peer=cap)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), max_rooms_per_peer=cap)
     dealer = raw(zmq.DEALER, f"tcp://127.0.0.1:{tx.bootstrap_port}")
     try:
         for i in range(3 * cap):
@@ -67,8 +67,11 @@ def test_announce_flood_is_capped_and_rooms_end_with_their_peer() -> None:
     from pdserve.transfer.messages import Announce
 
     cap = 50
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, peer_timeout_s=0.5,
-                  max_rooms_per_peer=cap)  # fmt: skip
+    tx = KVSender(
+        LAYOUT,
+        transfer_settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5),
+        max_rooms_per_peer=cap,
+    )
     dealer = raw(zmq.DEALER, f"tcp://127.0.0.1:{tx.bootstrap_port}")
     try:
         for i in range(4 * cap):

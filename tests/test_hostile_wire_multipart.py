@@ -32,6 +32,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
     wait_until,
 )
@@ -98,8 +99,8 @@ def _attack(
 
 def test_endless_multipart_from_a_peer_without_the_cluster_key_holds_nothing() -> None:
     keys = CurveKeys.generate()
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, curve=keys)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=10, heartbeat_timeout_s=1.0, curve=keys)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), curve=keys)
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=10, heartbeat_timeout_s=1.0), curve=keys)
     before = rss_mib()
     attacker = _attack(f"tcp://127.0.0.1:{rx.data_port}")
     try:
@@ -140,11 +141,13 @@ def test_a_socket_bound_beyond_loopback_without_curve_warns(caplog) -> None:  # 
         return any("without CURVE" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.WARNING, logger="pdserve.transfer.zmq_io"):
-        KVReceiver(LAYOUT, host="0.0.0.0").close()
+        KVReceiver(LAYOUT, transfer_settings(transfer_host="0.0.0.0")).close()
         assert warned()
         caplog.clear()
-        KVReceiver(LAYOUT, host="0.0.0.0", curve=CurveKeys.generate()).close()
-        KVReceiver(LAYOUT).close()  # loopback
+        KVReceiver(
+            LAYOUT, transfer_settings(transfer_host="0.0.0.0"), curve=CurveKeys.generate()
+        ).close()
+        KVReceiver(LAYOUT, transfer_settings()).close()  # loopback
         assert not warned()
 
 

@@ -16,7 +16,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from hostile_wire import LAYOUT, N, known, pair, raw, send, serves
+from hostile_wire import LAYOUT, N, pair, raw, send, serves
 
 from pdserve.transfer.loopback import (
     Side,
@@ -24,6 +24,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
 )
 from pdserve.transfer.messages import Heartbeat, KVDone, encode
@@ -37,8 +38,8 @@ SLACK_S = 2.0
 
 
 def test_a_prefill_that_only_heartbeats_holds_no_pages() -> None:
-    rx = KVReceiver(LAYOUT, kv_timeout_s=60, heartbeat_s=0.1, heartbeat_timeout_s=1.0,
-                    **known(KVReceiver, bootstrap_timeout_s=BOOT_S))  # fmt: skip
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=60, heartbeat_interval_s=0.1,
+                    heartbeat_timeout_s=1.0, kv_bootstrap_timeout_s=BOOT_S))  # fmt: skip
     fake = zmq.Context.instance().socket(zmq.ROUTER)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     stop = threading.Event()
@@ -78,7 +79,7 @@ def _overflowing_done(kind: str, frames: list) -> list[list]:
 
 
 def test_kvdone_with_out_of_range_fields_is_refused() -> None:
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, fault_hook=_overflowing_done)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), fault_hook=_overflowing_done)
     with pair() as p:
         pp, dp = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
         pre, dec = Side(pp, *reserve(pp, N, 1)), Side(dp, *reserve(dp, N, 2))

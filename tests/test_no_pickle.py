@@ -60,7 +60,7 @@ def test_no_pickle_family_import_in_pdserve() -> None:
 
 def test_sockets_bind_loopback_by_default() -> None:
     t, s = TransferConfig(), ServerConfig(role="prefill", model_path="m")
-    assert t.host == "127.0.0.1" and t.advertise_host == "127.0.0.1"
+    assert t.transfer_host == "127.0.0.1" and t.advertise_host == "127.0.0.1"
     assert s.host == "127.0.0.1"
     router_host = [f.default for f in dataclasses.fields(_router_config()) if f.name == "host"]
     assert router_host == ["127.0.0.1"]

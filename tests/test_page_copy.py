@@ -13,6 +13,7 @@ import torch
 from pdserve.kernels.native import library
 from pdserve.kernels.native.page_copy import PageCopy, page_copy
 from pdserve.kernels.page_io import PORTABLE, NativePages
+from pdserve.transfer.loopback import transfer_settings
 
 # -march=native plus these: each build takes another path through the same source
 ISAS = [(), ("-mno-avx512f",), ("-mno-avx",), ("-mno-sse2", "-mno-avx")]
@@ -36,7 +37,10 @@ def test_the_receiver_builds_the_scatter_at_start_up_or_not_at_all(monkeypatch) 
     from pdserve.transfer.receiving.receiver import KVReceiver
 
     lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=4)
-    on, off = KVReceiver(lay), KVReceiver(lay, native_scatter=False)
+    on, off = (
+        KVReceiver(lay, transfer_settings()),
+        KVReceiver(lay, transfer_settings(), native_scatter=False),
+    )
     try:
         assert off._pages is PORTABLE
         assert (on._pages is PORTABLE) == (library.compiler() is None)

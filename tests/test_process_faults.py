@@ -32,7 +32,7 @@ from tests.conftest import hf_greedy, model_path
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 # kv_timeout (10 s) outlasts a slow prefill of the faulted load on a loaded CPU. What must fire
 # for a dead or stalled prefill is the heartbeat timeout (or the engine-exit watch).
-TIMEOUTS = {"ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_s": 0.25,
+TIMEOUTS = {"kv_ready_timeout_s": 10.0, "kv_timeout_s": 10.0, "heartbeat_interval_s": 0.25,
             "heartbeat_timeout_s": 2.0}  # fmt: skip
 SLACK_S = 8.0  # HTTP hops, process polls and a loaded 2-core box
 BOUND_S = TIMEOUTS["heartbeat_timeout_s"] + SLACK_S
@@ -173,7 +173,7 @@ def test_stalled_prefill_fails_requests_and_recovers(stack: dict[str, Any]) -> N
         if stopped:
             os.kill(engine, signal.SIGCONT)
     # the prefill drops its stale rooms (aborted by the router, or timed out) and serves again
-    _assert_quiet([p.url], TIMEOUTS["ready_timeout_s"] + SLACK_S)
+    _assert_quiet([p.url], TIMEOUTS["kv_ready_timeout_s"] + SLACK_S)
     _serves(r.url)
 
 

@@ -281,3 +281,16 @@ def test_metrics(server, client):
         assert f"pdserve:{name}" in text
     ttft = next(x for x in text.splitlines() if x.startswith("pdserve:time_to_first_token_seconds_count"))  # fmt: skip
     assert float(ttft.split()[-1]) >= 1
+
+
+def test_stats_endpoint_counts_what_was_served(server, client):
+    """GET /stats (the router console's source): engine gauges and the frontend's counters."""
+    before = httpx.get(server.url + "/stats").json()
+    client.completions.create(model="tiny-test", prompt="s", max_tokens=3)
+    after = httpx.get(server.url + "/stats").json()
+    assert after["role"] == "decode" and after["engine_alive"] is True
+    assert after["finished"] == before["finished"] + 1
+    assert after["output_tokens"] == before["output_tokens"] + 3
+    for key in ("free_rows", "total_rows", "free_kv_pages", "total_kv_pages", "running", "queued"):
+        assert key in after["engine"]
+    assert isinstance(after["recent"], list)

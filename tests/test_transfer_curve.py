@@ -17,6 +17,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
     wait_until,
 )
@@ -32,8 +33,10 @@ N = 21
 
 
 def transfer(tx_keys: CurveKeys, rx_keys: CurveKeys):
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, curve=tx_keys)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=5, heartbeat_timeout_s=1.0, curve=rx_keys)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), curve=tx_keys)
+    rx = KVReceiver(
+        LAYOUT, transfer_settings(kv_timeout_s=5, heartbeat_timeout_s=1.0), curve=rx_keys
+    )
     try:
         pp, dp = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
         pre, dec = Side(pp, *reserve(pp, N, 1)), Side(dp, *reserve(dp, N, 2))
@@ -63,7 +66,7 @@ def test_stranger_keys_refused() -> None:
 def test_client_knowing_only_the_server_key_is_refused() -> None:
     """CURVE alone admits anyone who knows the (public) server key; ZAP must not."""
     keys = CurveKeys.generate()
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, curve=keys)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), curve=keys)
     intruder = make_socket(zmq.DEALER, CurveKeys.generate().for_server(keys.public))
     try:
         intruder.connect(f"tcp://127.0.0.1:{tx.bootstrap_port}")

@@ -16,6 +16,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
     wait_until,
 )
@@ -32,8 +33,12 @@ HB_TIMEOUT = 0.6
 def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
     """One transfer through a faulty sender; returns (decode events, prefill events, elapsed, sides)."""
     inj = FaultInjector(faults, seed=1)
-    tx = KVSender("127.0.0.1", 0, LAYOUT, ack_timeout_s=3, heartbeat_s=0.1, fault_hook=inj)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=kv_timeout_s, heartbeat_timeout_s=HB_TIMEOUT)
+    tx = KVSender(
+        LAYOUT, transfer_settings(kv_timeout_s=3, heartbeat_interval_s=0.1), fault_hook=inj
+    )
+    rx = KVReceiver(
+        LAYOUT, transfer_settings(kv_timeout_s=kv_timeout_s, heartbeat_timeout_s=HB_TIMEOUT)
+    )
     try:
         pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
         pre = Side(pre_pool, *reserve(pre_pool, N, 1))
@@ -86,8 +91,8 @@ def test_reordered_chunks_are_harmless() -> None:
 
 
 def test_dead_prefill_fails_within_heartbeat_bound() -> None:
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=30, heartbeat_timeout_s=HB_TIMEOUT)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1))
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=30, heartbeat_timeout_s=HB_TIMEOUT))
     try:
         pool_p, pool_d = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
         pre, dec = Side(pool_p, *reserve(pool_p, N, 1)), Side(pool_d, *reserve(pool_d, N, 2))
@@ -110,8 +115,8 @@ def test_dead_prefill_fails_within_heartbeat_bound() -> None:
 
 @pytest.mark.parametrize("ready_first", [True, False])
 def test_prefill_abort_reaches_decode(ready_first: bool) -> None:
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=30, heartbeat_timeout_s=5)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1))
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=30, heartbeat_timeout_s=5))
     try:
         pool_d = random_pool(LAYOUT, 64, 2)
         dec = Side(pool_d, *reserve(pool_d, N, 2))
@@ -137,7 +142,7 @@ def test_prefill_abort_reaches_decode(ready_first: bool) -> None:
 
 
 def test_prefill_without_ready_times_out() -> None:
-    tx = KVSender("127.0.0.1", 0, LAYOUT, ready_timeout_s=0.3, heartbeat_s=0.1)
+    tx = KVSender(LAYOUT, transfer_settings(kv_ready_timeout_s=0.3, heartbeat_interval_s=0.1))
     try:
         pool_p = random_pool(LAYOUT, 64, 1)
         push_prompt(

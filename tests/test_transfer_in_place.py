@@ -22,6 +22,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
 )
 from pdserve.transfer.messages import Decoder, Ready
@@ -59,8 +60,8 @@ def in_runs(pool, n: int, runs: int) -> Side:
 def transfer(pre: Side, n: int, chunk: int) -> KVSender:
     """`pre`'s prompt into a decode's shuffled pages (the decode scatters), checked by
     the roundtrip tests' arrives_exactly; returns the (closed) sender for its stats."""
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=1 << 20)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=5)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), max_frame_bytes=1 << 20)
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=5))
     try:
         dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 99)
         dec_pool.allocator.alloc(2)
@@ -104,8 +105,8 @@ def hashed_before_ready(
     pre = in_runs(pool, n, 1)
     dec_pool = random_pool(LAYOUT, n + 5 * LAYOUT.page_size, 4)
     dec = Side(dec_pool, *reserve(dec_pool, n, 5))
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, max_frame_bytes=1 << 12)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=5)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), max_frame_bytes=1 << 12)
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=5))
     try:
         before = stages.snapshot()
         push_prompt(tx, make_req("r", 42, n, tx.bootstrap_port), pre, chunk=chunk)
@@ -212,7 +213,7 @@ def test_room_reported_only_after_libzmq_lets_go_of_its_pages(monkeypatch) -> No
     # queued (a freed port could be taken by another process, which would take them)
     mute = socket.create_server(("127.0.0.1", 0))
     dead = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
-    tx = KVSender("127.0.0.1", 0, LAYOUT, ack_timeout_s=0.3, heartbeat_s=0.05)
+    tx = KVSender(LAYOUT, transfer_settings(kv_timeout_s=0.3, heartbeat_interval_s=0.05))
     ctrl = fake_ready(tx.bootstrap_port, 9, n, dead)
     try:
         push_prompt(tx, make_req("r", 9, n, tx.bootstrap_port), pre, chunk=n)

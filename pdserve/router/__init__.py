@@ -8,5 +8,7 @@ loops.py    background loops: a failing tick is logged, a dead loop is fatal
 http1.py    the lean HTTP/1.1 client the two legs go through (keep-alive pool)
 body.py     request bodies: bootstrap fields, sequence counts, error bodies
 workers.py  the worker pool and its selection policies
+webui.py    the web console: GET / and its static files (web/), GET /console/state
+console.py  /console/state: the workers' /stats and the router's view in one JSON
 cli.py      `pdserve router`
 """

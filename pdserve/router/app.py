@@ -25,10 +25,12 @@ from pdserve.edge.errors import error_body
 from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
+from pdserve.router.console import ConsoleFeed
 from pdserve.router.http1 import Http1Pool
 from pdserve.router.loops import every, watch
 from pdserve.router.metrics import registry, render
 from pdserve.router.proxy import PDProxy
+from pdserve.router.webui import OPEN_PATHS, add_web_ui
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -51,6 +53,7 @@ class RouterConfig:
     health_timeout_s: float = 5.0
     health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
+    web_ui: bool = True  # GET / serves the web console (router/webui.py); --no-web-ui
 
 
 class RouterState:
@@ -66,6 +69,8 @@ class RouterState:
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
         self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
         self.metrics = registry(self.stats, self.pool)
+        self.console = ConsoleFeed(self.client, self.pool, self.stats,
+                                   lambda: self.worker_headers(None))  # fmt: skip
 
     def die(self, reason: str) -> None:
         """A loop the router needs is gone: unhealthy from now on, and `on_fatal` (the
@@ -124,9 +129,13 @@ def create_app(cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None)
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
-    app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
+    open_paths = OPEN_PATHS if cfg.web_ui else frozenset()  # the page, never its state
+    app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public,
+                       open_paths=open_paths)  # fmt: skip
     _add_generation(app, state)
     _add_info(app, state)
+    if cfg.web_ui:
+        add_web_ui(app, state.console, key_required=bool(cfg.api_key))
     return app
 
 
@@ -239,4 +248,5 @@ def config_from_args(args: Any) -> RouterConfig:
         api_key=args.api_key or ENV.API_KEY.get(),
         metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
+        web_ui=not getattr(args, "no_web_ui", False),
     )

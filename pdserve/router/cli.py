@@ -37,6 +37,11 @@ def add_cli(sub: Any) -> None:
         help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
     p.add_argument(
+        "--no-web-ui",
+        action="store_true",
+        help="do not serve the web console (GET / and /console/*)",
+    )
+    p.add_argument(
         "--pd-disaggregation", action="store_true", help="accepted for sglang-router parity"
     )
     p.set_defaults(func=_run_router)

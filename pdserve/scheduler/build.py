@@ -4,6 +4,8 @@ the scheduler knows the others; only this module puts them together."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.kernels.core_share import Cores
 from pdserve.model.runner import ModelRunner
@@ -24,35 +26,25 @@ def build_engine(role: str, cfg: EngineConfig, transfer: TransferConfig) -> Engi
     runner = ModelRunner(cfg, cores=cores)
     curve = load_keys(transfer.curve_secret_key_file)
     model = model_fingerprint(runner.arch, runner.layout)
+    native = runner.native_dir() is not None  # off under --disable-compile
     if role == "prefill":
         sink = KVSender(
-            transfer.host,
-            transfer.bootstrap_port,
             runner.layout,
-            ready_timeout_s=transfer.ready_timeout_s,
-            bootstrap_timeout_s=transfer.bootstrap_timeout_s,
-            ack_timeout_s=transfer.kv_timeout_s,
-            heartbeat_s=transfer.heartbeat_s,
-            peer_timeout_s=transfer.heartbeat_timeout_s,
+            transfer,
             model=model,
             curve=curve,
-            native=runner.native_dir() is not None,  # off under --disable-compile
+            native=native,
             kernel_threads=cores.kernel_threads,
         )
         return PrefillEngine(cfg, runner, sink)
     if role == "decode":
+        settings = replace(transfer, advertise_host=_advertise_host(transfer.advertise_host))
         source = KVReceiver(
             runner.layout,
-            host=transfer.host,
-            data_port=transfer.data_port,
-            advertise_host=_advertise_host(transfer.advertise_host),
-            kv_timeout_s=transfer.kv_timeout_s,
-            bootstrap_timeout_s=transfer.bootstrap_timeout_s,
-            heartbeat_timeout_s=transfer.heartbeat_timeout_s,
-            heartbeat_s=transfer.heartbeat_s,
+            settings,
             model=model,
             curve=curve,
-            native_scatter=runner.native_dir() is not None,  # off under --disable-compile
+            native_scatter=native,
             kernel_threads=cores.kernel_threads,
         )
         return DecodeEngine(cfg, runner, source)

@@ -31,8 +31,9 @@ from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
 from pdserve.server.engine_client import EngineClient, EngineDead
-from pdserve.server.generation import Bootstrap, Frontend, RequestError, collect, run_sample
+from pdserve.server.generation import Frontend, collect, run_sample
 from pdserve.server.http_util import ClientGone, check_api_key, error_response, read_json
+from pdserve.server.jobs import Bootstrap, RequestError
 from pdserve.server.metrics import Metrics
 from pdserve.server.server_config import ServerConfig
 from pdserve.server.tokenizer import Tokenizer
@@ -64,8 +65,8 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
     # the key on every route but /health (and /metrics with metrics_public)
     app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
     # added last, so outermost: a browser's preflight (no key) is answered before the key check
-    if cfg.cors_origins:  # opt-in: browsers may call the API from these origins
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+    if cfg.allowed_origins:  # opt-in: browsers may call the API from these origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])  # fmt: skip
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
@@ -165,6 +166,17 @@ def _add_info_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig, spec: Engine
             "eos_token_ids": fe.tokenizer.eos_token_ids,
             "model_type": mc.get("model_type"),
             "architectures": mc.get("architectures"),
+        })  # fmt: skip
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        # the router's console polls this (router/console.py): small, JSON, no config
+        return JSONResponse({
+            "role": cfg.role,
+            "engine_alive": fe.client.alive,
+            "in_flight": fe.client.in_flight,
+            "engine": await engine_stats(),
+            **fe.activity.as_dict(),
         })  # fmt: skip
 
     @app.get("/metrics")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from pdserve.edge import body
 from pdserve.edge.auth import key_matches
 from pdserve.edge.errors import ClientGone, error_body
-from pdserve.server.generation import RequestError
+from pdserve.server.jobs import RequestError
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

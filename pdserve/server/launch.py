@@ -78,6 +78,8 @@ def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[C
         argv += ["--prefill", p.url, str(p.bootstrap_port)]
     for d in decodes:
         argv += ["--decode", d.url]
+    if getattr(args, "no_web_ui", False):
+        argv.append("--no-web-ui")
     return argv
 
 
@@ -237,6 +239,8 @@ def _print_ready(args: argparse.Namespace, children: list[Child], log_dir: str) 
     key = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if args.api_key else ""
     workers = ", ".join(f"{c.name} {c.url}" for c in children if c.name != "router")
     print(f"pdserve is up at {_base(args)}  ({workers}; logs in {log_dir})")
+    if not getattr(args, "no_web_ui", False):
+        print(f"Web console: {_base(args)}/")
     print("Try:")
     print(
         f"  curl {_base(args)}/v1/chat/completions -H 'Content-Type: application/json'{key} "
@@ -294,6 +298,7 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
+    p.add_argument("--no-web-ui", action="store_true", help="the router serves no web console")
     _keep_unknown(p)  # any other flag goes to every prefill and decode server
     p.set_defaults(func=func)
 

@@ -23,14 +23,7 @@ from pdserve.edge.stamps import arrival_stamps, ttft_breakdown
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import (
-    Bootstrap,
-    Frontend,
-    Job,
-    RequestError,
-    SampleResult,
-    collect,
-)
+from pdserve.server.generation import Frontend, collect
 from pdserve.server.http_util import (
     check_api_key,
     parse,
@@ -38,6 +31,7 @@ from pdserve.server.http_util import (
     stream_until_disconnect,
     until_disconnect,
 )
+from pdserve.server.jobs import Bootstrap, Job, RequestError, SampleResult
 from pdserve.server.openai_format import SSE_DONE, sse
 from pdserve.server.openai_routes import (
     engine_error_response,

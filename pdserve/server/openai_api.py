@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 from pydantic import Field
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS
-from pdserve.server.generation import Bootstrap
+from pdserve.server.jobs import Bootstrap
 from pdserve.server.request_fields import (
     N_FIELD,
     Body,

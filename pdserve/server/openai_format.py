@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pdserve.edge.stamps import ttft_breakdown
 from pdserve.protocol import PromptLogprobs
-from pdserve.server.generation import Delta, Job, SampleResult
+from pdserve.server.jobs import Delta, Job, SampleResult
 from pdserve.server.openai_logprobs import chat_logprobs, completion_logprobs
 from pdserve.server.tokenizer import Tokenizer
 from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls

@@ -12,8 +12,9 @@ import msgspec
 from fastapi import Request
 
 from pdserve.server.chat_template import continue_final_message
-from pdserve.server.generation import Bootstrap, Frontend, Job, RequestError
+from pdserve.server.generation import Frontend
 from pdserve.server.http_util import parse, read_model
+from pdserve.server.jobs import Bootstrap, Job, RequestError
 from pdserve.server.openai_api import ChatIn, ChatMessage, ChatTemplateControls, CompletionIn
 from pdserve.server.request_fields import Body, FieldRefused
 from pdserve.server.server_config import ServerConfig

@@ -20,13 +20,14 @@ from pdserve.edge.stamps import arrival_stamps
 from pdserve.protocol import QUEUE_FULL
 from pdserve.server import tokenize_routes
 from pdserve.server.engine_client import EngineDead
-from pdserve.server.generation import OVERLOADED_RETRY_AFTER_S, Frontend
+from pdserve.server.generation import Frontend
 from pdserve.server.http_util import (
     check_api_key,
     error_response,
     stream_until_disconnect,
     until_disconnect,
 )
+from pdserve.server.jobs import OVERLOADED_RETRY_AFTER_S
 from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
 from pdserve.server.openai_parse import OpenAIRequest, read_chat, read_completion
 from pdserve.server.server_config import ServerConfig

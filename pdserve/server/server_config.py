@@ -1,4 +1,5 @@
-"""Frontend (HTTP) settings of a prefill or decode server; the engine's live in pdserve.config."""
+"""Frontend (HTTP) settings of a prefill or decode server; the engine's live in pdserve.config.
+A field with a flag is set by the flag named after it (config.flag_of)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ class ServerConfig:
     # a request field the server does not know: "refuse" (400 naming it) or "warn" (logged)
     unknown_fields: str = "refuse"
     chat_template: str | None = None  # a Jinja file that replaces the model's chat template
-    cors_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # origins allowed cross-origin ("*": any); none: no CORS
     # how tool calls are found in the output: a parser name (tool_calls.py), "auto" (from
     # the chat template) or "none"
-    tool_call_parser: str = "auto"  # origins allowed cross-origin ("*": any); none: no CORS
+    tool_call_parser: str = "auto"
 
     @property
     def model_name(self) -> str:

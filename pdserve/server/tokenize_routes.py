@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.server.generation import Frontend, RequestError
+from pdserve.server.generation import Frontend
 from pdserve.server.http_util import check_api_key, read_json
+from pdserve.server.jobs import RequestError
 from pdserve.server.openai_api import ChatTemplateControls
 from pdserve.server.openai_parse import chat_prompt_ids, check_model, parse_body
 from pdserve.server.request_fields import Body

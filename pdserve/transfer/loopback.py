@@ -8,11 +8,19 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pdserve.config import TransferConfig
 from pdserve.kvcache.pools import KVLayout, KVPool, slots_of
 from pdserve.transfer.base import KVTicket, Ticket
+
+
+def transfer_settings(**fields: Any) -> TransferConfig:
+    """A KVSender's or KVReceiver's settings on loopback: the bootstrap socket on any
+    free port, `fields` (TransferConfig's) as given, the rest its defaults."""
+    return TransferConfig(**{"bootstrap_port": 0, **fields})
 
 
 def random_pool(layout: KVLayout, num_tokens: int, seed: int, device: str = "cpu") -> KVPool:

@@ -21,7 +21,6 @@ bit for bit. Other dtypes take `gemma_rms_norm`, transformers' order of operatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,16 +94,16 @@ class Gemma3Model(LlamaModel):
         )
 
     def _norm(
-        self, h: torch.Tensor, delta: torch.Tensor | None, w1: torch.Tensor
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, gemma_rms_norm(h + delta)); delta None: nothing added. The ops may
-        add in place into `h` (NativeOps): only tensors this forward made are passed."""
+        """(h + delta, gemma_rms_norm(h + delta)), `weight` already 1 + w; delta None:
+        nothing added. The ops may add in place into `h` (NativeOps)."""
         eps = self.arch.rms_norm_eps
         if h.dtype == torch.float32:
-            return self.ops.add_norm(h, delta, w1, eps)
+            return self.ops.add_norm(h, delta, weight, eps)
         if delta is not None:
             h = h + delta
-        return h, gemma_rms_norm(h, w1, eps)
+        return h, gemma_rms_norm(h, weight, eps)
 
     def _head_norm(self, x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
         eps = self.arch.rms_norm_eps
@@ -112,27 +111,30 @@ class Gemma3Model(LlamaModel):
             return self.ops.head_norm(x, w1, eps)
         return gemma_rms_norm(x, w1, eps)
 
-    @torch.inference_mode()
-    def forward(
+    def _scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.embed_scale
+
+    def _block(
         self,
+        i: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: Tables,
         batch: ForwardBatch,
         attn: AttentionBackend,
-        between_layers: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
-        """As LlamaModel.forward: logits [B, vocab] at each request's last token."""
-        h = self.embed_rows(batch.input_ids) * self.embed_scale
-        tables = [r.tables(batch.positions) for r in self.ropes]  # shared by the layers
-        delta = None  # the last sublayer's normed output, added to h by the next norm
-        for i, layer in enumerate(self.layers):
-            if i and between_layers is not None:
-                between_layers()
-            h, x = self._norm(h, delta, layer.input_norm)
-            a = self._gemma_attention(i, layer, x, tables[self.rope_of_layer[i]], batch, attn)
-            _, a = self._norm(a, None, layer.post_norm)
-            h, x = self._norm(h, a, layer.pre_ff_norm)
-            _, delta = self._norm(self._mlp(layer, x), None, layer.post_ff_norm)
-        last = batch.last_index
-        _, x = self._norm(h[last], None if delta is None else delta[last], self.norm)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sandwich norms: each sublayer's output is normed before it joins the stream."""
+        assert isinstance(layer, Gemma3Layer)
+        h, x = self._norm(h, delta, layer.input_norm)
+        _, a = self._norm(
+            self._gemma_attention(i, layer, x, rope, batch, attn), None, layer.post_norm
+        )
+        h, x = self._norm(h, a, layer.pre_ff_norm)
+        _, out = self._norm(self._mlp(layer, x), None, layer.post_ff_norm)
+        return h, out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)
         cap = self.arch.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as transformers

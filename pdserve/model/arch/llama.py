@@ -150,20 +150,46 @@ class LlamaModel:
         """Runs all T tokens; returns logits [B, vocab] at each request's last token.
         Precondition: `batch` was prepared (ModelRunner.prepare); only device work here.
         `between_layers` runs before every layer but the first (the core share's thread
-        count, read again)."""
-        ops, eps = self.ops, self.arch.rms_norm_eps
-        h = self.embed_rows(batch.input_ids)
-        rope = self.rope.tables(batch.positions, batch)
+        count, read again). The one decoder loop of every architecture: a subclass
+        changes its hooks (`_scale_embedding`, `_block`, `_norm`, `_logits`), not this."""
+        h = self._scale_embedding(self.embed_rows(batch.input_ids))
+        tables = [r.tables(batch.positions, batch) for r in self.ropes]  # shared by the layers
         delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             if i and between_layers is not None:
                 between_layers()
-            h, x = ops.add_norm(h, delta, layer.input_norm, eps)
-            delta = self._attention(i, layer, x, rope, batch, attn)
-            h, x = ops.add_norm(h, delta, layer.post_norm, eps)
-            delta = self._mlp(layer, x)
+            h, delta = self._block(i, layer, h, delta, tables[self.rope_of_layer[i]], batch, attn)
         last = batch.last_index  # the final norm and the head only at each request's last token
-        _, x = ops.add_norm(h[last], None if delta is None else delta[last], self.norm, eps)
+        _, x = self._norm(h[last], None if delta is None else delta[last], self.norm)
+        return self._logits(x)
+
+    def _scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def _block(
+        self,
+        i: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i: (the residual stream, the output the next norm adds to it)."""
+        h, x = self._norm(h, delta, layer.input_norm)
+        delta = self._attention(i, layer, x, rope, batch, attn)
+        h, x = self._norm(h, delta, layer.post_norm)
+        return h, self._mlp(layer, x)
+
+    def _norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm(h + delta)); delta None: nothing added. The ops may add in
+        place into `h` (NativeOps): only tensors this forward made are passed."""
+        return self.ops.add_norm(h, delta, weight, self.arch.rms_norm_eps)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x).float()
 
     def _attention(

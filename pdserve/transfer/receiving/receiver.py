@@ -3,7 +3,7 @@
 Per request:  announce ─▶ expect ─▶ Ready ─▶ KVChunk* (validated, then written) ─▶ KVDone ─▶ ok + Ack
               anything wrong, a timeout, a silent prefill or an Abort ─▶ failed (+ Abort)
 Refused before expect (reject) ─▶ Abort(room, session 0) so the prefill drops it too.
-Every `heartbeat_s` the receiver sends a Heartbeat to each prefill it has transfers or
+Every `heartbeat_interval_s` the receiver sends a Heartbeat to each prefill it has transfers or
 announced rooms with, so a prefill finds a dead decode in seconds. The prefill endpoint
 comes from the request: checked first (netaddr), its socket bounded (control.py).
 
@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from pdserve.config import TransferConfig
 from pdserve.envs import cache_root
 from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
@@ -57,33 +58,25 @@ class KVReceiver(DataChannel):
     def __init__(
         self,
         layout: KVLayout,
+        settings: TransferConfig,
         *,
-        host: str = "127.0.0.1",
-        data_port: int = 0,
-        advertise_host: str | None = None,
-        kv_timeout_s: float = 60.0,
-        bootstrap_timeout_s: float = 10.0,
-        heartbeat_timeout_s: float = 5.0,
-        heartbeat_s: float = 1.0,
         model: str = "",
         curve: CurveKeys | None = None,
         native_scatter: bool = True,
         kernel_threads: Callable[[], int] | None = None,
     ) -> None:
-        """`native_scatter`: write whole pages and hash chunks in C, on as many threads
-        as the engine's kernels use, `kernel_threads` (kernels/core_share.Cores; None:
-        torch's thread count), built (once per machine, about a second) and loaded here
-        at start-up, never inside a transfer; False, or no C compiler: numpy and
-        Python's xxhash (--disable-compile). Either is the page I/O of
-        kernels/page_io.py, chosen here once."""
+        """`settings`: the data socket binds `transfer_host:data_port` (0: any free port,
+        then in `self.data_port`) and is advertised as `advertise_host` (an address, "auto"
+        resolved by the caller); the timers are its fields. `native_scatter`: write whole
+        pages and hash chunks in C, on as many threads as the engine's kernels use,
+        `kernel_threads` (kernels/core_share.Cores; None: torch's thread count), built
+        (once per machine, about a second) and loaded here at start-up, never inside a
+        transfer; False, or no C compiler: numpy and Python's xxhash (--disable-compile).
+        Either is the page I/O of kernels/page_io.py, chosen here once."""
         self.layout = layout
         self._fingerprint = layout.fingerprint()  # in every Ready
         self._pages = page_io(cache_root() if native_scatter else None, kernel_threads)
-        self.kv_timeout_s = kv_timeout_s
-        # a Ready no prefill claims within this fails (a peer that only heartbeats)
-        self.bootstrap_timeout_s = bootstrap_timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.heartbeat_s = heartbeat_s
+        self.settings = settings
         self.model = model  # identity.model_fingerprint(); sent in Ready
         self._next_hb = 0.0
         self._hb_seq = 0
@@ -107,8 +100,8 @@ class KVReceiver(DataChannel):
         pull = make_socket(zmq.PULL, curve, curve_server=curve is not None)
         # NOTE: before the bind, so the guard's monitor sees every connection
         self._data = MsgSocket(pull, self._decoder, limits=data_limits(layout), guard=self._guard)
-        self.data_port = bind(pull, host, data_port)
-        self.data_endpoint = f"tcp://{advertise_host or host}:{self.data_port}"
+        self.data_port = bind(pull, settings.transfer_host, settings.data_port)
+        self.data_endpoint = f"tcp://{settings.advertise_host}:{self.data_port}"
         self._io.add_reader(pull, self._on_data)
         self._io.start()
 
@@ -139,7 +132,7 @@ class KVReceiver(DataChannel):
         # NOTE: `secrets`, not `random`: the session proves a chunk belongs to this reservation,
         # so a peer must not predict it from sessions it has seen (random's state is recoverable)
         x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
-        x.deadline = time.monotonic() + self.kv_timeout_s
+        x.deadline = time.monotonic() + self.settings.kv_timeout_s
         with self._lock:
             self._xfers[req.room] = x
         ready = Ready(
@@ -274,18 +267,19 @@ class KVReceiver(DataChannel):
                 log.exception("transfer timer of room %d failed", x.req.room)
                 self._fail(x, f"internal error: {e!r}", notify=False)
         if now >= self._next_hb:
-            self._next_hb = now + self.heartbeat_s
+            self._next_hb = now + self.settings.heartbeat_interval_s
             self._heartbeat(self._busy())
             self._ctl.prune(now)
 
     def _check_timers(self, x: Transfer, now: float) -> None:
+        cfg = self.settings
         silent = now - max(x.started, self._ctl.last_seen.get(x.endpoint, 0.0))
         if now > x.deadline:
-            self._fail(x, f"KV transfer timed out after {self.kv_timeout_s}s")
-        elif not x.claimed and now - x.started > self.bootstrap_timeout_s:
+            self._fail(x, f"KV transfer timed out after {cfg.kv_timeout_s}s")
+        elif not x.claimed and now - x.started > cfg.kv_bootstrap_timeout_s:
             self._fail(x, f"prefill {x.endpoint} did not claim room {x.req.room} within "
-                          f"{self.bootstrap_timeout_s}s (it has no request of that room)")  # fmt: skip
-        elif silent > self.heartbeat_timeout_s:
+                          f"{cfg.kv_bootstrap_timeout_s}s (it has no request of that room)")  # fmt: skip
+        elif silent > cfg.heartbeat_timeout_s:
             self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
 
     def _heartbeat(self, endpoints: set[str]) -> None:

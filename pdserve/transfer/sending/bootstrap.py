@@ -6,8 +6,8 @@
               and model (checked: peers.ready_mismatch) -> Claim back, then KV is pushed
     Ack       the decode has the KV: the room is released ok
     Abort     the decode gave up: the room fails (session 0: before or without a Ready)
-    Heartbeat both ways, every heartbeat_s: a decode silent past peer_timeout_s is dead,
-              and every room held for it fails
+    Heartbeat both ways, every heartbeat_interval_s: a decode silent past
+              heartbeat_timeout_s is dead, and every room held for it fails
 
 A room a decode opens before this prefill has its request counts against that decode's
 share (PeerRooms) and all rooms (MAX_ROOMS); past either the Ready is refused by name.
@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from pdserve.config import TransferConfig
 from pdserve.netaddr import endpoint_problem
 from pdserve.transfer.base import SinkEvent
 from pdserve.transfer.io_thread import IOThread
@@ -42,7 +43,7 @@ class BootstrapChannel:
     _io: IOThread
     fingerprint: str
     model: str
-    ready_timeout_s: float
+    settings: TransferConfig
     refused_rooms: int
     bootstrap_port: int
     _seq: Iterator[int]  # Heartbeat.seq
@@ -97,7 +98,7 @@ class BootstrapChannel:
         elif not st.peer:
             self._peer_rooms.set_peer(st, peer)
             if st.ready is None:  # the other side may queue a while: the heartbeat covers it
-                st.deadline = time.monotonic() + self.ready_timeout_s
+                st.deadline = time.monotonic() + self.settings.kv_ready_timeout_s
 
     def _new_room(self, room: int, peer: bytes) -> Room | None:
         """A room a decode opened (Announce, Ready) before this prefill had its request;
@@ -107,7 +108,9 @@ class BootstrapChannel:
             return None
         st = self._rooms[room] = Room(room)
         self._peer_rooms.set_peer(st, peer)
-        st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_queue / on_admit
+        st.deadline = (
+            time.monotonic() + self.settings.kv_ready_timeout_s
+        )  # wait for on_queue / on_admit
         return st
 
     def _on_ready(self, peer: bytes, ready: Ready) -> None:
@@ -135,7 +138,7 @@ class BootstrapChannel:
             self._peer_rooms.set_peer(st, peer)
         st.ready = ready
         if st.req is None:
-            st.deadline = time.monotonic() + self.ready_timeout_s  # wait for on_admit
+            st.deadline = time.monotonic() + self.settings.kv_ready_timeout_s  # wait for on_admit
         self._check_ready(st)
 
     def _claim(self, st: Room) -> None:

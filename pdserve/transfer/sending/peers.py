@@ -5,7 +5,7 @@ one side before the other side showed up is remembered for `ttl_s`, so the late 
 (an on_admit, or the decode's Ready) is refused at once instead of waiting for a timeout.
 
 `PeerClock`: when each decode (a ROUTER identity) was last heard from. A live decode
-heartbeats every `heartbeat_s`; a peer silent past the timeout is presumed dead and
+heartbeats every `heartbeat_interval_s`; a peer silent past the timeout is presumed dead and
 every room held for it is failed.
 
 `PeerRooms`: how many rooms each decode holds here, so that one peer (or a flood of
@@ -184,12 +184,12 @@ def ready_mismatch(st: Room, layout: str, model: str) -> str:
     return ""
 
 
-def timeout_reason(st: Room, ready_timeout_s: float, ack_timeout_s: float, boot_s: float) -> str:
+def timeout_reason(st: Room, kv_ready_timeout_s: float, kv_timeout_s: float, boot_s: float) -> str:
     if not st.peer:
         return (f"no Ready from any decode for room {st.room}: no decode announced it "
                 f"within {boot_s}s (the decode is gone, or never got the request)")  # fmt: skip
     if st.req is None:
-        return f"prefill never admitted room {st.room} within {ready_timeout_s}s"
+        return f"prefill never admitted room {st.room} within {kv_ready_timeout_s}s"
     if st.ready is None:
-        return f"no Ready from the decode within {ready_timeout_s}s"
-    return f"no Ack from the decode within {ack_timeout_s}s"
+        return f"no Ready from the decode within {kv_ready_timeout_s}s"
+    return f"no Ack from the decode within {kv_timeout_s}s"

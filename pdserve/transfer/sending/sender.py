@@ -5,9 +5,9 @@ Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
 
 Every room is tied to a decode from the start: the decode announces a room when the
-request reaches it, and a room no decode announced within `bootstrap_timeout_s` fails
+request reaches it, and a room no decode announced within `kv_bootstrap_timeout_s` fails
 (its request, queued or computing, ends with that reason). A room with a decode waits
-up to `ready_timeout_s` for the other side, but only while that decode heartbeats.
+up to `kv_ready_timeout_s` for the other side, but only while that decode heartbeats.
 What a peer can make this side keep is bounded: rooms per peer and in all, refusals
 remembered, text kept (peers.py), data endpoints (netaddr-checked, at most MAX_DATA_SOCKETS).
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from pdserve.config import TransferConfig
 from pdserve.envs import cache_root
 from pdserve.kernels.page_io import page_io
 from pdserve.kvcache.pools import KVLayout, KVPool
@@ -68,36 +69,30 @@ class KVSender(BootstrapChannel):
 
     def __init__(
         self,
-        bootstrap_host: str,
-        bootstrap_port: int,
         layout: KVLayout,
+        settings: TransferConfig,
         *,
-        ready_timeout_s: float = 30.0,
-        ack_timeout_s: float = 30.0,
-        bootstrap_timeout_s: float = 10.0,
-        max_rooms_per_peer: int = MAX_ROOMS_PER_PEER,
-        heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 5.0,
         model: str = "",
         curve: CurveKeys | None = None,
         fault_hook: SendHook | None = None,
+        max_rooms_per_peer: int = MAX_ROOMS_PER_PEER,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         native: bool = True,
         kernel_threads: Callable[[], int] | None = None,
     ) -> None:
-        """`native`: gather and hash pieces whose pages are scattered over the pool with
-        the native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C API
-        (zmq_native.py), both built (once per machine) and loaded here at start-up; False:
-        torch's index_select, Python's xxhash and pyzmq's zero-copy send
+        """`settings`: the bootstrap socket binds `transfer_host:bootstrap_port` (port 0:
+        any free one, then in `self.bootstrap_port`); the timers are its fields.
+        `native`: gather and hash pieces whose pages are scattered over the pool with the
+        native kernel (kernels/native/page_copy.py), and send KV frames through libzmq's C
+        API (zmq_native.py), both built (once per machine) and loaded here at start-up;
+        False: torch's index_select, Python's xxhash and pyzmq's zero-copy send
         (--disable-compile). `kernel_threads`: the engine's (kernels/core_share.Cores),
         else torch's thread count."""
         self.layout = layout
         self.fingerprint = layout.fingerprint()
-        self.ready_timeout_s = ready_timeout_s
-        self.ack_timeout_s = ack_timeout_s
-        # a room no decode announced fails after this (never later than ready_timeout_s)
-        self.bootstrap_timeout_s = min(bootstrap_timeout_s, ready_timeout_s)
-        self.heartbeat_s = heartbeat_s
+        self.settings = settings
+        # a room no decode announced fails after this (never later than kv_ready_timeout_s)
+        self._unannounced_s = min(settings.kv_bootstrap_timeout_s, settings.kv_ready_timeout_s)
         self.model = model  # identity.model_fingerprint() of the served model
         pages = page_io(cache_root() if native else None, kernel_threads)  # chosen once
         send = native_send(cache_root()) if native else None
@@ -105,8 +100,8 @@ class KVSender(BootstrapChannel):
         self._max_tokens = self._pusher.max_tokens
         self._decoder = Decoder()
         self._rooms: dict[int, Room] = {}
-        self._refused = Refusals(ready_timeout_s)
-        self._peers = PeerClock(peer_timeout_s)  # decodes heartbeat; silence = dead
+        self._refused = Refusals(settings.kv_ready_timeout_s)
+        self._peers = PeerClock(settings.heartbeat_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
@@ -115,7 +110,7 @@ class KVSender(BootstrapChannel):
         self._data.guard = self._guard
         self._seq = itertools.count()
         self._next_hb = 0.0
-        self._io = IOThread("kv-sender", tick_s=min(0.05, heartbeat_s / 2))
+        self._io = IOThread("kv-sender", tick_s=min(0.05, settings.heartbeat_interval_s / 2))
         self._releases = Releases(self._io.emit)  # see _report
         self._io.on_tick = self._tick
         self._io.on_exit = self._on_exit
@@ -124,7 +119,7 @@ class KVSender(BootstrapChannel):
         router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
         # NOTE: before the bind, so the guard's monitor sees every connection
         self._ctrl = MsgSocket(router, self._decoder, fault_hook, guard=self._guard)
-        self.bootstrap_port = bind(router, bootstrap_host, bootstrap_port)
+        self.bootstrap_port = bind(router, settings.transfer_host, settings.bootstrap_port)
         self._io.add_reader(router, self._on_control)
         self._io.start()
 
@@ -187,7 +182,7 @@ class KVSender(BootstrapChannel):
         st = self._rooms.get(req.room)
         if st is None:
             st = self._rooms[req.room] = Room(req.room)
-            st.deadline = time.monotonic() + self.bootstrap_timeout_s
+            st.deadline = time.monotonic() + self._unannounced_s
         st.queued = True
         self._claim(st)
 
@@ -203,7 +198,7 @@ class KVSender(BootstrapChannel):
         st = st or self._rooms.setdefault(req.room, Room(req.room))
         st.req, st.queued = req, True
         if st.peer or not st.deadline:  # (a room queued without a decode keeps its deadline)
-            wait = self.ready_timeout_s if st.peer else self.bootstrap_timeout_s
+            wait = self.settings.kv_ready_timeout_s if st.peer else self._unannounced_s
             st.deadline = time.monotonic() + wait
         if st.ready is not None:
             self._check_ready(st)
@@ -263,7 +258,7 @@ class KVSender(BootstrapChannel):
                 return
         if st.done is not None and not st.done_sent:
             self._pusher.send_done(sock, st)
-            st.deadline = time.monotonic() + self.ack_timeout_s
+            st.deadline = time.monotonic() + self.settings.kv_timeout_s
 
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
@@ -300,17 +295,22 @@ class KVSender(BootstrapChannel):
             self._guard.check()
         now = time.monotonic()
         self._releases.tick()
-        boot = self.bootstrap_timeout_s
         for st in [s for s in self._rooms.values() if s.deadline <= now]:
             try:
-                self._fail(st, timeout_reason(st, self.ready_timeout_s, self.ack_timeout_s, boot))
+                why = timeout_reason(
+                    st,
+                    self.settings.kv_ready_timeout_s,
+                    self.settings.kv_timeout_s,
+                    self._unannounced_s,
+                )
+                self._fail(st, why)
             except Exception:  # this room's failure must not stop every other room's timer
                 log.exception("timeout of room %d failed", st.room)
                 self._remove(st)
         self._fail_silent_peers(now)
         self._refused.expire(now)
         if now >= self._next_hb:
-            self._next_hb = now + self.heartbeat_s
+            self._next_hb = now + self.settings.heartbeat_interval_s
             self._heartbeat()
 
     def _on_exit(self, killed: bool) -> None:
