@@ -217,7 +217,8 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_GGUF = {moe_config.QWEN2_MOE: "qwen2moe", moe_config.QWEN3_MOE: "qwen3moe"}
 ARCHITECTURES = tuple(
-    Architecture(name, (model_type,), moe_config.read_config, MoeModel)
+    Architecture(name, (model_type,), moe_config.read_config, MoeModel, _GGUF.get(name))
     for model_type, name in moe_config.MODEL_TYPES.items()
 )

@@ -57,4 +57,4 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-ARCHITECTURE = Architecture(phi3_config.PHI3, ("phi3",), phi3_config.read_config, Phi3Model)
+ARCHITECTURE = Architecture(phi3_config.PHI3, ("phi3",), phi3_config.read_config, Phi3Model, "phi3")
