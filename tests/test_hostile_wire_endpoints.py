@@ -98,7 +98,7 @@ def _aborts(dealer: zmq.Socket, n: int, timeout_s: float = 3.0) -> dict[int, str
 
 
 def test_the_http_edge_names_the_bad_field() -> None:
-    from pdserve.server.generation import Bootstrap, RequestError
+    from pdserve.server.jobs import Bootstrap, RequestError
 
     for host, port, field in BAD:
         with pytest.raises(RequestError) as e:

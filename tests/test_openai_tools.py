@@ -13,9 +13,9 @@ import openai
 import pytest
 from fake_engine import ServerProc, make_model_dir
 
-from pdserve.server.structured import tool_grammar
 from pdserve.server.tokenizer import Tokenizer
 from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls, parser_for_template
+from pdserve.server.tool_grammar import tool_grammar
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXT = f"Let me check. {CALL}\n{CALL.replace('Paris', 'Oslo')} done <tool_ca"
@@ -23,7 +23,7 @@ TEXT = f"Let me check. {CALL}\n{CALL.replace('Paris', 'Oslo')} done <tool_ca"
 
 def test_whole_answer() -> None:
     content, calls = parse_tool_calls(TEXT)
-    assert content == "Let me check. \n done <tool_ca"
+    assert content == "Let me check. \n done "  # a tail that may begin a tag is dropped
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
                                                                        {"city": "Oslo"}]  # fmt: skip
@@ -31,9 +31,26 @@ def test_whole_answer() -> None:
 
 
 def test_not_a_call_stays_content() -> None:
-    for text in ["<tool_call>not json</tool_call>", "<tool_call>[1, 2]</tool_call>",
-                 '<tool_call>{"name": "f"']:  # fmt: skip
+    for text in ["<tool_call>not json</tool_call>", "<tool_call>[1, 2]</tool_call>"]:
         assert parse_tool_calls(text) == (text, [])
+
+
+def test_unclosed_call_is_dropped() -> None:
+    """A call the token budget cut leaves no tag text in the content, whole or streamed."""
+    cut = 'Sure. <tool_call>\n{"name": "get_weather", "argu'
+    assert parse_tool_calls(cut) == ("Sure. ", [])
+    assert parse_tool_calls(CALL + "\n" + cut)[0] == "\nSure. "
+    for seed in range(5):
+        assert streamed(cut, frozenset(), seed) == ("Sure. ", [])
+
+
+def test_max_calls_keeps_the_first() -> None:
+    two = CALL + "\n" + CALL.replace("Paris", "Oslo")
+    for names in (frozenset(), NAMES):
+        content, calls = parse_tool_calls(two, names, max_calls=1)
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    bare = BARE + "\n" + BARE.replace("Paris", "Oslo")
+    assert len(parse_tool_calls(bare, NAMES, max_calls=1)[1]) == 1
 
 
 def test_streamed_in_any_pieces_equals_whole() -> None:
@@ -125,16 +142,19 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     try:
         s.wait_healthy()
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        body = {"messages": [{"role": "user", "content": CALL}], "tools": TOOLS}
+        body = {"messages": [{"role": "user", "content": CALL + EOS}], "tools": TOOLS}
         c.prompt_len = httpx.post(s.url + "/tokenize", json=body).json()["count"]  # type: ignore[attr-defined]
         yield c
     finally:
         s.stop()
 
 
+EOS = "<|endoftext|>"  # the model's end: the echo stops there, as a model's answer would
+
+
 def ask(client: openai.OpenAI, **kw):  # type: ignore[no-untyped-def]
-    """The echo of the prompt, once: the template's line, then the call."""
-    msgs = [{"role": "user", "content": CALL}]
+    """The echo of the prompt, once: the template's line, then the call, then the end."""
+    msgs = [{"role": "user", "content": CALL + EOS}]
     kw.setdefault("max_tokens", client.prompt_len)  # type: ignore[attr-defined]
     return client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, **kw)
 
@@ -157,6 +177,36 @@ def test_tool_calls_streamed(client) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "<tool_call>" not in text and "get_weather" in text  # the template's own line
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_cut_by_max_tokens_says_length(client) -> None:
+    """The budget ends inside the call: finish_reason "length", and no tag text in the
+    content, whole or streamed."""
+    cut = client.prompt_len - 6  # type: ignore[attr-defined]
+    choice = ask(client, max_tokens=cut).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content == "Tools: get_weather", choice
+    chunks = list(ask(client, max_tokens=cut, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Tools: get_weather" and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_parallel_tool_calls_false_under_auto(client) -> None:
+    """Accepted in every tool_choice mode (openai-agents sends it with tool_choice unset)."""
+    for choice in ("auto", None):
+        kw = {"tool_choice": choice} if choice else {}
+        r = ask(client, parallel_tool_calls=False, **kw).choices[0]
+        assert r.finish_reason == "tool_calls" and len(r.message.tool_calls) == 1
+
+
+def test_strict_schema_refused_by_name(client) -> None:
+    """A strict tool whose parameters llguidance cannot compile: a 400 naming the tool."""
+    bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[*TOOLS, bad], max_tokens=2)  # fmt: skip
+    assert e.value.param == "tools[1].function.strict", e.value
 
 
 def test_tool_choice_none_leaves_the_text(client) -> None:
@@ -191,8 +241,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_required_and_named_grammars(model_dir) -> None:
-    add = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
-    weather = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    add = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     required = tool_grammar(TWO, "required", None)
     assert accepts(required, add, model_dir) and accepts(required, weather, model_dir)
     assert accepts(required, add + "\n" + weather, model_dir)  # parallel calls
@@ -200,7 +250,7 @@ def test_required_and_named_grammars(model_dir) -> None:
     assert not accepts(tool_grammar(TWO, "required", False), add + "\n" + add, model_dir)
     named = tool_grammar(TWO, {"type": "function", "function": {"name": "add"}}, None)
     assert accepts(named, add, model_dir) and not accepts(named, weather, model_dir)
-    bad = '<tool_call>\n{"name":"add","arguments":{"a":"x","b":2}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": "x", "b": 2}}\n</tool_call>'
     assert not accepts(named, bad, model_dir)  # the parameters' schema holds
 
 
@@ -223,7 +273,7 @@ def test_tags_held_as_added_tokens_are_forced_by_id(model_dir, tmp_path) -> None
     tok = Tokenizer(tmp_path / "m")
     tags = (tok.added_token_id("<tool_call>"), tok.added_token_id("</tool_call>"))
     assert tags == (n, n + 1)
-    add = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    add = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert tok.encode(add, add_special_tokens=False)[0] == n  # the tag is one token
     assert not accepts(tool_grammar(TWO, "required", None), add, tmp_path / "m")
     assert accepts(tool_grammar(TWO, "required", None, tags), add, tmp_path / "m")

@@ -8,6 +8,12 @@ message, and the answer states the result (a temperature the model cannot guess)
 Prompts equal transformers' `apply_chat_template(..., tools=...)` id for id, answers its
 greedy tokens (computed once and cached: tests/qwen_tools_reference.py).
 
+Then the tool_choice modes agent clients send, without `max_tokens`: a forced call
+ends after the call (finish_reason tool_calls), cut by `max_tokens` it says `length`
+with no tag text; parallel_tool_calls false under auto; a strict tool's schema holds;
+pydantic-ai's default structured output (a forced tool) and instructor's Mode.TOOLS (a
+named tool) return their object.
+
 Turn 2 sends no `tools`: with the tools still in its system prompt this 0.5B model
 repeats its call after the result (transformers' greedy answer does the same, token for
 token), so a client asks for the answer without them.
@@ -17,11 +23,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 
 import httpx
+import openai
 import pytest
 import qwen_tools_reference as ref
+from pydantic import BaseModel
 from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.checkpoints.resolve import gguf_folder
@@ -44,7 +53,9 @@ def answers() -> dict:
 def server(answers):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(ref.gguf_file()),
-            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048"]  # fmt: skip
+            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048",
+            # a shared two-core machine can hold a prefill's heartbeat past the default 5 s
+            "--heartbeat-timeout", "30"]  # fmt: skip
     proc = spawn(argv, "real-qwen-tools")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -114,3 +125,114 @@ def test_tool_call_streamed(server, answers) -> None:
                 text += delta.get("content") or ""
     assert text == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+# ---- forced calls end; tool_choice modes as agent clients send them ------------------------
+def forced(url: str, choice, **kw) -> dict:  # type: ignore[no-untyped-def]
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "tool_choice": choice, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, **kw}, timeout=90)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_forced_call_ends_without_max_tokens(server) -> None:
+    """The grammar lets the model end after its call (it wants to, after one newline);
+    without that, it was forced into call after call until the context was full. (A
+    named function: test_instructor_tools_mode.)"""
+    r = forced(server, "required")
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert c["message"]["content"] is None
+    assert r["usage"]["completion_tokens"] <= 28, r["usage"]  # the call (22 tokens), the end
+
+
+def test_forced_call_cut_by_max_tokens(server) -> None:
+    """Cut inside the call: `length`, no call, no tag text, streamed or not."""
+    c = forced(server, "required", max_tokens=6)["choices"][0]
+    assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
+    assert "<tool_call" not in (c["message"]["content"] or "") and "name" not in (
+        c["message"]["content"] or ""
+    )
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "tool_choice": "required",
+            "temperature": 0, "max_tokens": 6, "stream": True}  # fmt: skip
+    text, calls, finish = "", [], None
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=90) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["delta"].get("content") or ""
+                calls += choice["delta"].get("tool_calls") or []
+                finish = choice["finish_reason"] or finish
+    assert (text, calls, finish) == ("", [], "length")
+
+
+def test_parallel_tool_calls_false_with_auto(server, answers) -> None:
+    """openai-agents' second turn: tool_choice unset, parallel_tool_calls false."""
+    body = {"messages": ref.TURN1, "tools": ref.TOOLS, "parallel_tool_calls": False,
+            "temperature": 0, "max_tokens": ref.MAX_TOKENS}  # fmt: skip
+    r = post(server, "/v1/chat/completions", body)
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1
+    assert r["usage"]["completion_tokens"] <= len(answers["turn1"]["greedy"])
+
+
+def test_strict_tool_arguments_follow_the_schema(server) -> None:
+    """A strict tool whose schema the model does not follow unasked (it writes "Paris"
+    where an airport code is asked for): the grammar holds its arguments to the schema."""
+    code = {"type": "string", "pattern": "^[A-Z]{3}$", "description": "IATA airport code"}
+    params = {"type": "object", "properties": {"city": code}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {**ref.TOOLS[0]["function"], "strict": True,
+                                               "parameters": params}}, ref.TOOLS[1]]  # fmt: skip
+    body = {"messages": ref.TURN1, "tools": tools, "temperature": 0, "max_tokens": 48}
+    c = post(server, "/v1/chat/completions", body)["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert list(args) == ["city"] and re.fullmatch("[A-Z]{3}", args["city"]), args
+
+
+# ---- real clients: structured output through a forced tool, no max_tokens --------------------
+class CityFacts(BaseModel):
+    city: str
+    country: str
+
+
+QUESTION = "Paris is the capital of which country? Answer with the city and its country."
+
+
+def test_pydantic_ai_default_structured_output(server) -> None:
+    """pydantic-ai's default output mode is a tool it forces (tool_choice required)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0,
+                                timeout=90)  # fmt: skip
+    model = OpenAIChatModel(served_name(server), provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=CityFacts, model_settings={"temperature": 0})
+    out = agent.run_sync(QUESTION).output
+    assert isinstance(out, CityFacts) and out.city == "Paris" and "France" in out.country
+
+
+def test_instructor_tools_mode(server) -> None:
+    """instructor's Mode.TOOLS names its one tool in tool_choice."""
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=90),
+        mode=instructor.Mode.TOOLS,
+    )
+    out = client.chat.completions.create(
+        model=served_name(server), response_model=CityFacts, max_retries=0, temperature=0,
+        messages=[{"role": "user", "content": QUESTION}],
+    )  # fmt: skip
+    assert isinstance(out, CityFacts) and out.city == "Paris" and "France" in out.country
+
+
+@functools.cache
+def served_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -236,3 +236,23 @@ def test_with_bootstrap_does_not_touch_the_clients_body():
     assert body == {"prompt": "x", "n": 1}
     assert out["bootstrap_host"] == "10.0.0.7" and out["bootstrap_port"] is None
     assert isinstance(out["bootstrap_room"], int)
+
+
+def test_unknown_route_and_wrong_method_in_the_openai_shape(workers, caplog):
+    prefills, decodes = workers
+    router = start_router(prefills, decodes)
+    try:
+        with caplog.at_level("WARNING", logger="pdserve.http"):
+            r = httpx.post(router.url + "/v1/responses", json={"input": "hi"})
+        logged = [m for m in caplog.messages if "POST /v1/responses" in m]
+        assert len(logged) == 1, caplog.messages  # once
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == 404 and err["type"] == "invalid_request_error"
+        assert "POST /v1/responses" in err["message"]
+        r = httpx.get(router.url + "/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == 405
+        assert "/v1/chat/completions" in r.json()["error"]["message"]
+        assert "POST" in r.headers["allow"]
+    finally:
+        router.stop()

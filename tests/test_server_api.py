@@ -294,3 +294,17 @@ def test_stats_endpoint_counts_what_was_served(server, client):
     for key in ("free_rows", "total_rows", "free_kv_pages", "total_kv_pages", "running", "queued"):
         assert key in after["engine"]
     assert isinstance(after["recent"], list)
+
+
+def test_unknown_route_and_wrong_method_in_the_openai_shape(server) -> None:
+    """An OpenAI client shows `error.message`: it names the route (404) or the method (405)."""
+    r = httpx.post(server.url + "/v1/messages", json={})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "Invalid URL (POST /v1/messages): this server has "
+                                  "no such route", "type": "invalid_request_error",
+                                  "param": None, "code": 404}}  # fmt: skip
+    r = httpx.delete(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["message"] == (
+        "Method DELETE is not allowed on /v1/completions (allowed: POST)"
+    )

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
 from pdserve.edge.errors import error_body
+from pdserve.edge.route_errors import add_route_errors
 from pdserve.edge.stamps import router_header
 from pdserve.envs import ENV
 from pdserve.router.body import num_sequences
@@ -132,6 +133,7 @@ def create_app(cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None)
     open_paths = OPEN_PATHS if cfg.web_ui else frozenset()  # the page, never its state
     app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public,
                        open_paths=open_paths)  # fmt: skip
+    add_route_errors(app)
     _add_generation(app, state)
     _add_info(app, state)
     if cfg.web_ui:

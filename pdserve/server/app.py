@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.edge.auth import RequireKey
+from pdserve.edge.route_errors import add_route_errors
 from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import native_api, openai_routes
@@ -90,6 +91,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, on_request_error)
     app.add_exception_handler(EngineDead, on_engine_dead)
     app.add_exception_handler(ClientGone, on_client_gone)
+    add_route_errors(app)
 
 
 def _add_health_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:

@@ -38,6 +38,8 @@ class Options(NamedTuple):
     top: int = 0  # the top k logprobs of each output token
     prompt_top: int | None = None  # echo with logprobs: the prompt's, with their top k
     tool_names: frozenset[str] = frozenset()  # chat: the names an untagged tool call may use
+    max_calls: int | None = None  # chat: 1 with parallel_tool_calls false
+    reasoning: str | None = None  # chat: the reasoning parser that splits the answer
 
 
 class StreamOptions(Body):
@@ -80,8 +82,9 @@ class _OpenAIBody(SamplingKnobs):
     # sglang's, which sglang-router writes into every body it forwards (at their defaults)
     no_stop_trim: Any = None
     return_hidden_states: Any = None
-    # sglang applies these only with a reasoning parser; pdserve has none, so either value
-    # gives the output sglang gives without one
+    # sglang's, with a reasoning parser (--reasoning-parser): separate_reasoning false
+    # leaves the reasoning in the content; stream_reasoning false is refused there
+    # (ChatIn.reasoning_parser); without a parser, either value gives the same output
     separate_reasoning: Any = None
     stream_reasoning: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
@@ -262,9 +265,6 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
                                "server", "tool_choice")  # fmt: skip
         if choice not in (None, "none", "auto") and not self.tools:
             raise FieldRefused("tool_choice needs tools", "tool_choice")
-        if self.parallel_tool_calls is False and choice in (None, "auto"):
-            raise FieldRefused("parallel_tool_calls false is only enforced with tool_choice "
-                               "required or a named function", "parallel_tool_calls")  # fmt: skip
 
     def parse_tools(self, parser: str | None) -> bool:
         """Whether the answer's tool calls are parsed: tools given and tool_choice "auto"
@@ -280,11 +280,22 @@ class ChatIn(ChatTemplateControls, _OpenAIBody):
                                '"none" to pass the tools to the template only', "tools")  # fmt: skip
         return True
 
-    def options(self, tool_parser: str | None) -> Options:
+    def options(self, tool_parser: str | None, reasoning_parser: str | None = None) -> Options:
         """What the handler needs of the body beyond its plain fields, in one call."""
         top = (self.top_logprobs or 0) if self.logprobs else 0
         return Options(self.bootstrap(), self.include_usage, self.max_output,
-                       self.parse_tools(tool_parser), top, tool_names=self.tool_names)  # fmt: skip
+                       self.parse_tools(tool_parser), top, tool_names=self.tool_names,
+                       max_calls=1 if self.parallel_tool_calls is False else None,
+                       reasoning=self.reasoning_parser(reasoning_parser))  # fmt: skip
+
+    def reasoning_parser(self, parser: str | None) -> str | None:
+        """The server's reasoning parser, unless the request asks for no split."""
+        if parser is None or self.separate_reasoning is False:
+            return None
+        if self.stream_reasoning is False:
+            raise FieldRefused("stream_reasoning false (the reasoning sent only at the end) "
+                               "is not supported by this server", "stream_reasoning")  # fmt: skip
+        return parser
 
     @property
     def tool_names(self) -> frozenset[str]:

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from pdserve.edge.stamps import ttft_breakdown
 from pdserve.protocol import PromptLogprobs
+from pdserve.server.chat_output import AnswerParts, AnswerStream, ChatOutput
 from pdserve.server.jobs import Delta, Job, SampleResult
 from pdserve.server.openai_logprobs import chat_logprobs, completion_logprobs
 from pdserve.server.tokenizer import Tokenizer
-from pdserve.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 def _unindexed(call: dict[str, Any]) -> dict[str, Any]:
@@ -45,12 +45,13 @@ class OpenAIFormatter:
 
     def __init__(
         self, kind: Literal["completion", "chat"], model: str, tok: Tokenizer, job: Job,
-        logprobs: bool, tools: bool = False, tool_names: frozenset[str] = frozenset(),
-        echo: list[str] | None = None, drop_output: bool = False,
+        logprobs: bool, out: ChatOutput = ChatOutput(), echo: list[str] | None = None,
+        drop_output: bool = False,
     ) -> None:  # fmt: skip
-        """`echo`: each prompt's text, put before its choices' text (and with `logprobs`,
-        the prompt's tokens before theirs); `drop_output`: max_tokens 0 (the engines
-        sample one token, which the response leaves out)."""
+        """`out`: how chat answers are split (reasoning, content, tool calls); `echo`:
+        each prompt's text, put before its choices' text (and with `logprobs`, the
+        prompt's tokens before theirs); `drop_output`: max_tokens 0 (the engines sample
+        one token, which the response leaves out)."""
         self.kind = kind
         self.model = model
         self.tok = tok
@@ -63,9 +64,8 @@ class OpenAIFormatter:
         # usage's prompt_tokens: each prompt counted once, whatever n (as OpenAI does)
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.completion_tokens = 0
-        self.tools = tools  # parse tool calls out of the chat answers (tool_calls.py)
-        self.tool_names = tool_names  # the request's tools (untagged calls must name one)
-        self._calls: dict[int, ToolCallStream] = {}  # per choice, when streaming
+        self.out = out
+        self._answers: dict[int, AnswerStream] = {}  # per choice, when streaming
         self.echo = echo
         self.drop_output = drop_output
 
@@ -100,13 +100,10 @@ class OpenAIFormatter:
                 lp = completion_logprobs(self.tok, r.output_ids, r.logprobs, r.top_logprobs, 0,
                                          self._echo_logprobs(r.index, r.prompt_logprobs))  # fmt: skip
         else:
-            c["message"] = {"role": "assistant", "content": r.text}
-            if self.tools:
-                content, calls = parse_tool_calls(r.text, self.tool_names)
-                if calls:
-                    c["message"] = {"role": "assistant", "content": content.strip() or None,
-                                    "tool_calls": [_unindexed(x) for x in calls]}  # fmt: skip
-                    c["finish_reason"] = "tool_calls"
+            parts, thought = self.out.whole(r.text)
+            c["message"] = self._message(parts, thought)
+            if parts.calls and c["finish_reason"] == "stop":  # cut by the budget: "length"
+                c["finish_reason"] = "tool_calls"
             if self.logprobs:
                 lp = chat_logprobs(self.tok, r.output_ids, r.logprobs, r.top_logprobs)
         c["logprobs"] = lp
@@ -134,7 +131,7 @@ class OpenAIFormatter:
                 self._text_pos[d.index] = pos + len(c["text"])
         else:
             c["delta"] = self._delta(d, first)
-            if self.tools and d.finished and self._calls[d.index].calls:
+            if d.finished and self._answers[d.index].calls and c["finish_reason"] == "stop":
                 c["finish_reason"] = "tool_calls"
             if self.logprobs:
                 lp = chat_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs)
@@ -152,20 +149,29 @@ class OpenAIFormatter:
     ) -> tuple[list[int], PromptLogprobs | None] | None:
         return None if self.echo is None else (self.job.prompt_of(index), prompt)
 
+    def _message(self, parts: AnswerParts, thought: bool) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": parts.content}
+        if self.out.reasoning is not None:  # as vLLM: both names, null without reasoning
+            msg["reasoning_content"] = msg["reasoning"] = parts.reasoning if thought else None
+        if parts.calls:
+            msg["content"] = parts.content.strip() or None
+            msg["tool_calls"] = [_unindexed(x) for x in parts.calls]
+        return msg
+
     def _delta(self, d: Delta, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        text = d.text
-        calls: list[dict[str, Any]] = []
-        if self.tools:
-            stream = self._calls.setdefault(d.index, ToolCallStream(self.tool_names))
-            text, calls = stream.feed(d.text)
-            if d.finished:
-                rest, more = stream.flush()
-                text, calls = text + rest, calls + more
-        if text or not (d.finished or calls):
-            delta["content"] = text
-        if calls:
-            delta["tool_calls"] = calls
+        stream = self._answers.setdefault(d.index, self.out.stream())
+        parts = stream.feed(d.text)
+        if d.finished:
+            more = stream.flush()
+            parts = AnswerParts(parts.reasoning + more.reasoning, parts.content + more.content,
+                                parts.calls + more.calls)  # fmt: skip
+        if parts.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = parts.reasoning
+        if parts.content or not (d.finished or parts.calls or parts.reasoning):
+            delta["content"] = parts.content
+        if parts.calls:
+            delta["tool_calls"] = parts.calls
         return delta
 
     def usage_chunk(self) -> dict[str, Any]:

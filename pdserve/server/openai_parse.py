@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
+from pdserve.server.chat_output import ChatOutput
 from pdserve.server.chat_template import continue_final_message
 from pdserve.server.generation import Frontend
 from pdserve.server.http_util import parse, read_model
@@ -35,8 +36,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
-    tools: bool = False  # parse tool calls out of a chat answer (tool_calls.py)
-    tool_names: frozenset[str] = frozenset()  # the request's tools (untagged calls name one)
+    out: ChatOutput = ChatOutput()  # how a chat answer is split (chat_output.py)
     echo: list[str] | None = None  # each prompt's text, put before its choices (completions)
     drop_output: bool = False  # max_tokens 0: the engines sample one token the answer leaves out
 
@@ -57,11 +57,11 @@ async def read_completion(request: Request, fe: Frontend, cfg: ServerConfig,
 async def read_chat(request: Request, fe: Frontend, cfg: ServerConfig, stamps: dict[str, float],
                     tool_parser: str | None) -> OpenAIRequest:  # fmt: skip
     body = await read_body(request, ChatIn, cfg)
-    opts = body.options(tool_parser)
+    opts = body.options(tool_parser, cfg.reasoning_parser)
     prompts = [chat_prompt_ids(fe, body)]
     job = make_job(fe, body, prompts, opts.max_tokens, body.logprobs, stamps, opts.boot, opts.top)
-    return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, opts.tools,
-                         opts.tool_names)  # fmt: skip
+    out = ChatOutput(opts.tools, opts.tool_names, opts.max_calls, opts.reasoning)
+    return OpenAIRequest(job, body.stream, opts.include_usage, body.logprobs, out)
 
 
 async def read_body(request: Request, model: type[B], cfg: ServerConfig) -> B:

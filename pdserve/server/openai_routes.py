@@ -56,8 +56,7 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
     async def chat(request: Request) -> Response:
         stamps = arrival_stamps(request.headers)
         req = await read_chat(request, fe, cfg, stamps, parser)
-        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, req.job, req.logprobs,
-                              req.tools, req.tool_names)  # fmt: skip
+        fmt = OpenAIFormatter("chat", cfg.model_name, fe.tokenizer, req.job, req.logprobs, req.out)
         return await respond(request, fe, fmt, req)
 
     tokenize_routes.register(app, fe, cfg)

@@ -20,6 +20,7 @@ from pdserve.config import (
     flag_of,
 )
 from pdserve.envs import ENV
+from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.server_config import UNKNOWN_FIELD_POLICIES, ServerConfig
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -254,5 +255,8 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
                    default=ServerConfig.tool_call_parser,
                    help="how tool calls are parsed from the output (auto: from the chat "
                    "template)")  # fmt: skip
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a chat answer's <think> text into reasoning_content (off by "
+                   "default: it stays in content)")  # fmt: skip
     g.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="answer CORS requests from these origins ('*': any); off by default")  # fmt: skip

@@ -31,6 +31,8 @@ class ServerConfig:
     # how tool calls are found in the output: a parser name (tool_calls.py), "auto" (from
     # the chat template) or "none"
     tool_call_parser: str = "auto"
+    # how a chat answer's reasoning is split from its content (reasoning.py); None: not split
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:

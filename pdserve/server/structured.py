@@ -25,6 +25,7 @@ from typing import Any
 import llguidance
 
 from pdserve.server.request_fields import FieldRefused
+from pdserve.server.tool_grammar import auto_tool_grammar, tool_grammar, tool_tags
 
 # compact JSON: a small model is not left free to emit whitespace forever
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
@@ -164,12 +165,7 @@ def request_grammar(body: Any, tok: Any = None) -> str | None:
             asks.append((name, cfg_grammar(getattr(body, name), name)))
     if getattr(body, "structured_outputs", None) is not None:
         asks += _structured_outputs(body.structured_outputs)
-    choice = getattr(body, "tool_choice", None)
-    if getattr(body, "tools", None) and choice not in (None, "none", "auto"):
-        tags = tool_tags(tok) if tok is not None else None
-        asks.append(
-            ("tool_choice", tool_grammar(body.tools, choice, body.parallel_tool_calls, tags))
-        )
+    asks += _tool_asks(body, tok, others=bool(asks))
     if len(asks) > 1:
         raise FieldRefused(f"only one of {', '.join(a for a, _ in asks)} may be given", asks[1][0])
     if asks and getattr(body, "ignore_eos", False):
@@ -177,49 +173,17 @@ def request_grammar(body: Any, tok: Any = None) -> str | None:
     return asks[0][1] if asks else None
 
 
-def _tool_schema(tool: Any) -> tuple[str, Any]:
-    fn = tool.get("function") if isinstance(tool, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise FieldRefused("each tool needs function.name", "tools")
-    params = fn.get("parameters") or {"type": "object"}
-    schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-              "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
-    return fn["name"], schema
-
-
-def tool_tags(tok: Any) -> tuple[int, int] | None:
-    """The ids of `<tool_call>` and `</tool_call>` where the vocabulary holds each as one
-    added token (Qwen2.5's), else None."""
-    ids = tok.added_token_id("<tool_call>"), tok.added_token_id("</tool_call>")
-    return None if None in ids else ids
-
-
-def tool_grammar(
-    tools: list[Any], choice: Any, parallel: bool | None, tags: tuple[int, int] | None = None
-) -> str:
-    """`tool_choice` "required" (some tool) or {"type": "function", "function": {"name"}}
-    (that one) as a grammar of Hermes-style calls: `<tool_call>\n{json}\n</tool_call>`,
-    one, or several when parallel_tool_calls is not false. `tags`: the tags' token ids
-    when each is one added token: llguidance reads an added token as a special token,
-    which a quoted "<tool_call>" never matches (its mask would offer the token, and
-    consuming it would put the matcher in error), so the grammar names them by id."""
-    schemas = dict(_tool_schema(t) for t in tools)
-    if choice == "required":
-        schema: Any = {"anyOf": list(schemas.values())}
-    else:
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if name not in schemas:
-            raise FieldRefused(f"tool_choice names no tool of the request: {name!r}", "tool_choice")
-        schema = schemas[name]
-    schema = {**schema, "x-guidance": _JSON_OPTIONS}
-    block = '"<tool_call>\\n" call "\\n</tool_call>"'
-    if tags is not None:
-        block = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
-    repeat = "" if parallel is False else ' ("\\n" block)*'
-    lark = f"start: block{repeat}\nblock: {block}\ncall: %json {json.dumps(schema)}"
-    try:
-        return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")
-    except FieldRefused:
-        raise
-    except Exception as e:
-        raise FieldRefused(f"tools: {e}", "tools") from None
+def _tool_asks(body: Any, tok: Any, others: bool) -> list[tuple[str, str]]:
+    """The grammar tool_choice asks for: forced calls, or under "auto" strict arguments
+    or a single call (tool_grammar.py); "auto" yields to another grammar (`others`),
+    under which the answer holds no calls to constrain."""
+    tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
+    if not tools or choice == "none":
+        return []
+    tags = tool_tags(tok) if tok is not None else None
+    if choice not in (None, "auto"):
+        return [("tool_choice", tool_grammar(tools, choice, body.parallel_tool_calls, tags))]
+    if others:
+        return []
+    grammar = auto_tool_grammar(tools, body.parallel_tool_calls, tags)
+    return [] if grammar is None else [("tools", grammar)]

@@ -8,6 +8,9 @@ The streaming parser gets the text as it comes and splits it into content (text 
 any call) and whole calls; text that may be the start of an opening tag is held back
 until it is known not to be one, so content never shows half a tag. A call whose body
 is not a JSON object with a string `name` stays in the content, as the model wrote it.
+A call left unclosed at the end (the token budget ran out inside it) is dropped, and so
+is a tail that may be the start of a tag: content never holds partial tag text.
+`max_calls` (1 with parallel_tool_calls false) keeps the first calls and drops the rest.
 
 Small models of the family (Qwen2.5-Coder-0.5B) often leave the tags out and answer
 with the bare object, or with the object in a ```json fence (llama.cpp's Hermes parser
@@ -104,6 +107,7 @@ class ToolCallStream:
     the request's tools, which bare calls must name (empty: only tagged calls)."""
 
     names: frozenset[str] = frozenset()
+    max_calls: int | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     _buf: str = ""
     _in_call: bool = False
@@ -131,8 +135,7 @@ class ToolCallStream:
                 if call is None:  # not a call after all: the text goes out as it was
                     content += OPEN + body + CLOSE
                 else:
-                    self.calls.append(call)
-                    new.append(call)
+                    new += self._keep([call])
                 continue
             start = self._buf.find(OPEN)
             if start < 0:
@@ -144,27 +147,34 @@ class ToolCallStream:
             self._buf = self._buf[start + len(OPEN) :]
             self._in_call = True
 
+    def _keep(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`calls` up to max_calls in all, recorded."""
+        room = len(calls) if self.max_calls is None else self.max_calls - len(self.calls)
+        kept = calls[: max(room, 0)]
+        self.calls += kept
+        return kept
+
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
-        """The text and calls left at the end (an unclosed call stays content, as written)."""
+        """The text and calls left at the end (an unclosed call, or a tail that may begin
+        a tag, is dropped)."""
         content, new = "", list[dict[str, Any]]()
         if self.names and self._bare is not False:
             calls = _bare_calls(self._buf, self.names, len(self.calls))
             if calls is not None:
-                self.calls += calls
                 self._buf = ""
-                return "", calls
+                return "", self._keep(calls)
             self._bare = False
             content, new = self._tagged()
-        rest = (OPEN if self._in_call else "") + self._buf
+        rest = "" if self._in_call else self._buf[: len(self._buf) - _held_back(self._buf)]
         self._buf, self._in_call = "", False
         return content + rest, new
 
 
 def parse_tool_calls(
-    text: str, names: frozenset[str] = frozenset()
+    text: str, names: frozenset[str] = frozenset(), max_calls: int | None = None
 ) -> tuple[str, list[dict[str, Any]]]:
     """(content, calls) of a whole answer."""
-    s = ToolCallStream(names)
+    s = ToolCallStream(names, max_calls)
     content, calls = s.feed(text)
     rest, more = s.flush()
     return content + rest, calls + more
