@@ -30,9 +30,15 @@ def _rope(params: dict[str, Any]):
 
 # name -> (family, config.json edit, text the error must contain)
 REFUSED_CONFIGS: dict[str, tuple[str, Any, str]] = {
-    "yarn": ("Llama", _rope({"rope_type": "yarn", "factor": 4.0}), "rope_type"),
-    "dynamic": ("Llama", _rope({"rope_type": "dynamic", "factor": 2.0}), "'dynamic'"),
-    "longrope": ("Qwen2", _rope({"rope_type": "longrope"}), "'longrope'"),
+    "rope-type": ("Llama", _rope({"rope_type": "proportional", "factor": 4.0}), "rope_type"),
+    # a key the rope type does not read, one it needs and lacks
+    "yarn-foreign-key": (
+        "Llama",
+        _rope({"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1.0}),
+        "rope_parameters.low_freq_factor",
+    ),
+    "dynamic-no-factor": ("Llama", _rope({"rope_type": "dynamic"}), "rope_parameters.factor"),
+    "longrope-no-factors": ("Qwen2", _rope({"rope_type": "longrope"}), "short_factor"),
     "partial-rotary": ("Llama", _set(partial_rotary_factor=0.5), "partial_rotary_factor"),
     "activation": ("Llama", _set(hidden_act="mish"), "hidden_act"),
     "quantized": (

@@ -111,9 +111,9 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "chunked-layer": ({"layer_types": [S, "chunked_attention", S, F]}, "layer_types"),
     "layer-count": ({"layer_types": [S, F]}, "layer_types"),
     "no-window": ({"sliding_window": None, "layer_types": [S, F, S, F]}, "sliding_window"),
-    "sliding-yarn": (
-        {"rope_parameters": {S: {"rope_type": "yarn", "factor": 2.0}, F: {}}},
-        "rope_parameters.sliding_attention.rope_type",
+    "sliding-yarn-foreign-key": (
+        {"rope_parameters": {S: {"rope_type": "yarn", "factor": 2.0, "low_freq_factor": 1}, F: {}}},
+        "rope_parameters.sliding_attention.low_freq_factor",
     ),
     "flat-rope": (
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1.0}},

@@ -33,8 +33,10 @@ from pdserve.model.quant_weights import QuantEmbedding
 def refusal(model: LlamaModel, attn: object) -> str | None:
     """Why `model` cannot run its decode natively (None: it can)."""
     a = model.arch
-    if type(model) is not LlamaModel:  # the C forward computes the Llama layer only
+    if not computes_llama_layer(model):  # the C forward computes the Llama layer only
         return f"{a.architecture}'s layer is not the native forward's (Llama's)"
+    if a.rotary_dim not in (None, a.head_dim):
+        return "rope turns part of each head (the native forward turns all of it)"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
     if model.embed_quant is not None and not isinstance(model.embed_quant, QuantEmbedding):
@@ -50,6 +52,13 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
     if len({attn.window(i) for i in range(a.num_layers)}) > MAX_WINDOWS:
         return f"more than {MAX_WINDOWS} distinct attention windows"
     return None
+
+
+def computes_llama_layer(model: LlamaModel) -> bool:
+    """Whether the model computes what LlamaModel computes: LlamaModel itself, or a class
+    that says so of itself (not inherited: Phi-3's differs only in reading its checkpoint)."""
+    cls = type(model)
+    return cls is LlamaModel or bool(cls.__dict__.get("same_compute_as_llama", False))
 
 
 def _proj(lin: Linear, keep: list[QuantProj]) -> Proj:

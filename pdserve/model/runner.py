@@ -70,7 +70,7 @@ class ModelRunner:
         make_model = lookup(self.arch.architecture).model
         self.dtype = DTYPES[cfg.dtype]
         self.device = cfg.device
-        self.max_context = cfg.cache.context_length(self.arch.max_position_embeddings)
+        self.max_context = cfg.cache.context_length(self.arch.context_positions)
         if model is None:
             model = load_model(
                 cfg, self.arch, self.dtype, self.native,
@@ -156,6 +156,9 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """On CUDA, the decode forward's graphs for every batch size the engine runs."""
         if not (self.cfg.cuda_graph and self.device.startswith("cuda")):
+            return
+        if self.arch.moe is not None:  # its routing reads each expert's token count on the host
+            log.info("decode steps launch kernels one by one: the expert routing syncs")
             return
         if not isinstance(self.attn, TritonAttention):
             log.info("decode steps launch kernels one by one: graphs need Triton attention")

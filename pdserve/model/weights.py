@@ -44,6 +44,8 @@ def _quant_source(
     why = ""
     if not cfg.device.startswith("cpu") or dtype != torch.float32:
         why = "quantized weights run on the CPU with --dtype float32"
+    elif arch.moe is not None:  # its experts are tensors, not projections with blocks
+        why = "a mixture-of-experts model's weights are served in float32"
     elif native is None:
         why = "native kernels are off (--disable-compile or PDSERVE_DISABLE_COMPILE)"
     kernel = None if why or native is None else native.linear_quant()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.checkpoints.gguf import gemma3 as gemma3_gguf
+from pdserve.checkpoints.gguf import moe as moe_gguf
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,9 +71,12 @@ class GGUFArch:
     config_fix: ConfigFix | None = None
     implemented_keys: frozenset[str] = frozenset()  # REFUSED_KEYS this entry handles
     hidden_act: str = "silu"
+    # a block's [E, rows, cols] tensor of every expert -> the Hugging Face name of expert
+    # {j}'s [rows, cols] (checkpoints hold one tensor per expert, as transformers saves)
+    expert_tensors: Mapping[str, str] = field(default_factory=dict)
 
     def tensor_table(self) -> dict[str, str]:
-        return {**BLOCK_TENSORS, **self.block_tensors}
+        return {**BLOCK_TENSORS, **self.block_tensors, **self.expert_tensors}
 
 
 ARCHES: dict[str, GGUFArch] = {
@@ -102,5 +106,31 @@ ARCHES: dict[str, GGUFArch] = {
         config_fix=gemma3_gguf.config_fix,
         implemented_keys=gemma3_gguf.IMPLEMENTED_KEYS,
         hidden_act="gelu_pytorch_tanh",  # not read by Gemma 3 (hidden_activation is)
+    ),
+    # Phi-3 / Phi-4-mini: q|k|v and gate|up stored fused, as the Hugging Face checkpoint
+    # holds them (partial rotary and longrope's factor tensors are refused by name)
+    "phi3": GGUFArch(
+        "Phi3ForCausalLM",
+        "phi3",
+        block_tensors={
+            "attn_qkv.weight": "self_attn.qkv_proj.weight",
+            "ffn_up.weight": "mlp.gate_up_proj.weight",
+        },
+    ),
+    "qwen2moe": GGUFArch(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        block_tensors=moe_gguf.QWEN2MOE_TENSORS,
+        config_fix=moe_gguf.config_fix,
+        implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
+        expert_tensors=moe_gguf.EXPERT_TENSORS,
+    ),
+    "qwen3moe": GGUFArch(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        block_tensors=moe_gguf.QWEN3MOE_TENSORS,
+        config_fix=moe_gguf.config_fix,
+        implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
+        expert_tensors=moe_gguf.EXPERT_TENSORS,
     ),
 }

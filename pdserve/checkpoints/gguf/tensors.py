@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.checkpoints.gguf.arch import GLOBAL_TENSORS, GGUFArch
 from pdserve.checkpoints.gguf.error import GGUFError
+from pdserve.checkpoints.gguf.moe import ROW_VECTORS
 
 if TYPE_CHECKING:
     import gguf
@@ -48,6 +49,7 @@ def dequantizable_types() -> tuple[str, ...]:
 
 
 def hf_name(name: str, arch_name: str, arch: GGUFArch) -> str:
+    """The Hugging Face name of GGUF tensor `name` (an expert tensor's: with `{j}`)."""
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     m = _BLOCK_RE.fullmatch(name)
@@ -55,6 +57,21 @@ def hf_name(name: str, arch_name: str, arch: GGUFArch) -> str:
     if m and m.group(2) in table:
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
     raise GGUFError(f"tensor {name!r} is not supported for architecture {arch_name!r}")
+
+
+def hf_entries(
+    t: gguf.ReaderTensor, arch_name: str, arch: GGUFArch
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of each checkpoint tensor `t` holds, in the order its
+    values lie: one per expert for an [E, rows, cols] tensor of experts."""
+    name, shape = hf_name(t.name, arch_name, arch), hf_shape(t)
+    if "{j}" in name:
+        if len(shape) != 3:
+            raise GGUFError(f"tensor {t.name!r} has shape {shape}, expected [experts, rows, cols]")
+        return [(name.format(j=j), shape[1:]) for j in range(shape[0])]
+    if name.endswith(ROW_VECTORS) and len(shape) == 1:
+        return [(name, (1, *shape))]
+    return [(name, shape)]
 
 
 def check_tensors(reader: gguf.GGUFReader, arch_name: str, arch: GGUFArch) -> None:
@@ -66,7 +83,7 @@ def check_tensors(reader: gguf.GGUFReader, arch_name: str, arch: GGUFArch) -> No
                 f"tensor {t.name!r} has type {t.tensor_type.name}, which the gguf package "
                 f"cannot de-quantize (supported: {', '.join(supported)})"
             )
-        hf_name(t.name, arch_name, arch)
+        hf_entries(t, arch_name, arch)
 
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -132,16 +149,16 @@ def write_safetensors(
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in reader.tensors:
-        shape = hf_shape(t)
-        size = 4
-        for n in shape:
-            size *= n
-        entries[hf_name(t.name, arch_name, arch)] = {
-            "dtype": "F32",
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
+        for name, shape in hf_entries(t, arch_name, arch):
+            size = 4
+            for n in shape:
+                size *= n
+            entries[name] = {
+                "dtype": "F32",
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the format pads the header to 8 bytes with spaces
     with path.open("wb") as f:

@@ -17,6 +17,18 @@ from pdserve.model.arch.rules import refuse
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """The expert layers of a mixture-of-experts model (arch/moe_config.py)."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    norm_topk_prob: bool  # the top-k weights divided by their sum
+    expert_size: int  # each expert's intermediate size
+    shared_size: int  # the shared expert's intermediate size (Qwen2-MoE); 0: none
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """Every config value that changes the computation (fingerprinted as a whole)."""
 
@@ -48,6 +60,9 @@ class ModelArch:
     # (which then hold the full-attention layers'); None: every layer has the same rope
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    rotary_dim: int | None = None  # the values of a head rope turns (Phi-3); None: head_dim
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] (OLMoE)
+    moe: MoeSpec | None = None  # the expert layers (arch/moe.py); None: dense
 
     @property
     def attention_scale(self) -> float:
@@ -61,6 +76,15 @@ class ModelArch:
         if self.sliding_rope is not None and self.layer_windows[layer]:
             return self.sliding_rope
         return self.rope_theta, self.rope_scaling
+
+    @property
+    def context_positions(self) -> int:
+        """The longest context the model computes: max_position_embeddings, times `factor`
+        under dynamic rope (which rescales past it)."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "dynamic":
+            return int(self.max_position_embeddings * float(s["factor"]))
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:

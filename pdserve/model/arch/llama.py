@@ -153,7 +153,7 @@ class LlamaModel:
         count, read again). The one decoder loop of every architecture: a subclass
         changes its hooks (`_scale_embedding`, `_block`, `_norm`, `_logits`), not this."""
         h = self._scale_embedding(self.embed_rows(batch.input_ids))
-        tables = [r.tables(batch.positions) for r in self.ropes]  # shared by the layers
+        tables = [r.tables(batch.positions, batch) for r in self.ropes]  # shared by the layers
         delta = None  # the last sublayer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             if i and between_layers is not None:
@@ -259,7 +259,9 @@ def _rope(
     arch: ModelArch, layer: int, max_positions: int, dtype: torch.dtype, device: str
 ) -> RotaryEmbedding:
     theta, scaling = arch.layer_rope(layer)
-    return RotaryEmbedding(arch.head_dim, max_positions, theta, scaling, dtype, device)
+    return RotaryEmbedding(
+        arch.head_dim, max_positions, theta, scaling, dtype, device, arch.rotary_dim
+    )
 
 
 def _must(t: torch.Tensor | None) -> torch.Tensor:

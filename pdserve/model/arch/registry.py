@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdserve.model.arch import gemma3, llama
+from pdserve.model.arch import gemma3, llama, moe, phi3
 from pdserve.model.arch.config import Architecture, ModelArch, read_config_files
 from pdserve.model.arch.rules import LLAMA, UnsupportedConfig
 
@@ -31,7 +31,7 @@ def unregister(name: str) -> None:
     ARCHITECTURES.pop(name, None)
 
 
-for _arch in (*llama.ARCHITECTURES, gemma3.ARCHITECTURE):
+for _arch in (*llama.ARCHITECTURES, gemma3.ARCHITECTURE, phi3.ARCHITECTURE, *moe.ARCHITECTURES):
     register(_arch)
 
 

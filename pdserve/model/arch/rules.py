@@ -22,7 +22,7 @@ LLAMA, MISTRAL, QWEN2, QWEN3 = (
 # transformers' default when a field is absent from config.json
 MAX_POSITIONS_DEFAULT = {LLAMA: 2048, MISTRAL: 131072, QWEN2: 32768, QWEN3: 32768}
 KV_HEADS_DEFAULT: dict[str, int | None] = {LLAMA: None, MISTRAL: 8, QWEN2: 32, QWEN3: 32}
-ROPE_TYPES = ("default", "linear", "llama3")  # others are refused by name
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")  # others refused
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -71,13 +71,17 @@ def kv_heads(cfg: dict[str, Any], arch: str, heads: int) -> int:
 
 
 def rope(
-    cfg: dict[str, Any], max_positions: int, where: str = "rope_parameters"
+    cfg: dict[str, Any],
+    max_positions: int,
+    where: str = "rope_parameters",
+    partial_ok: bool = False,
 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) where scaling is None for the default rope.
 
     transformers 5 reads `rope_scaling` (old layout) before `rope_parameters` (new
     layout); a `rope_theta` inside the dict wins over the top-level one, and 10000 is
-    the default when neither has one. `where`: how refusals name the dict."""
+    the default when neither has one. `where`: how refusals name the dict; `partial_ok`:
+    the family rotates part of a head (partial_rotary_factor, read by `rotary_dim`)."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise refuse(where, params, "expected a dict")
@@ -88,7 +92,7 @@ def rope(
     if kind not in ROPE_TYPES:
         raise refuse(f"{where}.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
+    if not partial_ok and partial is not None and float(partial) != 1.0:
         raise refuse(
             "partial_rotary_factor", partial, "partial rotary embeddings are not implemented"
         )
@@ -96,21 +100,52 @@ def rope(
         raise refuse(f"{where}.rope_theta", theta, "expected a positive number")
     if kind == "default":
         return float(theta), None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    skip = ("rope_theta", "type", "partial_rotary_factor")
+    scaling = {k: v for k, v in params.items() if k not in skip}
     scaling["rope_type"] = kind
-    if kind == "llama3":
+    if kind in ("llama3", "yarn", "longrope"):
         # as transformers: a top-level value wins, else the dict's, else max_position_embeddings
         if "original_max_position_embeddings" in cfg:
             scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         scaling.setdefault("original_max_position_embeddings", max_positions)
-    need = {"linear": ("factor",), "llama3": LLAMA3_KEYS}[kind]
-    for key in need:
+    if kind in ("dynamic", "longrope"):  # dynamic's original context; longrope's default factor
+        scaling["max_position_embeddings"] = max_positions
+    for key in _NEED[kind]:
         if scaling.get(key) is None:
             raise refuse(f"{where}.{key}", None, f"required by rope_type {kind!r}")
+    known = set(_NEED[kind]) | _OPTIONAL.get(kind, set()) | {"rope_type"}
+    if kind in _OPTIONAL and (unknown := sorted(set(scaling) - known)):
+        raise refuse(f"{where}.{unknown[0]}", scaling[unknown[0]], f"not read by {kind!r}")
     return float(theta), scaling
 
 
+def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """The values of a head that rope turns: int(head_dim * partial_rotary_factor), even."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    factor = 1.0 if partial is None else partial
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise refuse("partial_rotary_factor", partial, "expected a number in (0, 1]")
+    dim = int(head_dim * factor)
+    if dim % 2:
+        raise refuse("partial_rotary_factor", partial, f"{dim} rotated values is not even")
+    return dim
+
+
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_NEED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": LLAMA3_KEYS,
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+# what else each type reads (rope_scaling.py); any other key is refused by name
+_OPTIONAL: dict[str, set[str]] = {
+    "yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+    "longrope": {"attention_factor", "factor", "max_position_embeddings"},
+    "dynamic": set(),
+}
 
 
 def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:

@@ -81,7 +81,7 @@ class NativeOps(TorchOps):
         return x
 
     def rotate(self, x: torch.Tensor, tables: Tables) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype != torch.float32 or tables[0].shape[-1] != x.shape[-1]:  # partial: torch
             return super().rotate(x, tables)
         self.kernels.rope_(x, tables)  # in place: x is a view of the fresh qkv output
         return x
