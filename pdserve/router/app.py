@@ -28,12 +28,15 @@ from pdserve.router.body import num_sequences
 from pdserve.router.http1 import Http1Pool
 from pdserve.router.loops import every, watch
 from pdserve.router.metrics import registry, render
-from pdserve.router.proxy import PDProxy
+from pdserve.router.proxy import PDProxy, Resilience
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
 GEN_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+WATCH_S = 0.5  # how often the watchdog looks at the attempts in flight (proxy.watchdog)
+STATS = ("requests_total", "failed_total", "aborted_total", "migrated_total", "stuck_total",
+         "shed_total")  # fmt: skip
 HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
@@ -48,9 +51,18 @@ class RouterConfig:
     metrics_public: bool = False  # True: /metrics answers without the key
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 3600.0  # longest silence on a leg
-    health_timeout_s: float = 5.0
-    health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
+    health_timeout_s: float = 3.0  # a worker whose /health takes longer is unhealthy
+    health_interval_s: float = 2.0  # background /health poll that marks workers (un)healthy
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
+    # docs/reliability.md: migration, stuck decodes, shedding
+    migration_limit: int = Resilience.migration_limit
+    stall_timeout_s: float = Resilience.stall_timeout_s
+    max_in_flight: int = 256  # per worker; a request finding every worker of a kind full is shed
+    retry_after_s: int = Resilience.retry_after_s
+
+    @property
+    def resilience(self) -> Resilience:
+        return Resilience(self.migration_limit, self.stall_timeout_s, self.retry_after_s)
 
 
 class RouterState:
@@ -58,13 +70,15 @@ class RouterState:
         self.cfg = cfg
         self.fatal: str | None = None  # why a loop died; /health is 503 from then on
         self._on_fatal = on_fatal
-        self.pool = WorkerPool.build(list(cfg.prefill), list(cfg.decode), cfg.policy)
+        self.pool = WorkerPool.build(
+            list(cfg.prefill), list(cfg.decode), cfg.policy, cfg.max_in_flight
+        )
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
+        self.stats = dict.fromkeys(STATS, 0)
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
-        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
+        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats, cfg.resilience)
         self.metrics = registry(self.stats, self.pool)
 
     def die(self, reason: str) -> None:
@@ -91,6 +105,8 @@ class RouterState:
                 timeout=self.cfg.health_timeout_s,
             )
             w.healthy, detail = r.status_code == 200, f"HTTP {r.status_code}"
+            if r.status_code == 503 and b"draining" in r.content:
+                detail = "draining"
         except httpx.HTTPError as e:
             w.healthy, detail = False, repr(e)
         return {"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight} | (
@@ -117,8 +133,11 @@ def create_app(cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         poll = asyncio.create_task(_health_loop(state))
         watch(poll, "the worker health loop", state.die)
+        dog = asyncio.create_task(every(WATCH_S, state.proxy.watchdog, "the stuck-decode watch"))
+        watch(dog, "the stuck-decode watch", state.die)
         yield
         poll.cancel()
+        dog.cancel()
         await state.client.aclose()
         state.legs.close()
 
@@ -158,7 +177,7 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         resp = await state.proxy.forward(
-            "/generate", dict(HEALTH_PROBE), state.worker_headers(None), None
+            "/generate", dict(HEALTH_PROBE), state.worker_headers(None), None, migrate=False
         )
         return Response(status_code=200 if resp.status_code == 200 else 503)
 
@@ -239,4 +258,10 @@ def config_from_args(args: Any) -> RouterConfig:
         api_key=args.api_key or ENV.API_KEY.get(),
         metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
+        **{k: getattr(args, k) for k in TUNABLE if getattr(args, k, None) is not None},
     )
+
+
+# RouterConfig fields `pdserve router` (and `pdserve up`) take as flags of the same name
+TUNABLE = ("migration_limit", "stall_timeout_s", "health_interval_s", "health_timeout_s",
+           "max_in_flight")  # fmt: skip
