@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.config import ROUTER_FAULT_FLAGS, RouterFaults
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
 from pdserve.edge.errors import error_body
@@ -28,7 +29,7 @@ from pdserve.router.body import num_sequences
 from pdserve.router.http1 import Http1Pool
 from pdserve.router.loops import every, watch
 from pdserve.router.metrics import registry, render
-from pdserve.router.proxy import PDProxy, Resilience
+from pdserve.router.proxy import PDProxy
 from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -51,18 +52,18 @@ class RouterConfig:
     metrics_public: bool = False  # True: /metrics answers without the key
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 3600.0  # longest silence on a leg
-    health_timeout_s: float = 3.0  # a worker whose /health takes longer is unhealthy
-    health_interval_s: float = 2.0  # background /health poll that marks workers (un)healthy
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
-    # docs/reliability.md: migration, stuck decodes, shedding
-    migration_limit: int = Resilience.migration_limit
-    stall_timeout_s: float = Resilience.stall_timeout_s
-    max_in_flight: int = 256  # per worker; a request finding every worker of a kind full is shed
-    retry_after_s: int = Resilience.retry_after_s
+    # RouterFaults' (config.py; docs/reliability.md): migration, health, stalls, shedding
+    migration_limit: int = RouterFaults.migration_limit
+    stall_timeout_s: float = RouterFaults.stall_timeout_s
+    health_interval_s: float = RouterFaults.health_interval_s
+    health_timeout_s: float = RouterFaults.health_timeout_s
+    max_in_flight: int = RouterFaults.max_in_flight
+    retry_after_s: int = RouterFaults.retry_after_s
 
     @property
-    def resilience(self) -> Resilience:
-        return Resilience(self.migration_limit, self.stall_timeout_s, self.retry_after_s)
+    def faults(self) -> RouterFaults:
+        return RouterFaults(**{f: getattr(self, f) for f in RouterFaults.__dataclass_fields__})
 
 
 class RouterState:
@@ -78,7 +79,7 @@ class RouterState:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.stats = dict.fromkeys(STATS, 0)
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
-        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats, cfg.resilience)
+        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats, cfg.faults)
         self.metrics = registry(self.stats, self.pool)
 
     def die(self, reason: str) -> None:
@@ -258,10 +259,9 @@ def config_from_args(args: Any) -> RouterConfig:
         api_key=args.api_key or ENV.API_KEY.get(),
         metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
-        **{k: getattr(args, k) for k in TUNABLE if getattr(args, k, None) is not None},
+        **{
+            k: getattr(args, k)
+            for k, _ in ROUTER_FAULT_FLAGS.values()
+            if getattr(args, k, None) is not None
+        },  # fmt: skip
     )
-
-
-# RouterConfig fields `pdserve router` (and `pdserve up`) take as flags of the same name
-TUNABLE = ("migration_limit", "stall_timeout_s", "health_interval_s", "health_timeout_s",
-           "max_in_flight")  # fmt: skip

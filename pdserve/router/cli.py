@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from pdserve.config import ROUTER_POLICIES
+from pdserve.config import ROUTER_POLICIES, add_router_fault_flags
 
 
 def add_cli(sub: Any) -> None:
@@ -36,47 +36,11 @@ def add_cli(sub: Any) -> None:
         action="store_true",
         help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
-    add_resilience_flags(p)
+    add_router_fault_flags(p)
     p.add_argument(
         "--pd-disaggregation", action="store_true", help="accepted for sglang-router parity"
     )
     p.set_defaults(func=_run_router)
-
-
-def add_resilience_flags(p: Any) -> None:
-    """The router's fault settings (docs/reliability.md); `pdserve up` takes them too.
-    Defaults: RouterConfig's (None here: not given)."""
-    p.add_argument(
-        "--migration-limit",
-        type=int,
-        default=None,
-        help="times a request may "
-        "move to another prefill/decode pair after a failure (0: never; default 3)",
-    )
-    p.add_argument(
-        "--stall-timeout",
-        dest="stall_timeout_s",
-        type=float,
-        default=None,
-        help="seconds a streamed decode may go silent before its request moves (default 30)",
-    )
-    p.add_argument(
-        "--health-interval",
-        dest="health_interval_s",
-        type=float,
-        default=None,
-        help="seconds between the router's worker health checks (default 2)",
-    )
-    p.add_argument(
-        "--health-timeout",
-        dest="health_timeout_s",
-        type=float,
-        default=None,
-        help="seconds a worker's /health may take before it counts as unhealthy (default 3)",
-    )
-    p.add_argument("--max-in-flight", type=int, default=None, help="requests per worker "
-                   "beyond which it gets no more; when all are full the router sheds with "
-                   "503 (0: no limit; default 256)")  # fmt: skip
 
 
 def _run_router(args: argparse.Namespace) -> int:

@@ -20,13 +20,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.config import RouterFaults
 from pdserve.edge.errors import ClientGone, error_body
 from pdserve.router.attempt import Attempt, Run
 from pdserve.router.body import with_bootstrap
@@ -36,15 +36,6 @@ from pdserve.router.relay import TOKEN_IDS_HEADER, events
 from pdserve.router.workers import NoWorker, WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Resilience:
-    """The router's fault settings (RouterConfig's; defaults in docs/reliability.md)."""
-
-    migration_limit: int = 3  # attempts after the first, per request (0: never migrate)
-    stall_timeout_s: float = 30.0  # a streamed decode silent this long is given up on
-    retry_after_s: int = 1  # a shed request's Retry-After
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -82,7 +73,7 @@ class PDProxy:
     """Sends requests through (prefill, decode) pairs of `pool`."""
 
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, legs: Http1Pool,
-                 stats: dict[str, int], settings: Resilience = Resilience()) -> None:  # fmt: skip
+                 stats: dict[str, int], settings: RouterFaults = RouterFaults()) -> None:  # fmt: skip
         self.pool = pool
         self.client = client  # /abort_request
         self.legs = legs  # the two legs of every request (http1.py: why not httpx)

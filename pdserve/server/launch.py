@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.config import ROUTER_POLICIES
+from pdserve.config import ROUTER_FAULT_FLAGS, ROUTER_POLICIES, add_router_fault_flags
 from pdserve.envs import ENV
 from pdserve.server.launch_children import (
     Child,
@@ -79,6 +79,9 @@ def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[C
         "--policy",
         args.policy,
     ]
+    for flag, (dest, _) in ROUTER_FAULT_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            argv += [flag, str(getattr(args, dest))]
     for p in prefills:
         argv += ["--prefill", p.url, str(p.bootstrap_port)]
     for d in decodes:
@@ -306,6 +309,7 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     p.add_argument("--restart-backoff-max", type=float, default=RestartPolicy.max_s,
                    help="longest wait before a restart, seconds")  # fmt: skip
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
+    add_router_fault_flags(p)  # the router's
     _keep_unknown(p)  # any other flag goes to every prefill and decode server
     p.set_defaults(func=func)
 

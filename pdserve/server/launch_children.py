@@ -189,12 +189,12 @@ def _group_alive(child: Child) -> bool:
 
 
 def stop_all(children: list[Child], grace_s: float) -> None:
-    """SIGTERM each server's leader (last started first): a frontend shuts down
+    """SIGINT each server's leader (last started first): a frontend shuts down
     gracefully (streams in flight end) and then stops its own engine, so no engine dies
     under a live frontend (which would log it as a crash). Once a leader is gone, SIGTERM
     what is left of its group; SIGKILL every group still alive after `grace_s`."""
     for c in reversed(children):
-        _signal_leader(c, signal.SIGTERM)
+        _signal_leader(c, signal.SIGINT)  # SIGTERM would drain (server/drain.py)
     swept: set[int] = set()
     deadline = time.monotonic() + grace_s
     while any(_group_alive(c) for c in children) and time.monotonic() < deadline:

@@ -75,6 +75,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         served_model_name=args.served_model_name or resolved.name,
         api_key=args.api_key or ENV.API_KEY.get(), metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=args.max_body_bytes, engine_start_timeout_s=args.engine_start_timeout,
+        drain_timeout_s=args.drain_timeout,
         log_level=getattr(args, "log_level", "info"),
         unknown_fields=args.unknown_fields, chat_template=args.chat_template,
         cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
@@ -93,9 +94,10 @@ def run_server(role: str, args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
     engine_died = _engine_died_since(app.state.frontend.client, ENGINE_DEATH_GRACE_S)
+    drain = app.state.drain
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
           sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3,
-          stop_when=engine_died)  # fmt: skip
+          stop_when=lambda: engine_died() or drain.done(), on_sigterm=drain.start)  # fmt: skip
     if engine_died():
         raise SystemExit(f"pdserve {role}: {app.state.frontend.client.error}")
     return 0
