@@ -1,0 +1,121 @@
+"""The router's migration, watchdog and shedding, against fake workers (no model).
+
+One router in front of one prefill and two decodes; each test sets the decodes' faults
+(fake_workers.py: `stall_at`, `error_at`, `fail_status`) and resets them after. Event i
+of a fake stream stands for token 100 + i, so a stream the client reads as i = 0, 1, ...
+with nothing repeated or skipped across the two decodes is one continued stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fake_workers import FakeWorker, Served
+
+from pdserve.router.app import RouterConfig, create_app
+
+CHUNKS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[FakeWorker, list[FakeWorker], str]]:
+    p = FakeWorker("prefill", "P").start()
+    ds = [FakeWorker("decode", f"D{i}", stream_chunks=CHUNKS, first_try_only=True).start()
+          for i in range(2)]  # fmt: skip
+    cfg = RouterConfig(prefill=((p.url, 9001),), decode=tuple(d.url for d in ds),
+                       stall_timeout_s=0.5, health_interval_s=60.0)  # fmt: skip
+    router = Served(create_app(cfg))
+    yield p, ds, router.url
+    router.stop()
+    for w in (p, *ds):
+        w.stop()
+
+
+@pytest.fixture
+def decodes(cluster) -> Iterator[list[FakeWorker]]:
+    _, ds, _ = cluster
+    yield ds
+    for d in ds:
+        d.stall_at = d.error_at = d.fail_status = None
+        d.received.clear()
+
+
+def _stream(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/generate", json=body | {"stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        raw = r.read().decode()
+    assert ": ids" not in raw, "the router strips the token-id comments"
+    return [json.loads(b[6:]) for b in raw.split("\n\n") if b.startswith("data: {")]
+
+
+def _tried(decodes: list[FakeWorker]) -> tuple[FakeWorker, FakeWorker]:
+    """(the decode that got the first try, the other one)."""
+    first = [
+        d for d in decodes if any("-m" not in r.body["rid"] for r in d.gen_requests(timeout=0))
+    ]
+    assert len(first) == 1
+    return first[0], next(d for d in decodes if d is not first[0])
+
+
+def _counter(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"pdserve:router_{name}_total "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} counter")
+
+
+@pytest.mark.parametrize("fault", ["stall", "error"])
+def test_a_stream_continues_on_the_other_decode_after_the_tokens_sent(cluster, decodes, fault):
+    _, _, url = cluster
+    for d in decodes:
+        setattr(d, f"{fault}_at", 3)
+    moved, stuck = _counter(url, "migrated"), _counter(url, "stuck")
+    t0 = time.monotonic()
+    events = _stream(url, {"text": "x", "sampling_params": {"max_new_tokens": CHUNKS}})
+    bad, good = _tried(decodes)
+    assert [e["i"] for e in events] == list(range(CHUNKS))  # nothing lost, nothing twice
+    assert [e["worker"] for e in events] == [bad.name] * 3 + [good.name] * 3
+    (resumed,) = good.gen_requests(1)
+    assert resumed.body["resume_ids"] == [100, 101, 102]
+    assert resumed.body["rid"] == bad.gen_requests(1)[0].body["rid"] + "-m1"
+    assert _counter(url, "migrated") == moved + 1
+    assert _counter(url, "stuck") == stuck + (fault == "stall")
+    assert time.monotonic() - t0 < 5.0  # the stall timeout (0.5 s), not the request's
+
+
+def test_a_stream_that_cannot_be_continued_ends_with_one_error(cluster, decodes):
+    _, _, url = cluster
+    for d in decodes:
+        d.error_at = 2
+    body = {"text": "x", "sampling_params": {"max_new_tokens": CHUNKS, "seed": 7}}
+    events = _stream(url, body)
+    _, good = _tried(decodes)
+    assert [e.get("i") for e in events] == [0, 1, None] and "error" in events[-1]
+    assert good.gen_requests(timeout=0.3) == []
+
+
+def test_a_failed_request_runs_again_on_the_other_decode(cluster, decodes):
+    _, _, url = cluster
+    for d in decodes:
+        d.fail_status = 503
+    r = httpx.post(
+        url + "/generate", json={"text": "x", "sampling_params": {"seed": 1}}, timeout=10
+    )
+    _, good = _tried(decodes)
+    assert r.status_code == 200 and r.json()["text"].startswith(good.name)
+    assert "resume_ids" not in good.gen_requests(1)[0].body
+
+
+def test_with_every_decode_failing_the_client_gets_the_last_error(cluster, decodes):
+    _, _, url = cluster
+    for d in decodes:
+        d.fail_status, d.first_try_only = 503, False
+    r = httpx.post(url + "/generate", json={"text": "x"}, timeout=10)
+    for d in decodes:
+        d.first_try_only = True
+    assert r.status_code == 503 and "failed" in r.json()["error"]["message"]
+    assert [len(d.gen_requests(1)) for d in decodes] == [1, 1]  # each tried once
