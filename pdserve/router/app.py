@@ -106,10 +106,10 @@ class RouterState:
                 timeout=self.cfg.health_timeout_s,
             )
             w.healthy, detail = r.status_code == 200, f"HTTP {r.status_code}"
-            if r.status_code == 503 and b"draining" in r.content:
-                detail = "draining"
+            draining = r.status_code == 503 and b"draining" in r.content
+            w.alive, detail = w.healthy or draining, "draining" if draining else detail
         except httpx.HTTPError as e:
-            w.healthy, detail = False, repr(e)
+            w.healthy, w.alive, detail = False, False, repr(e)
         return {"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight} | (
             {} if w.healthy else {"error": detail}
         )

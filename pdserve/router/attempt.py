@@ -37,7 +37,8 @@ PREFILL_GRACE_S = 30.0  # after the decode finished, the lease waits this long f
 _RESUMABLE = frozenset(
     "model prompt messages text input_ids max_tokens max_completion_tokens temperature top_p "
     "top_k min_p stop stop_token_ids ignore_eos stream stream_options rid user tools "
-    "tool_choice parallel_tool_calls chat_template_kwargs metadata sampling_params".split()
+    "tool_choice parallel_tool_calls chat_template_kwargs metadata sampling_params "
+    "resume_ids".split()
 )
 _RESUMABLE_SAMPLING = frozenset(
     "max_new_tokens temperature top_p top_k min_p stop stop_token_ids ignore_eos".split()
@@ -89,8 +90,8 @@ class Run:
         body = dict(self.body)
         if rid is not None:
             body["rid"] = rid if self.attempts == 0 else f"{rid}-m{self.attempts}"
-        if self.ids:
-            body["resume_ids"] = list(self.ids)
+        if self.ids:  # after those the client itself resumed from, if any
+            body["resume_ids"] = list(self.body.get("resume_ids") or ()) + self.ids
         return body
 
 

@@ -105,11 +105,12 @@ class PDProxy:
         return results
 
     async def watchdog(self) -> None:
-        """Trip each attempt whose decode stopped answering its health checks, or whose
+        """Trip each attempt whose decode stopped answering its health checks (a draining
+        one answers: its requests finish there), or whose
         stream made no progress for `stall_timeout_s` (one pass; app.py runs it often)."""
         now = time.monotonic()
         for a in list(self.live):
-            if not a.decode.healthy:
+            if not a.decode.alive:
                 reason = f"decode {a.decode.url} stopped answering its health checks"
             elif a.stream and now - a.progress > self.settings.stall_timeout_s:
                 reason = f"decode {a.decode.url} made no progress for {now - a.progress:.0f}s"
@@ -185,7 +186,8 @@ class PDProxy:
         """After a failed attempt: mark an unreachable worker down, and say whether the
         run goes on with another pair (counted as a migration)."""
         if a is not None and e.down:
-            (a.prefill if e.prefill else a.decode).healthy = False  # until its next /health
+            down = a.prefill if e.prefill else a.decode
+            down.healthy = down.alive = False  # until its next /health
         if not run.retry(e, a) or not self._elsewhere(run, e):
             return False
         self.stats["migrated_total"] += 1

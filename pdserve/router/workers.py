@@ -21,7 +21,11 @@ class Worker:
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None  # prefill only; None: the prefill's own default
     in_flight: int = 0  # requests through this router not yet finished on this worker
-    healthy: bool = True  # last /health result seen by the router (or a failed connect)
+    healthy: bool = True  # last /health was 200: it gets new work
+    # last /health answered in time, 200 or "draining" (a failed connect: False); the
+    # requests on a decode that is not alive are given up on (proxy.watchdog), those on
+    # a draining one finish there
+    alive: bool = True
 
     @property
     def host(self) -> str:
