@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 from fake_workers import FakeWorker, Served
+from fault_proxy import FaultProxy
 
 from pdserve.router.app import RouterConfig, create_app
 
@@ -119,3 +120,78 @@ def test_with_every_decode_failing_the_client_gets_the_last_error(cluster, decod
         d.first_try_only = True
     assert r.status_code == 503 and "failed" in r.json()["error"]["message"]
     assert [len(d.gen_requests(1)) for d in decodes] == [1, 1]  # each tried once
+
+
+# ---- network faults: the link to one decode through a fault proxy ---------------------------
+
+
+@pytest.fixture(scope="module")
+def linked() -> Iterator[tuple[FaultProxy, list[FakeWorker], str]]:
+    """A router whose first decode sits behind a FaultProxy; its streams are slow enough
+    (20 events, 50 ms apart) for a fault to land mid-stream."""
+    p = FakeWorker("prefill", "P").start()
+    ds = [FakeWorker("decode", f"L{i}", stream_chunks=20, chunk_delay_s=0.05).start()
+          for i in range(2)]  # fmt: skip
+    proxy = FaultProxy(ds[0].port)
+    cfg = RouterConfig(prefill=((p.url, 9001),), decode=(proxy.url, ds[1].url),
+                       stall_timeout_s=0.5, health_interval_s=60.0, health_timeout_s=0.5)  # fmt: skip
+    router = Served(create_app(cfg))
+    yield proxy, ds, router.url
+    router.stop()
+    proxy.close()
+    for w in (p, *ds):
+        w.stop()
+
+
+def _through_proxy_then(url: str, ds: list[FakeWorker], fault: Callable[[], None]) -> list[dict]:
+    """A stream that starts on the proxied decode (the other one looks unhealthy until
+    the stream has 3 events); then the other is healthy again and `fault()` runs."""
+    ds[1].healthy = False
+    httpx.get(url + "/health", timeout=5)  # the router marks it
+    body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 20}}
+    events: list[dict] = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    ds[1].healthy = True
+                    httpx.get(url + "/health", timeout=5)
+                    fault()
+    return events
+
+
+@pytest.mark.parametrize("fault", ["stall", "cut"])
+def test_a_broken_link_to_the_decode_moves_the_stream(linked, fault):
+    proxy, ds, url = linked
+    t0 = time.monotonic()
+
+    def act() -> None:
+        if fault == "stall":
+            proxy.mode = "stall"
+        else:
+            proxy.cut()
+
+    try:
+        events = _through_proxy_then(url, ds, act)
+    finally:
+        proxy.mode = "pass"
+    assert [e["i"] for e in events] == list(range(20))
+    assert events[0]["worker"] == "L0" and events[-1]["worker"] == "L1"
+    assert time.monotonic() - t0 < 8.0
+    # the link restored, the proxied decode is used again
+    httpx.get(url + "/health", timeout=5)
+    n = len(ds[0].gen_requests(timeout=0))
+    for _ in range(2):
+        assert httpx.post(url + "/generate", json={"text": "x"}, timeout=10).status_code == 200
+    assert len(ds[0].gen_requests(n + 1)) == n + 1
+
+
+def test_a_slow_link_is_not_a_fault(linked):
+    proxy, ds, url = linked
+    proxy.mode, proxy.delay_s = "slow", 0.02
+    try:
+        events = _through_proxy_then(url, ds, lambda: None)
+    finally:
+        proxy.mode = "pass"
+    assert [e["worker"] for e in events] == ["L0"] * 20

@@ -140,8 +140,7 @@ class PDProxy:
             self.stats["failed_total"] += 1
             return JSONResponse(error_body("internal router error", "router_error", None, 500), 500)
         finally:
-            if not run.stream:
-                gone.cancel()
+            gone.cancel()  # a stream's relay watches the client itself (StreamingResponse)
 
     async def _forward(self, run: Run, gone: asyncio.Future) -> Response:
         while True:
