@@ -36,7 +36,7 @@ from tests.test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-ROUTER = ["--health-interval", "0.5", "--health-timeout", "1.5", "--stall-timeout", "5"]
+ROUTER = ["--health-interval", "0.5", "--stall-timeout", "5"]
 WORKERS = ["--max-total-tokens", "8192", "--max-running-requests", "8", "--drain-timeout", "30"]
 NEW = 160  # tokens per stream: long enough that a fault lands mid-stream
 STREAMS = 6  # /generate streams (token ids compared); plus CHATS chat streams (text, usage)

@@ -106,11 +106,13 @@ class PDProxy:
 
     async def watchdog(self) -> None:
         """Trip each attempt whose decode stopped answering its health checks (a draining
-        one answers: its requests finish there), or whose
-        stream made no progress for `stall_timeout_s` (one pass; app.py runs it often)."""
+        one answers: its requests finish there), unless its stream still moves (a slow
+        /health on a busy box is no fault), or whose stream made no progress for
+        `stall_timeout_s` (one pass; app.py runs it often)."""
         now = time.monotonic()
+        quiet = self.settings.health_timeout_s  # silence that, with a failed /health, is stuck
         for a in list(self.live):
-            if not a.decode.alive:
+            if not a.decode.alive and (not a.stream or now - a.progress > quiet):
                 reason = f"decode {a.decode.url} stopped answering its health checks"
             elif a.stream and now - a.progress > self.settings.stall_timeout_s:
                 reason = f"decode {a.decode.url} made no progress for {now - a.progress:.0f}s"
