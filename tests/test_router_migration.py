@@ -195,3 +195,29 @@ def test_a_slow_link_is_not_a_fault(linked):
     finally:
         proxy.mode = "pass"
     assert [e["worker"] for e in events] == ["L0"] * 20
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "ok"),
+    [
+        ("/v1/chat/completions", {"messages": [], "stream": True, "seed": None, "n": 1}, True),
+        ("/v1/chat/completions", {"messages": [], "temperature": 0.7, "stop": ["x"]}, True),
+        ("/v1/chat/completions", {"messages": [], "seed": 3}, False),
+        ("/v1/chat/completions", {"messages": [], "logprobs": True}, False),
+        (
+            "/v1/chat/completions",
+            {"messages": [], "response_format": {"type": "json_object"}},
+            False,
+        ),
+        ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 0.5}, False),
+        ("/v1/completions", {"prompt": ["a", "b"]}, False),
+        ("/generate", {"text": "x", "sampling_params": {"frequency_penalty": 0.0}}, True),
+        ("/generate", {"text": "x", "sampling_params": {"n": 2}}, False),
+        ("/generate", {"input_ids": [[1], [2]]}, False),
+        ("/generate", {"text": "x", "some_new_field": 1}, False),
+    ],
+)
+def test_which_streams_may_resume(path, body, ok):
+    from pdserve.router.attempt import resumable
+
+    assert resumable(path, body) is ok

@@ -45,12 +45,24 @@ _RESUMABLE_SAMPLING = frozenset(
 )
 
 
+# Those fields at these values change nothing (clients send defaults explicitly)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1, None), "seed": (None,), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "return_logprob": (False,), "echo": (False,), "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+}  # fmt: skip
+
+
+def _plain(fields: dict[str, Any], allowed: frozenset[str]) -> bool:
+    return all(k in allowed or v in _NEUTRAL.get(k, ()) for k, v in fields.items())
+
+
 def resumable(path: str, body: dict[str, Any]) -> bool:
     """True when a stream of `body` may continue on another pair after tokens went out."""
-    if not set(body) <= _RESUMABLE or body.get("n", 1) != 1:
-        return False
     sp = body.get("sampling_params", {})
-    if not isinstance(sp, dict) or not set(sp) <= _RESUMABLE_SAMPLING:
+    if not _plain(body, _RESUMABLE) or not isinstance(sp, dict):
+        return False
+    if not _plain(sp, _RESUMABLE_SAMPLING):
         return False
     prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
     batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
