@@ -55,15 +55,20 @@ async def events(run: Run, a: Attempt) -> AsyncIterator[bytes]:
             a.progress = time.monotonic()
             buf += chunk
             *blocks, buf = buf.split(b"\n\n")
+            outs: list[bytes] = []  # one write to the client per chunk, as it came
             for block in blocks:
                 ids, out = split_block(block)
                 if out.startswith(_ERROR):
+                    if outs:
+                        yield b"".join(outs)
                     raise worker_error(out)
                 run.ids += ids
                 if out:
                     run.sent = True
                     run.done = run.done or out.startswith(_DONE)
-                    yield out
+                    outs.append(out)
+            if outs:
+                yield outs[0] if len(outs) == 1 else b"".join(outs)
     except LegError as e:
         if a.tripped is not None:
             raise LegError(504, a.tripped, retryable=True) from e
