@@ -90,6 +90,7 @@ class FakeWorker:
     error_at: int | None = None  # event index where a stream sends an error event instead
     first_try_only: bool = False
     healthy: bool = True
+    draining: bool = False  # /health answers 503 {"status": "draining"}
     info_status: int = 200  # status of /server_info and /model_info
     model_info: dict[str, Any] = field(
         default_factory=lambda: {"model_path": "fake", "is_generation": True}
@@ -202,6 +203,8 @@ def build_app(worker: FakeWorker) -> FastAPI:
     @app.get("/health_generate")
     async def health(request: Request):
         await record_get(request)
+        if worker.draining:  # as a frontend after SIGTERM (server/drain.py)
+            return JSONResponse({"status": "draining"}, status_code=503)
         return PlainTextResponse("", status_code=200 if worker.healthy else 503)
 
     @app.get("/server_info")

@@ -221,3 +221,41 @@ def test_which_streams_may_resume(path, body, ok):
     from pdserve.router.attempt import resumable
 
     assert resumable(path, body) is ok
+
+
+def test_a_draining_prefill_gets_no_new_work_and_its_refusal_goes_elsewhere():
+    ps = [FakeWorker("prefill", f"P{i}").start() for i in range(2)]
+    d = FakeWorker("decode", "D").start()
+    cfg = RouterConfig(prefill=tuple((p.url, 9001 + i) for i, p in enumerate(ps)),
+                       decode=(d.url,), health_interval_s=60.0)  # fmt: skip
+    router = Served(create_app(cfg))
+    try:
+        ps[0].fail_status = 503  # refuses as a draining frontend does, before /health says so
+        for _ in range(2):  # whichever prefill the round robin starts at
+            r = httpx.post(router.url + "/generate", json={"text": "x"}, timeout=10)
+            assert r.status_code == 200
+        assert len(ps[1].gen_requests(2)) == 2
+        state = router.server.config.app.state.router  # type: ignore[attr-defined]
+        assert state.stats["failed_total"] == 0
+    finally:
+        router.stop()
+        for w in (*ps, d):
+            w.stop()
+
+
+def test_a_draining_decode_keeps_its_stream_and_gets_no_new_one(linked):
+    proxy, ds, url = linked
+
+    def drain() -> None:
+        ds[0].draining = True
+        httpx.get(url + "/health", timeout=5)  # the router sees it
+
+    try:
+        events = _through_proxy_then(url, ds, drain)
+        time.sleep(1.0)  # two watchdog passes, past the stall timeout of a silent stream
+        r = httpx.post(url + "/generate", json={"text": "x"}, timeout=10)
+    finally:
+        ds[0].draining = False
+        httpx.get(url + "/health", timeout=5)
+    assert [e["worker"] for e in events] == ["L0"] * 20  # finished where it ran
+    assert r.status_code == 200 and r.json()["text"].startswith("L1")
