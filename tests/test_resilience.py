@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -133,7 +134,8 @@ def _pid_on(url: str) -> int:
 
 
 def _under_fault(st: dict[str, Any], fault: Callable[[], None]) -> list[Any]:
-    """The load, with `fault()` once every stream has tokens (and before any has all)."""
+    """The load, with `fault()` once every stream has tokens (the tests check that some
+    were still running on the faulted decode: the router's migration counter)."""
     progress: dict[int, int] = {}
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.extend(_load(st["url"], progress)))
@@ -142,7 +144,6 @@ def _under_fault(st: dict[str, Any], fault: Callable[[], None]) -> list[Any]:
     while len(progress) < STREAMS + CHATS or min(progress.values()) < 3:
         assert t.is_alive() and time.monotonic() < deadline, f"no load to fault: {progress}"
         time.sleep(0.005)
-    assert max(progress.values()) < NEW, "a stream ended before the fault"
     fault()
     t.join(BOUND_S + 10)
     assert not t.is_alive()
@@ -245,7 +246,8 @@ def test_sigterm_on_a_decode_drains_it_without_a_failed_request(stack):
     log = st["logs"] / "decode1.log"
     out = _under_fault(st, lambda: os.kill(pid, signal.SIGTERM))
     _check(st, out, gone=decode, starting=st["decodes"][0])
-    assert "SIGTERM: draining" in log.read_text()
+    drained = re.search(r"SIGTERM: draining \((\d+) requests in flight", log.read_text())
+    assert drained and int(drained.group(1)) > 0, "it had streams to finish"
     assert _wait(lambda: _pid_on_or_none(decode) not in (pid,), 60.0)
     assert _wait(lambda: "decode1 exited with 0" in _up_log(st), 10.0), "a drain exits 0"
 

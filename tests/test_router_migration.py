@@ -128,9 +128,9 @@ def test_with_every_decode_failing_the_client_gets_the_last_error(cluster, decod
 @pytest.fixture(scope="module")
 def linked() -> Iterator[tuple[FaultProxy, list[FakeWorker], str]]:
     """A router whose first decode sits behind a FaultProxy; its streams are slow enough
-    (20 events, 50 ms apart) for a fault to land mid-stream."""
+    (20 events, 30 ms apart) for a fault to land mid-stream."""
     p = FakeWorker("prefill", "P").start()
-    ds = [FakeWorker("decode", f"L{i}", stream_chunks=20, chunk_delay_s=0.05).start()
+    ds = [FakeWorker("decode", f"L{i}", stream_chunks=20, chunk_delay_s=0.03).start()
           for i in range(2)]  # fmt: skip
     proxy = FaultProxy(ds[0].port)
     cfg = RouterConfig(prefill=((p.url, 9001),), decode=(proxy.url, ds[1].url),
