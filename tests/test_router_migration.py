@@ -225,7 +225,8 @@ def test_which_streams_may_resume(path, body, ok):
 
 def test_a_draining_prefill_gets_no_new_work_and_its_refusal_goes_elsewhere():
     ps = [FakeWorker("prefill", f"P{i}").start() for i in range(2)]
-    d = FakeWorker("decode", "D").start()
+    # the decode answers after the prefill's refusal (a real one waits for the KV)
+    d = FakeWorker("decode", "D", hold_s=0.3).start()
     cfg = RouterConfig(prefill=tuple((p.url, 9001 + i) for i, p in enumerate(ps)),
                        decode=(d.url,), health_interval_s=60.0)  # fmt: skip
     router = Served(create_app(cfg))
@@ -259,3 +260,9 @@ def test_a_draining_decode_keeps_its_stream_and_gets_no_new_one(linked):
         httpx.get(url + "/health", timeout=5)
     assert [e["worker"] for e in events] == ["L0"] * 20  # finished where it ran
     assert r.status_code == 200 and r.json()["text"].startswith("L1")
+
+
+def test_a_rid_that_is_no_string_is_the_workers_to_refuse(cluster, decodes):
+    _, _, url = cluster
+    r = httpx.post(url + "/generate", json={"text": "x", "rid": []}, timeout=10)
+    assert r.status_code == 200  # the fake workers take it; a real one answers 400

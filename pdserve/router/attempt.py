@@ -96,12 +96,12 @@ class Run:
         self.attempts += 1
         return True
 
-    def attempt_body(self, rid: str | None) -> dict[str, Any]:
+    def attempt_body(self, rid: Any) -> dict[str, Any]:
         """The body of the next attempt (before with_bootstrap): its own rid (the workers
         may still hold the last one) and the tokens the client has."""
         body = dict(self.body)
-        if rid is not None:
-            body["rid"] = rid if self.attempts == 0 else f"{rid}-m{self.attempts}"
+        if isinstance(rid, str) and self.attempts:  # (a rid that is no string: the workers' 400)
+            body["rid"] = f"{rid}-m{self.attempts}"
         if self.ids:  # after those the client itself resumed from, if any
             body["resume_ids"] = list(self.body.get("resume_ids") or ()) + self.ids
         return body
@@ -111,11 +111,12 @@ class Attempt:
     """One pair serving a Run; `finish` releases everything once."""
 
     def __init__(self, proxy: Any, prefill: Worker, decode: Worker, body: dict, lease: Any,
-                 headers: dict, key: str | None) -> None:  # fmt: skip
+                 headers: dict, key: Any) -> None:  # fmt: skip
         self.proxy, self.prefill, self.decode, self.body = proxy, prefill, decode, body
         self.lease = lease
         self.headers = headers  # the legs' own (the key a worker wants for the abort, too)
-        self.key = key  # the client's rid, under which /abort_request finds this attempt
+        # the client's rid, under which /abort_request finds this attempt
+        self.key = key if isinstance(key, str) else None
         rid = body.get("rid")
         self.rid = rid if isinstance(rid, str) else None  # the workers'
         self.tasks: list[asyncio.Future] = []
