@@ -4,7 +4,8 @@ One stack for the module (the tiny model; short router timeouts: `ROUTER`); the 
 in file order and each leaves a serving stack behind:
 
     resume  ->  SIGSTOP decode0  ->  kill -9 decode0 (pdserve up restarts it)  ->  SIGTERM
-    decode1 while decode0 starts again (the drain alone must carry its streams)
+    decode1 and the prefill while decode0 starts again (the drain alone must carry the
+    streams)
 
 Each fault lands while every stream of the load has some tokens and none has all. A
 stream must then end exactly as it did undisturbed (the reference run, same stack): the
@@ -171,15 +172,13 @@ def _wait(cond: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def _check(
-    st: dict[str, Any], out: list[Any], gone: str | None = None, starting: str | None = None
-) -> None:
+def _check(st: dict[str, Any], out: list[Any], *gone: str) -> None:
     """The load's outcomes equal the undisturbed run's; no worker holds anything (but
-    `gone`, which exited, and `starting`, restarted and not yet serving)."""
+    those `gone`: exited, or restarted and not yet serving)."""
     for got, want in zip(out, st["ref"], strict=True):
         assert got == want
     assert all(r[2] == 1 for r in out[STREAMS:]), "one role delta per chat stream"
-    workers = [w for w in st["workers"] if w not in (gone, starting)]
+    workers = [w for w in st["workers"] if w not in gone]
     assert wait_quiet(workers, 15.0) == {}, "a worker still holds rows or pages"
 
 
@@ -234,22 +233,30 @@ def test_kill_9_on_a_decode_loses_no_token_and_it_is_restarted(stack):
     moved = _counter(st["url"], "migrated")
     out = _under_fault(st, lambda: os.killpg(pid, signal.SIGKILL))
     assert _counter(st["url"], "migrated") > moved
-    _check(st, out, gone=decode)
+    _check(st, out, decode)
     # NOTE: its start (a model load) is not waited for: the next test needs one decode
     assert _wait(lambda: _pid_on_or_none(decode) not in (None, pid), 30.0), "restarted"
     assert "decode0 restarted" in _up_log(st)
 
 
-def test_sigterm_on_a_decode_drains_it_without_a_failed_request(stack):
-    st, decode = stack, stack["decodes"][1]
-    pid = _pid_on(decode)
-    log = st["logs"] / "decode1.log"
-    out = _under_fault(st, lambda: os.kill(pid, signal.SIGTERM))
-    _check(st, out, gone=decode, starting=st["decodes"][0])
-    drained = re.search(r"SIGTERM: draining \((\d+) requests in flight", log.read_text())
+def test_sigterm_on_a_decode_and_the_prefill_drains_them_without_a_failed_request(stack):
+    """Both at once, the streams past their prefill: the decode finishes its streams, the
+    prefill its legs, and each exits 0 (and is restarted)."""
+    st, decode, prefill = stack, stack["decodes"][1], stack["workers"][0]
+    pids = {decode: _pid_on(decode), prefill: _pid_on(prefill)}
+
+    def sigterm() -> None:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+
+    out = _under_fault(st, sigterm)
+    _check(st, out, decode, prefill, st["decodes"][0])
+    log = (st["logs"] / "decode1.log").read_text()
+    drained = re.search(r"SIGTERM: draining \((\d+) requests in flight", log)
     assert drained and int(drained.group(1)) > 0, "it had streams to finish"
-    assert _wait(lambda: _pid_on_or_none(decode) not in (pid,), 60.0)
-    assert _wait(lambda: "decode1 exited with 0" in _up_log(st), 10.0), "a drain exits 0"
+    assert "SIGTERM: draining" in (st["logs"] / "prefill0.log").read_text()
+    for name in ("decode1", "prefill0"):
+        assert _wait(lambda n=name: f"{n} exited with 0" in _up_log(st), 60.0), "drained: 0"
 
 
 def _pid_on_or_none(url: str) -> int | None:
