@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Worker selection policies of the PD router (`pdserve router --policy`, `pdserve up --policy`).
 # cache_aware: prefills by the prompt prefixes routed to them before (router/policy.py)
 ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RouterFaults:
+    """The router's fault settings (docs/reliability.md); flags of `pdserve router` and
+    `pdserve up` alike (ROUTER_FAULT_FLAGS)."""
+
+    migration_limit: int = 3  # times one request may move to another pair (0: never)
+    stall_timeout_s: float = 30.0  # a streamed decode silent this long is given up on
+    health_interval_s: float = 2.0  # the router's /health poll of every worker
+    health_timeout_s: float = 3.0  # a /health slower than this marks the worker unhealthy
+    max_in_flight: int = 256  # per worker; every worker of a kind full: shed (0: no limit)
+    retry_after_s: int = 1  # a shed request's Retry-After
+
+
+# flag -> (RouterFaults field, help); the default is appended from RouterFaults
+ROUTER_FAULT_FLAGS = {
+    "--migration-limit": ("migration_limit", "times a request may move to another "
+                          "prefill/decode pair after a failure (0: never)"),
+    "--stall-timeout": ("stall_timeout_s", "seconds a streamed decode may stay silent before "
+                        "its request moves"),
+    "--health-interval": ("health_interval_s", "seconds between the router's worker health "
+                          "checks"),
+    "--health-timeout": ("health_timeout_s", "seconds a worker's /health may take before "
+                         "it counts as unhealthy"),
+    "--max-in-flight": ("max_in_flight", "requests per worker beyond which it gets no more; "
+                        "all full: the router sheds with 503 (0: no limit)"),
+}  # fmt: skip
+
+
+def add_router_fault_flags(parser: Any) -> None:
+    """ROUTER_FAULT_FLAGS on an argparse parser; a flag not given stays None."""
+    for flag, (dest, text) in ROUTER_FAULT_FLAGS.items():
+        default = getattr(RouterFaults, dest)
+        parser.add_argument(flag, dest=dest, type=type(default), default=None,
+                            help=f"{text} (default {default})")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,14 @@ Behaviour knobs (set before or between requests):
 - `stream_chunks` / `chunk_delay_s` / `end_delay_s`: shape of an SSE answer;
 - `chat_text`: a streamed /v1/chat/completions answers this text in OpenAI chat chunks;
 - `stats`: the body of GET /stats (the frontends' console stats, server/app.py).
+- `stall_at` / `error_at`: at that event, the stream goes silent (open, nothing sent) or
+  sends an error event and [DONE];
+- `first_try_only`: `fail_status`, `stall_at` and `error_at` spare a router's retry (a
+  rid ending in -m<k>).
+
+Event i of a stream stands for token id 100 + i; with the router's token-ids header each
+event comes headed by its `: ids` comment, and a body with `resume_ids` starts at event
+len(resume_ids), as a worker resuming a migrated request does.
 """
 
 from __future__ import annotations
@@ -88,7 +96,11 @@ class FakeWorker:
     end_delay_s: float = 0.0  # a stream's pause between its last event and its end
     chat_text: str | None = None
     stats: dict[str, Any] = field(default_factory=lambda: {"engine": {}, "recent": []})
+    stall_at: int | None = None  # event index where a stream goes silent
+    error_at: int | None = None  # event index where a stream sends an error event instead
+    first_try_only: bool = False
     healthy: bool = True
+    draining: bool = False  # /health answers 503 {"status": "draining"}
     info_status: int = 200  # status of /server_info and /model_info
     model_info: dict[str, Any] = field(
         default_factory=lambda: {"model_path": "fake", "is_generation": True}
@@ -145,12 +157,26 @@ def _answer(worker: FakeWorker, path: str, body: dict[str, Any]) -> dict[str, An
     return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
 
 
-def _sse(worker: FakeWorker, path: str, body: dict[str, Any]):
+def _faulty(worker: FakeWorker, body: dict[str, Any]) -> bool:
+    """Whether this request gets the worker's faults (a retry may be spared)."""
+    return not (worker.first_try_only and "-m" in str(body.get("rid")))
+
+
+def _sse(worker: FakeWorker, path: str, body: dict[str, Any], ids: bool = False):
+    faulty = _faulty(worker, body)
+
     async def gen():
         try:
-            for i in range(worker.stream_chunks):
+            for i in range(len(body.get("resume_ids") or ()), worker.stream_chunks):
+                if i == worker.stall_at and faulty:
+                    await asyncio.sleep(3600)
+                if i == worker.error_at and faulty:
+                    err = {"error": {"message": "engine died", "type": "server_error", "code": 503}}
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    return
                 payload = {"i": i, "worker": worker.name, "room": body.get("bootstrap_room")}
-                yield f"data: {json.dumps(payload)}\n\n".encode()
+                head = f": ids {100 + i}\n" if ids else ""
+                yield f"{head}data: {json.dumps(payload)}\n\n".encode()
                 await asyncio.sleep(worker.chunk_delay_s)
             yield b"data: [DONE]\n\n"
             await asyncio.sleep(worker.end_delay_s)
@@ -191,13 +217,13 @@ def build_app(worker: FakeWorker) -> FastAPI:
         worker.received.append(Received("POST", path, dict(request.headers), body))
         if await worker.wait_or_disconnect(request, path):
             return JSONResponse({}, status_code=499)
-        if worker.fail_status is not None:
+        if worker.fail_status is not None and _faulty(worker, body):
             err = {"message": f"{worker.name} failed", "type": "fake_error"}
             return JSONResponse({"error": err}, status_code=worker.fail_status)
         if body.get("stream") and worker.chat_text is not None and path == GEN_PATHS[2]:
             return _chat_sse(worker.chat_text, worker.chunk_delay_s)
         if body.get("stream"):
-            return _sse(worker, path, body)
+            return _sse(worker, path, body, "x-pdserve-token-ids" in request.headers)
         return JSONResponse(_answer(worker, path, body))
 
     for p in GEN_PATHS:
@@ -210,6 +236,8 @@ def build_app(worker: FakeWorker) -> FastAPI:
     @app.get("/health_generate")
     async def health(request: Request):
         await record_get(request)
+        if worker.draining:  # as a frontend after SIGTERM (server/drain.py)
+            return JSONResponse({"status": "draining"}, status_code=503)
         return PlainTextResponse("", status_code=200 if worker.healthy else 503)
 
     @app.get("/server_info")

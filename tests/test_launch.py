@@ -7,6 +7,7 @@ so the test can check that nothing is orphaned.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -103,13 +104,63 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path):
             proc.kill()
 
 
-def test_child_death_stops_the_rest_and_fails(tmp_path):
+def _pids(role: str, tmp_path: Path) -> list[int]:
+    """The pids of this test's fake `role` servers (their argv names the script, the role
+    and the test's folder)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == [FAKE.encode(), role.encode()] and str(tmp_path).encode() in b" ".join(
+            argv
+        ):
+            out.append(int(d.name))
+    return out
+
+
+def _all_healthy(port: int) -> bool:
+    health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+    return all(w["healthy"] for w in health["workers"])
+
+
+def test_a_worker_that_dies_is_restarted_and_the_rest_serve_on(tmp_path):
     port = free_port()
-    proc, pids = start_up(tmp_path, port, "--die-after", "2")
+    proc, pids = start_up(tmp_path, port, "--num-decode", "2", "--restart-backoff", "0.5")
     try:
-        rc = proc.wait(timeout=30)
-        assert rc == 1
-        assert "exited with 3" in proc.stderr.read()
+        wait_line(proc, "pdserve is up")
+        victim = _pids("decode", tmp_path)[0]
+        os.kill(victim, signal.SIGKILL)
+        served, deadline = 0, time.monotonic() + 20
+        while time.monotonic() < deadline:  # the other decode answers meanwhile
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "x"}, timeout=5)
+            served += r.status_code == 200
+            decodes = _pids("decode", tmp_path)
+            if victim not in decodes and len(decodes) == 2 and _all_healthy(port):
+                break
+            time.sleep(0.2)
+        assert served > 0
+        decodes = _pids("decode", tmp_path)
+        assert victim not in decodes and len(decodes) == 2, "the dead decode runs again"
+        assert proc.poll() is None, "a worker's exit does not stop the stack"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        err = proc.stderr.read()
+        assert "exited with -9; restarting it in 0.5s" in err
+        assert "restarted (pid" in err
+        assert_all_stopped([port], pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_child_that_dies_during_startup_stops_the_stack(tmp_path):
+    port = free_port()
+    proc, pids = start_up(tmp_path, port, "--die-after", "0")
+    try:
+        assert proc.wait(timeout=30) == 1
+        assert "exited with 3 during startup" in proc.stderr.read()
         assert_all_stopped([port], pids)
     finally:
         if proc.poll() is None:

@@ -90,12 +90,20 @@ def test_health_reports_each_worker(workers):
         assert health == {w.url: w is not prefills[1] for w in prefills + decodes}
         prefills[0].healthy = False
         assert httpx.get(router.url + "/health").status_code == 503
+        # no healthy prefill: the request is shed at once, with Retry-After
+        r = httpx.post(router.url + "/generate", json={"text": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "every prefill worker is unhealthy" in r.json()["error"]["message"]
+        assert served_by(decodes) == [0, 0]
         # the router routes around the unhealthy decode while a healthy one is left
+        prefills[0].healthy = True
         decodes[0].healthy = False
         httpx.get(router.url + "/health")
         for _ in range(2):
             httpx.post(router.url + "/generate", json={"text": "x"})
         assert served_by(decodes) == [0, 2]
+        metrics = httpx.get(router.url + "/metrics").text
+        assert "pdserve:router_shed_total 1.0" in metrics
     finally:
         router.stop()
 
@@ -188,7 +196,8 @@ def test_metrics_keep_their_names_and_labels(workers):
     finally:
         router.stop()
     counters = {f"pdserve:router_{k}_total": v for k, v in
-                [("requests", 3.0), ("failed", 0.0), ("aborted", 0.0)]}  # fmt: skip
+                [("requests", 3.0), ("failed", 0.0), ("aborted", 0.0), ("migrated", 0.0),
+                 ("stuck", 0.0), ("shed", 0.0)]}  # fmt: skip
     gauges = {
         (f"pdserve:router_{g}", (("role", w.role), ("worker", w.url)))
         for g in ("in_flight", "worker_healthy")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -114,9 +115,12 @@ def serve(
     what: str,
     sock: socket.socket | None = None,
     stop_when: Callable[[], bool] | None = None,
+    on_sigterm: Callable[[], None] | None = None,
     **kw: Any,
 ) -> None:
     """Run `app` with uvicorn on host:port until stopped (the one way pdserve listens).
+    `on_sigterm`: called on the first SIGTERM instead of shutting down (a drain, which
+    ends through `stop_when`); a second one, or SIGINT, shuts down.
     `sock`: host:port already bound by `bind` (callers that do slow work first bind
     before it); bound here otherwise. `stop_when`: checked on uvicorn's tick (10 per
     second); True shuts the server down as a SIGTERM would. SystemExit(3), as uvicorn,
@@ -127,7 +131,8 @@ def serve(
         logger.warning(warning)
     quiet_polls()  # uvicorn keeps existing filters when it configures its loggers
     try:
-        started = run(app, sock, what, stop_when=stop_when, host=host, port=port, **kw)
+        started = run(app, sock, what, stop_when=stop_when, on_sigterm=on_sigterm, host=host,
+                      port=port, **kw)  # fmt: skip
     finally:
         sock.close()
     if not started:
@@ -139,6 +144,7 @@ def run(
     sock: socket.socket,
     what: str = "server",
     stop_when: Callable[[], bool] | None = None,
+    on_sigterm: Callable[[], None] | None = None,
     **kw: Any,
 ) -> bool:
     """uvicorn serving `app` on the bound `sock` until stopped; False if it never started."""
@@ -150,6 +156,14 @@ def run(
             if self.started:  # uvicorn says where it listens only when it bound the port
                 host, port = sock.getsockname()[:2]
                 logger.info("%s listening on http://%s:%d", what, _url_host(host), port)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            nonlocal on_sigterm
+            if sig == signal.SIGTERM and on_sigterm is not None:
+                on_sigterm()
+                on_sigterm = None  # the next SIGTERM shuts down
+                return
+            super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
             if stop_when is not None and stop_when():

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.config import ROUTER_FAULT_FLAGS, RouterFaults
 from pdserve.edge.anthropic_errors import anthropic_error_body, is_anthropic
 from pdserve.edge.auth import RequireKey
 from pdserve.edge.body import BodyError, read_json
@@ -44,6 +45,9 @@ GEN_PATHS = (
     "/v1/responses",
     "/v1/messages",
 )
+WATCH_S = 0.5  # how often the watchdog looks at the attempts in flight (proxy.watchdog)
+STATS = ("requests_total", "failed_total", "aborted_total", "migrated_total", "stuck_total",
+         "shed_total")  # fmt: skip
 HEALTH_PROBE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
@@ -58,10 +62,19 @@ class RouterConfig:
     metrics_public: bool = False  # True: /metrics answers without the key
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 3600.0  # longest silence on a leg
-    health_timeout_s: float = 5.0
-    health_interval_s: float = 5.0  # background /health poll that marks workers (un)healthy
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (as the workers)
     web_ui: bool = True  # GET / serves the web console (router/webui.py); --no-web-ui
+    # RouterFaults' (config.py; docs/reliability.md): migration, health, stalls, shedding
+    migration_limit: int = RouterFaults.migration_limit
+    stall_timeout_s: float = RouterFaults.stall_timeout_s
+    health_interval_s: float = RouterFaults.health_interval_s
+    health_timeout_s: float = RouterFaults.health_timeout_s
+    max_in_flight: int = RouterFaults.max_in_flight
+    retry_after_s: int = RouterFaults.retry_after_s
+
+    @property
+    def faults(self) -> RouterFaults:
+        return RouterFaults(**{f: getattr(self, f) for f in RouterFaults.__dataclass_fields__})
 
 
 class RouterState:
@@ -69,13 +82,15 @@ class RouterState:
         self.cfg = cfg
         self.fatal: str | None = None  # why a loop died; /health is 503 from then on
         self._on_fatal = on_fatal
-        self.pool = WorkerPool.build(list(cfg.prefill), list(cfg.decode), cfg.policy)
+        self.pool = WorkerPool.build(
+            list(cfg.prefill), list(cfg.decode), cfg.policy, cfg.max_in_flight
+        )
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.stats = {"requests_total": 0, "failed_total": 0, "aborted_total": 0}
+        self.stats = dict.fromkeys(STATS, 0)
         self.legs = Http1Pool(cfg.request_timeout_s, cfg.connect_timeout_s)
-        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats)
+        self.proxy = PDProxy(self.pool, self.client, self.legs, self.stats, cfg.faults)
         self.metrics = registry(self.stats, self.pool)
         self.console = ConsoleFeed(self.client, self.pool, self.stats,
                                    lambda: self.worker_headers(None))  # fmt: skip
@@ -107,8 +122,10 @@ class RouterState:
                 timeout=self.cfg.health_timeout_s,
             )
             w.healthy, detail = r.status_code == 200, f"HTTP {r.status_code}"
+            draining = r.status_code == 503 and b"draining" in r.content
+            w.alive, detail = w.healthy or draining, "draining" if draining else detail
         except httpx.HTTPError as e:
-            w.healthy, detail = False, repr(e)
+            w.healthy, w.alive, detail = False, False, repr(e)
         return {"url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight} | (
             {} if w.healthy else {"error": detail}
         )
@@ -133,8 +150,11 @@ def create_app(cfg: RouterConfig, on_fatal: Callable[[str], None] | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         poll = asyncio.create_task(_health_loop(state))
         watch(poll, "the worker health loop", state.die)
+        dog = asyncio.create_task(every(WATCH_S, state.proxy.watchdog, "the stuck-decode watch"))
+        watch(dog, "the stuck-decode watch", state.die)
         yield
         poll.cancel()
+        dog.cancel()
         await state.client.aclose()
         state.legs.close()
 
@@ -191,7 +211,7 @@ def _add_generation(app: FastAPI, state: RouterState) -> None:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         resp = await state.proxy.forward(
-            "/generate", dict(HEALTH_PROBE), state.worker_headers(None), None
+            "/generate", dict(HEALTH_PROBE), state.worker_headers(None), None, migrate=False
         )
         return Response(status_code=200 if resp.status_code == 200 else 503)
 
@@ -286,4 +306,9 @@ def config_from_args(args: Any) -> RouterConfig:
         metrics_public=getattr(args, "metrics_public", False) or ENV.METRICS_PUBLIC.get() == "1",
         max_body_bytes=getattr(args, "max_body_bytes", None) or RouterConfig.max_body_bytes,
         web_ui=not getattr(args, "no_web_ui", False),
+        **{
+            k: getattr(args, k)
+            for k, _ in ROUTER_FAULT_FLAGS.values()
+            if getattr(args, k, None) is not None
+        },  # fmt: skip
     )

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from pdserve.config import ROUTER_POLICIES
+from pdserve.config import ROUTER_POLICIES, add_router_fault_flags
 
 
 def add_cli(sub: Any) -> None:
@@ -36,6 +36,7 @@ def add_cli(sub: Any) -> None:
         action="store_true",
         help="serve /metrics without the API key (for a scraper on a trusted network)",
     )
+    add_router_fault_flags(p)
     p.add_argument(
         "--no-web-ui",
         action="store_true",

@@ -202,6 +202,12 @@ class Http1Response:
         else:
             self._conn.close()
 
+    def abort(self) -> None:
+        """Drop the connection now (the worker sees the disconnect); a read in progress
+        ends with Http1Error."""
+        self._closed = True
+        self._conn.writer.transport.abort()
+
     async def _body(self) -> AsyncIterator[bytes]:
         read, t = self._conn.reader, self._pool.read_timeout_s
         try:

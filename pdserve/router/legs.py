@@ -19,11 +19,26 @@ from pdserve.router.http1 import Http1Error, Http1Pool, Http1Response
 
 
 class LegError(Exception):
-    """A leg failed; `status` and `body` are what the client gets."""
+    """A leg failed; `status` and `body` are what the client gets. `retryable`: another
+    pair may serve it (a 5xx or a broken leg, not a client error); `prefill`: the prefill
+    leg failed; `down`: the worker could not be reached at all."""
 
-    def __init__(self, status: int, message: str, body: Any = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        body: Any = None,
+        *,
+        retryable: bool | None = None,
+        prefill: bool = False,
+        down: bool = False,
+        from_worker: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retryable = status >= 500 if retryable is None else retryable
+        self.prefill, self.down = prefill, down
+        self.from_worker = from_worker  # a worker's own error event (a [DONE] follows it)
         self.body = (
             body
             if isinstance(body, dict) and "error" in body
@@ -38,7 +53,12 @@ async def _error_from(resp: Http1Response, leg: str, url: str) -> LegError:
     except ValueError:
         body = None
     text = raw.decode(errors="replace")[:500]
-    return LegError(resp.status_code, f"{leg} {url} answered {resp.status_code}: {text}", body)
+    message = f"{leg} {url} answered {resp.status_code}: {text}"
+    return LegError(resp.status_code, message, body, prefill=leg == "prefill")
+
+
+def _unreachable(e: Http1Error) -> bool:
+    return str(e).startswith("connect to")
 
 
 async def post_prefill(legs: Http1Pool, url: str, body: bytes, headers: dict) -> None:
@@ -53,7 +73,8 @@ async def post_prefill(legs: Http1Pool, url: str, body: bytes, headers: dict) ->
         finally:
             await resp.aclose()
     except Http1Error as e:
-        raise LegError(502, f"prefill {url} failed: {e!r}") from e
+        raise LegError(502, f"prefill {url} failed: {e!r}", prefill=True,
+                       down=_unreachable(e)) from e  # fmt: skip
 
 
 async def open_decode(legs: Http1Pool, url: str, body: bytes, headers: dict) -> Http1Response:
@@ -61,7 +82,7 @@ async def open_decode(legs: Http1Pool, url: str, body: bytes, headers: dict) -> 
     try:
         resp = await legs.post(url, body, headers)
     except Http1Error as e:
-        raise LegError(502, f"decode {url} failed: {e!r}") from e
+        raise LegError(502, f"decode {url} failed: {e!r}", down=_unreachable(e)) from e
     if resp.status_code >= 300:
         try:
             raise await _error_from(resp, "decode", url)
@@ -91,7 +112,7 @@ async def _decode_body(resp: Http1Response) -> AsyncIterator[bytes]:
         raise LegError(502, f"decode stream broke off: {e}") from e
 
 
-async def chunks(resp: Http1Response, prefill: asyncio.Task) -> AsyncIterator[bytes]:
+async def chunks(resp: Http1Response, prefill: asyncio.Future) -> AsyncIterator[bytes]:
     """The decode's raw body chunks; raises the prefill's LegError as soon as it fails."""
     it = _decode_body(resp).__aiter__()
     while not (prefill.done() and prefill.exception() is None):

@@ -4,6 +4,9 @@
     pdserve:router_requests_total                   stats["requests_total"] (proxy.py)
     pdserve:router_failed_total                     stats["failed_total"]
     pdserve:router_aborted_total                    stats["aborted_total"]
+    pdserve:router_migrated_total                   stats["migrated_total"]
+    pdserve:router_stuck_total                      stats["stuck_total"]
+    pdserve:router_shed_total                       stats["shed_total"]
     pdserve:router_in_flight{worker,role}           Worker.in_flight
     pdserve:router_worker_healthy{worker,role}      Worker.healthy (1 or 0)
 
@@ -24,7 +27,10 @@ from pdserve.router.workers import WorkerPool
 _COUNTER_HELP = {
     "requests_total": "Generation requests the router accepted",
     "failed_total": "Generation requests that failed (a leg unreachable or answering an error)",
-    "aborted_total": "Generation requests whose client went away",
+    "aborted_total": "Generation attempts aborted on their workers (client gone, failure)",
+    "migrated_total": "Requests moved to another prefill/decode pair after a failure",
+    "stuck_total": "Attempts given up on: decode unhealthy or silent past the stall timeout",
+    "shed_total": "Requests refused with 503 because every worker of a kind was unhealthy or full",
 }
 
 

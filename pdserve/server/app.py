@@ -31,6 +31,7 @@ from pdserve.edge.route_errors import add_route_errors
 from pdserve.protocol import EngineSpec
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import anthropic_routes, native_api, openai_routes, responses_routes
+from pdserve.server.drain import Drain
 from pdserve.server.engine_client import EngineClient, EngineDead
 from pdserve.server.generation import Frontend, collect, run_sample
 from pdserve.server.http_util import ClientGone, check_api_key, error_response, read_json
@@ -63,18 +64,20 @@ def create_app(cfg: ServerConfig, spec: EngineSpec) -> FastAPI:
 
     app = FastAPI(title=f"pdserve {cfg.role}", lifespan=lifespan)
     app.state.frontend = fe
+    app.state.drain = drain = Drain(cfg.drain_timeout_s)
     # the key on every route but /health (and /metrics with metrics_public)
     app.add_middleware(RequireKey, api_key=cfg.api_key, metrics_public=cfg.metrics_public)
     # added last, so outermost: a browser's preflight (no key) is answered before the key check
     if cfg.allowed_origins:  # opt-in: browsers may call the API from these origins
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])  # fmt: skip
+    app.add_middleware(_DrainMiddleware, drain=drain)  # outermost: counts whole responses
     _add_error_handlers(app)
     native_api.register(app, fe, cfg)
     openai_routes.register(app, fe, cfg)
     responses_routes.register(app, fe, cfg)
     anthropic_routes.register(app, fe, cfg)
-    _add_health_routes(app, fe, cfg)
+    _add_health_routes(app, fe, cfg, drain)
     _add_info_routes(app, fe, cfg, spec)
     return app
 
@@ -96,9 +99,19 @@ def _add_error_handlers(app: FastAPI) -> None:
     add_route_errors(app)
 
 
-def _add_health_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
+class _DrainMiddleware:
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.asgi = drain.middleware(app)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.asgi(scope, receive, send)
+
+
+def _add_health_routes(app: FastAPI, fe: Frontend, cfg: ServerConfig, drain: Drain) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return JSONResponse({"status": "draining", "in_flight": drain.in_flight}, 503)
         if not fe.client.alive:
             return error_response(503, f"engine unavailable: {fe.client.error}")
         return Response(status_code=200)

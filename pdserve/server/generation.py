@@ -58,14 +58,31 @@ class Frontend:
         RequestError for bad parameters, EngineDead when the engine is gone."""
         reqs: list[EngineRequest] = []
         base = job.rid or self.new_rid()
+        params = self._resumed(job)
         for p, ids in enumerate(job.prompts):
             rid = base if len(job.prompts) == 1 else f"{base}-p{p}"
-            reqs += self.build_requests(ids, job.params, job.n, rid, job.boot, job.stamps,
-                                        first=p * job.n, total=job.choices)  # fmt: skip
+            reqs += self.build_requests(ids + job.resume, params, job.n, rid, job.boot,
+                                        job.stamps, first=p * job.n, total=job.choices)  # fmt: skip
         if not self.client.alive:
             raise EngineDead(str(self.client.error))
         self.metrics.prompt_tokens.inc(sum(len(r.input_ids) for r in reqs))
-        return reqs, merge([run_sample(self, r, i) for i, r in enumerate(reqs)])
+        gens = [run_sample(self, r, i, job.resume) for i, r in enumerate(reqs)]
+        return reqs, merge(gens)
+
+    def _resumed(self, job: Job) -> SamplingParams:
+        """The job's params with max_tokens less its resumed tokens; RequestError for a
+        resume that cannot continue exactly (several choices) or cannot be served."""
+        if not job.resume:
+            return job.params
+        if job.choices != 1:
+            raise RequestError("resume_ids needs a single prompt and n=1", "resume_ids")
+        vocab = self.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in job.resume):
+            raise RequestError(f"resume_ids must be token ids below {vocab}", "resume_ids")
+        left = job.params.max_tokens - len(job.resume)
+        if left < 1:
+            raise RequestError("resume_ids has max_tokens tokens or more", "resume_ids")
+        return msgspec.structs.replace(job.params, max_tokens=left)
 
     async def complete(self, job: Job) -> list[SampleResult]:
         """The job run to its end: one SampleResult per choice (what start() streams)."""
@@ -122,14 +139,21 @@ class Frontend:
         return out
 
 
-async def run_sample(fe: Frontend, req: EngineRequest, index: int) -> AsyncIterator[Delta]:
-    """Stream one sample. Raises EngineDead if the engine is gone at submission."""
+async def run_sample(
+    fe: Frontend, req: EngineRequest, index: int, resume: list[int] | None = None
+) -> AsyncIterator[Delta]:
+    """Stream one sample; with `resume` (the tokens a migrated request's client has), a
+    first Delta marked `replayed` carries them, so the text after them comes out as it
+    did on the worker that made them. Raises EngineDead if the engine is gone at
+    submission."""
     q = fe.client.submit(req)
     # the tokenizers library's own decode (skips special tokens, as Tokenizer.decode does)
     text = TextStream(fe.tokenizer.hf.decode, fe.tokenizer.byte_piece_ids, req.params.stop)
     clock = _Clock(fe.metrics, fe.activity)
     done = False
     try:
+        if resume:
+            yield Delta(index, text.step(list(resume), False), list(resume), replayed=True)
         while not done:
             ev = await q.get()
             clock.tokens(len(ev.token_ids))

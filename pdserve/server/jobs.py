@@ -66,6 +66,9 @@ class Job:
     rid: str | None = None
     boot: Bootstrap = field(default_factory=lambda: Bootstrap())
     stamps: dict[str, float] = field(default_factory=dict)  # edge/stamps.py arrival_stamps
+    # a migrated request (the router's `resume_ids`): the output tokens its client already
+    # has; the engine continues after them, the answer counts them and does not resend them
+    resume: list[int] = field(default_factory=list)
 
     @property
     def choices(self) -> int:
@@ -93,6 +96,7 @@ class Delta:
     matched: int | str | None = None
     error: str | None = None
     stages: dict[str, float] = field(default_factory=dict)
+    replayed: bool = False  # the resumed tokens (Job.resume): formatters count, never send
 
 
 @dataclass

@@ -6,6 +6,10 @@
         ├─ decode j   (pdserve decode --port D_j)                         ─ its engine
         └─ router     (pdserve router --prefill http://H:P_i B_i ... --decode http://H:D_j ...)
 
+Once every server answers /health, a server that exits is restarted (same command,
+same ports) after a backoff, and the rest serve on: only a signal to `up` (Ctrl-C,
+SIGTERM) or a failure at start-up stops the stack (launch_children.supervise).
+
 Invariant: when `up` returns, every child's process group is gone: each server got
 SIGTERM (its frontend stops its own engine), what was left of a group once its
 leader exited got SIGTERM too, and anything alive after the grace period SIGKILL;
@@ -26,10 +30,11 @@ from typing import Any
 
 import httpx
 
-from pdserve.config import ROUTER_POLICIES
+from pdserve.config import ROUTER_FAULT_FLAGS, ROUTER_POLICIES, add_router_fault_flags
 from pdserve.envs import ENV
 from pdserve.server.launch_children import (
     Child,
+    RestartPolicy,
     free_port,
     start,
     stop_all,
@@ -74,6 +79,9 @@ def router_argv(args: argparse.Namespace, prefills: list[Child], decodes: list[C
         "--policy",
         args.policy,
     ]
+    for flag, (dest, _) in ROUTER_FAULT_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            argv += [flag, str(getattr(args, dest))]
     for p in prefills:
         argv += ["--prefill", p.url, str(p.bootstrap_port)]
     for d in decodes:
@@ -168,7 +176,8 @@ class _Stop:
 
 
 def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
-    """Start, wait healthy, serve until a signal (0) or a child's death (1)."""
+    """Start, wait healthy, serve until a signal (0); a child that exits once all were
+    healthy is restarted (supervise). A failure at start-up stops everything (1)."""
     from pdserve.edge.listen import bind
 
     bind(args.host, args.port, "pdserve up").close()  # the router's port, before any child
@@ -190,8 +199,9 @@ def run_up(args: argparse.Namespace, after_ready: Any = None) -> int:
         _print_ready(args, children, log_dir)
         if after_ready is not None:
             after_ready(args)
-        died = supervise(children, stop)
-        return 1 if died else 0
+        policy = RestartPolicy(args.restart_backoff, args.restart_backoff_max)
+        supervise(children, stop, lambda c: start(c, log_dir, env), policy)
+        return 0
     except RuntimeError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
@@ -297,8 +307,14 @@ def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--grace-period", type=float, default=10.0, help="SIGTERM -> SIGKILL, seconds")
+    p.add_argument("--restart-backoff", type=float, default=RestartPolicy.first_s,
+                   help="seconds before a server that exited is restarted (doubling while it "
+                   "keeps exiting)")  # fmt: skip
+    p.add_argument("--restart-backoff-max", type=float, default=RestartPolicy.max_s,
+                   help="longest wait before a restart, seconds")  # fmt: skip
     p.add_argument("--log-dir", default=None, help="child logs (default: a new temp folder)")
     p.add_argument("--no-web-ui", action="store_true", help="the router serves no web console")
+    add_router_fault_flags(p)  # the router's
     _keep_unknown(p)  # any other flag goes to every prefill and decode server
     p.set_defaults(func=func)
 

@@ -1,4 +1,4 @@
-"""Child processes of `pdserve up`: start, wait healthy, watch, stop.
+"""Child processes of `pdserve up`: start, wait healthy, watch and restart, stop.
 
 Each child is the leader of its own process group (its engine process joins
 that group), so one `killpg` reaches the whole server.
@@ -107,15 +107,58 @@ def wait_healthy(children: list[Child], timeout_s: float, stop: Callable[[], boo
         time.sleep(POLL_S)
 
 
-def supervise(children: list[Child], stop: Callable[[], bool]) -> Child | None:
-    """Blocks until `stop()` (returns None) or a child exits (returns it, after reporting)."""
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How `supervise` restarts a child that exits after start-up: after `first_s`, then
+    twice as long after each exit in a row, at most `max_s`; a child that stayed up
+    `stable_s` starts over at `first_s`."""
+
+    first_s: float = 1.0
+    max_s: float = 30.0
+    stable_s: float = 60.0
+
+
+@dataclass
+class _Watch:
+    """A child's restart state: when it last started, its current delay, and (while it is
+    down) when it starts again."""
+
+    started: float
+    delay: float
+    due: float | None = None
+
+
+def supervise(
+    children: list[Child],
+    stop: Callable[[], bool],
+    restart: Callable[[Child], None],
+    policy: RestartPolicy = RestartPolicy(),
+) -> None:
+    """Blocks until `stop()`. A child that exits is reported with its log tail, what is
+    left of its process group (its engine) is killed, and `restart(child)` runs after the
+    policy's backoff; the other children serve on meanwhile."""
+    now = time.monotonic()
+    watches = {c.name: _Watch(now, policy.first_s) for c in children}
     while not stop():
+        now = time.monotonic()
         for c in children:
-            if (rc := _exited(c)) is not None:
-                print(f"pdserve up: {c.name} exited with {rc}:\n{c.log_tail()}", file=sys.stderr)
-                return c
+            w = watches[c.name]
+            if w.due is None and (rc := _exited(c)) is not None:
+                w.delay = policy.first_s if now - w.started >= policy.stable_s else w.delay
+                w.due = now + w.delay
+                print(f"pdserve up: {c.name} exited with {rc}; restarting it in "
+                      f"{w.delay:.1f}s:\n{c.log_tail()}", file=sys.stderr, flush=True)  # fmt: skip
+                _signal_group(c, signal.SIGKILL)  # an engine left behind holds its ports
+            elif w.due is not None and now >= w.due and not _group_alive(c):
+                restart(c)
+                print(f"pdserve up: {c.name} restarted (pid {_pid(c)})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                w.started, w.due, w.delay = now, None, min(w.delay * 2, policy.max_s)
         time.sleep(POLL_S)
-    return None
+
+
+def _pid(child: Child) -> int | None:
+    return child.proc.pid if child.proc is not None else None
 
 
 def _signal_group(child: Child, sig: int) -> None:
@@ -146,12 +189,12 @@ def _group_alive(child: Child) -> bool:
 
 
 def stop_all(children: list[Child], grace_s: float) -> None:
-    """SIGTERM each server's leader (last started first): a frontend shuts down
+    """SIGINT each server's leader (last started first): a frontend shuts down
     gracefully (streams in flight end) and then stops its own engine, so no engine dies
     under a live frontend (which would log it as a crash). Once a leader is gone, SIGTERM
     what is left of its group; SIGKILL every group still alive after `grace_s`."""
     for c in reversed(children):
-        _signal_leader(c, signal.SIGTERM)
+        _signal_leader(c, signal.SIGINT)  # SIGTERM would drain (server/drain.py)
     swept: set[int] = set()
     deadline = time.monotonic() + grace_s
     while any(_group_alive(c) for c in children) and time.monotonic() < deadline:

@@ -32,7 +32,7 @@ from pdserve.server.http_util import (
     until_disconnect,
 )
 from pdserve.server.jobs import Bootstrap, Job, RequestError, SampleResult
-from pdserve.server.openai_format import SSE_DONE, sse
+from pdserve.server.openai_format import SSE_DONE, TOKEN_IDS_HEADER, sse, with_ids
 from pdserve.server.openai_routes import (
     engine_error_response,
     engine_error_status,
@@ -83,6 +83,7 @@ class GenerateIn(Body):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    resume_ids: list[int] | None = None  # the router's, for a migrated request (Job.resume)
     model: str | None = None  # one model per server: a name changes nothing
     # sglang's; log_metrics and no_logs steer only the server's own logs
     log_metrics: Any = None
@@ -145,8 +146,11 @@ def _params(fe: Frontend, body: GenerateIn, ids: list[int], default_max: int) ->
 
 
 class _Native:
-    def __init__(self, fe: Frontend, reqs: list[EngineRequest], logprob: bool) -> None:
+    def __init__(
+        self, fe: Frontend, reqs: list[EngineRequest], logprob: bool, token_ids: bool = False
+    ) -> None:
         self.fe = fe
+        self.token_ids = token_ids  # head each event with its ids (openai_format.with_ids)
         self.reqs = reqs
         self.logprob = logprob
         self.arrival = time.time()
@@ -170,8 +174,9 @@ class _Native:
                     )
                     break
                 acc[d.index].add(d)
-                if d.text or d.finished or d.token_ids:
-                    yield sse(self.body(acc[d.index]))
+                if (d.text or d.finished or d.token_ids) and not d.replayed:
+                    yield with_ids(sse(self.body(acc[d.index])),
+                                   d.token_ids if self.token_ids else None) or ""  # fmt: skip
         except EngineDead as e:
             yield sse(error_body(str(e), "server_error", None, 503))
         except Exception as e:  # NOTE: never a stream cut mid-body (cancellation passes)
@@ -194,9 +199,10 @@ def register(app: FastAPI, fe: Frontend, cfg: ServerConfig) -> None:
         ids = _prompt_ids(fe, body)
         params = _params(fe, body, ids, cfg.default_max_new_tokens)
         n = body.sampling_params.n
-        job = Job([ids], params, n, body.rid, body.bootstrap(), stamps)
+        job = Job([ids], params, n, body.rid, body.bootstrap(), stamps,
+                  list(body.resume_ids or ()))  # fmt: skip
         reqs, gen = fe.start(job)
-        native = _Native(fe, reqs, body.return_logprob)
+        native = _Native(fe, reqs, body.return_logprob, TOKEN_IDS_HEADER in request.headers)
         if body.stream:
             chunks = stream_until_disconnect(request, native.stream(gen))
             return StreamingResponse(chunks, media_type="text/event-stream")

@@ -61,6 +61,7 @@ class _OpenAIBody(SamplingKnobs):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    resume_ids: list[int] | None = None  # the router's, for a migrated request (Job.resume)
     # extensions known from vLLM / sglang, not implemented
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None

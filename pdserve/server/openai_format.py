@@ -26,6 +26,25 @@ def sse(obj: object) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+# A router that may migrate a stream asks for each event's token ids with this header;
+# they come as an SSE comment line at the head of the event's block (`ids_comment`), or
+# as a block of their own when the tokens made no event yet (text held back). Clients
+# ignore comments; the router strips them.
+TOKEN_IDS_HEADER = "x-pdserve-token-ids"
+
+
+def ids_comment(token_ids: list[int]) -> str:
+    return ": ids " + ",".join(map(str, token_ids)) + "\n" if token_ids else ""
+
+
+def with_ids(event: str | None, token_ids: list[int] | None) -> str | None:
+    """An SSE block: `event` headed by its tokens' ids comment (`token_ids` None: not
+    asked); None when there is nothing to send."""
+    head = ids_comment(token_ids) if token_ids is not None else ""
+    if event is not None:
+        return head + event
+    return head + "\n" if head else None
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {

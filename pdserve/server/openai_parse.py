@@ -92,7 +92,7 @@ def make_job(fe: Frontend, body: CompletionIn | ChatIn, prompts: list[list[int]]
     grammar = request_grammar(body, fe.tokenizer)
     if grammar is not None:
         params = msgspec.structs.replace(params, grammar=grammar)
-    return Job(prompts, params, body.n, body.rid, boot, stamps)
+    return Job(prompts, params, body.n, body.rid, boot, stamps, list(body.resume_ids or ()))
 
 
 def parse_body(model: type[B], data: Any, cfg: ServerConfig) -> B:

@@ -28,7 +28,13 @@ from pdserve.server.http_util import (
     until_disconnect,
 )
 from pdserve.server.jobs import OVERLOADED_RETRY_AFTER_S
-from pdserve.server.openai_format import SSE_DONE, OpenAIFormatter, sse
+from pdserve.server.openai_format import (
+    SSE_DONE,
+    TOKEN_IDS_HEADER,
+    OpenAIFormatter,
+    sse,
+    with_ids,
+)
 from pdserve.server.openai_parse import OpenAIRequest, read_chat, read_completion
 from pdserve.server.server_config import ServerConfig
 from pdserve.server.tool_calls import parser_for_template
@@ -97,7 +103,8 @@ async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter,
                   req: OpenAIRequest) -> Response:  # fmt: skip
     if req.stream:
         _, gen = fe.start(req.job)
-        chunks = _sse(fe, fmt, gen, req.include_usage)
+        ids = TOKEN_IDS_HEADER in request.headers
+        chunks = _sse(fe, fmt, gen, req.include_usage, ids)
         return StreamingResponse(
             stream_until_disconnect(request, chunks), media_type="text/event-stream"
         )
@@ -109,17 +116,22 @@ async def respond(request: Request, fe: Frontend, fmt: OpenAIFormatter,
 
 
 async def _sse(
-    fe: Frontend, fmt: OpenAIFormatter, gen: AsyncIterator[Any], include_usage: bool
-) -> AsyncIterator[str]:
+    fe: Frontend, fmt: OpenAIFormatter, gen: AsyncIterator[Any], include_usage: bool,
+    token_ids: bool = False,
+) -> AsyncIterator[str]:  # fmt: skip
+    """`token_ids`: head each event with its tokens' ids (openai_format.ids_comment)."""
     try:
         async for d in gen:
             if d.error:
                 yield sse(error_body(d.error, "server_error", None, engine_error_status(fe, d.error)))  # fmt: skip
                 yield SSE_DONE
                 return
-            chunk = fmt.chunk(d)
-            if chunk is not None:
-                yield sse(chunk)
+            chunk = fmt.chunk(d)  # a replayed Delta too: the formatter counts what it holds
+            block = with_ids(
+                None if chunk is None else sse(chunk), d.token_ids if token_ids else None
+            )
+            if block is not None and not d.replayed:
+                yield block
     except EngineDead as e:  # died between the liveness check and submission
         yield sse(error_body(str(e), "server_error", None, 503))
         yield SSE_DONE

@@ -69,9 +69,10 @@ def run_server(role: str, args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:  # a model that cannot be found or served
         raise SystemExit(f"pdserve {role}: {e}") from None
     engine_died = _engine_died_since(app.state.frontend.client, ENGINE_DEATH_GRACE_S)
+    drain = app.state.drain
     serve(app, host=server.host, port=server.port, api_key=server.api_key, what=f"pdserve {role}",
           sock=sock, log_level=server.log_level.lower(), timeout_graceful_shutdown=3,
-          stop_when=engine_died)  # fmt: skip
+          stop_when=lambda: engine_died() or drain.done(), on_sigterm=drain.start)  # fmt: skip
     if engine_died():
         raise SystemExit(f"pdserve {role}: {app.state.frontend.client.error}")
     return 0

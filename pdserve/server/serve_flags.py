@@ -238,6 +238,8 @@ def add_server_flags(p: argparse.ArgumentParser, role: str) -> None:
         "engine_start_timeout_s",
         "seconds to wait for the engine process",
     )
+    _flag(p, ServerConfig, "drain_timeout_s", "on SIGTERM, seconds the "
+          "requests in flight may take to finish while new ones are refused (503)")  # fmt: skip
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="debug | info | warning")
     _add_api_flags(p)
     _add_transfer_flags(p, role)

@@ -22,6 +22,7 @@ class ServerConfig:
     engine_start_timeout_s: float = 600.0
     engine_heartbeat_timeout_s: float = 60.0  # engine silent this long: considered dead
     health_generate_timeout_s: float = 20.0
+    drain_timeout_s: float = 30.0  # SIGTERM: requests in flight may finish this long (drain.py)
     default_max_new_tokens: int = 128  # /generate without sampling_params.max_new_tokens
     log_level: str = "info"
     # a request field the server does not know: "refuse" (400 naming it) or "warn" (logged)
