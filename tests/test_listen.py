@@ -69,7 +69,7 @@ def test_serve_warns_and_installs_the_filter(monkeypatch, caplog):
                      log_level="info")  # fmt: skip
     assert "pdserve decode listens on 0.0.0.0 WITHOUT an API key" in caplog.text
     assert seen == {"host": "0.0.0.0", "port": 0, "log_level": "info", "bound": "0.0.0.0",
-                    "stop_when": None}  # fmt: skip
+                    "stop_when": None, "on_sigterm": None}  # fmt: skip
     assert any(isinstance(f, QuietPolls) for f in logging.getLogger("uvicorn.access").filters)
     caplog.clear()
     listen.serve(FastAPI(), host="127.0.0.1", port=0, api_key=None, what="x")
