@@ -21,7 +21,8 @@ from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, linear_quant
 gguf_quants = pytest.importorskip("gguf.quants")
 
 # byte offsets of each type's half-precision scales inside a block
-HALVES = {2: [0], 3: [0, 2], 6: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+HALVES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208],
+          20: [0], 23: [0]}  # fmt: skip
 PATHS = {  # name -> (extra build flags, /proc/cpuinfo flags it needs)
     "avx512": ((), ("avx512f",)),
     "avx2": (("-mno-avx512f",), ("avx2", "fma")),
@@ -104,7 +105,7 @@ def test_rows_equal_dequantized_bit_for_bit_where_no_fma(kernel: LinearQuant, ty
     ids = torch.tensor([8, 0, 3, 3])
     got = kernel.rows(torch.from_numpy(w), type_id, ids, k)
     want = torch.from_numpy(np.asarray(gguf_quants.dequantize(w, type_id), np.float32))[ids]
-    if type_id in (3, 12, 13):  # d * q + m, d * q - m: the compiler may fuse
+    if type_id in (3, 7, 12, 13):  # d * q + m, d * q - m: the compiler may fuse
         torch.testing.assert_close(got, want, rtol=2**-22, atol=1e-6)
     else:
         assert torch.equal(got, want)

@@ -1,5 +1,5 @@
-/* y = x @ W^T + b with W kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
- * Q5_K, Q6_K), float32 activations, float32 sums.
+/* y = x @ W^T + b with W kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), float32 activations, float32 sums.
  *
  * Why: a decode step reads every weight once; GGUF blocks hold 4.5-8.5 bits a weight
  * where float32 holds 32, so the step reads 4-7x fewer bytes. The values are the ones
@@ -23,7 +23,7 @@
  *     AVX2      a lane set is two ymm
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
  * Every path adds the same products in the same order per lane; a decode's single row
- * of x (m = 1) takes a fused path that never stores the weights (see fused_fn). */
+ * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,9 +36,9 @@
 #include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
-#define LANES 16
 
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
+#include "quant_dot.h"    /* one row of x: dot_of, dot_blocks */
 
 /* 1 if `type` has a kernel here (the wrapper asks before it keeps a tensor's blocks) */
 int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
@@ -50,14 +50,6 @@ int pd_quant_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64
     if (!f) return 1;
     for (int64_t i = 0; i < count; i++) f(w + ids[i] * row_bytes, out + i * k, k);
     return 0;
-}
-
-/* the 16 lane sums of one dot product, added in one fixed tree (every path alike) */
-static float lanes_sum(const float *s) {
-    float a[8];
-    for (int l = 0; l < 8; l++) a[l] = s[l] + s[l + 8];
-    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
-    return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
 /* out[r][t] = x_r . w_t for XR rows of x (xr[r]: a row, or zeros past the batch) and
@@ -134,124 +126,6 @@ static void dots(const float *const *xr, const float *w, int64_t k, float out[XR
         for (int t = 0; t < TILE; t++) out[r][t] = lanes_sum(s[r][t]);
 }
 
-/* One row of x (m = 1, a decode step of one request) against one weight row, its blocks
- * de-quantized in registers and never stored: the weights' bytes are the only memory
- * traffic, so a step reads 4.5-8.5 bits a weight. Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2;
- * 0 where a type has none here (the tile path computes it). Lane l of the two sums adds
- * the products at k = 32 b + l (first) and 32 b + 16 + l (second) in ascending b. */
-typedef float (*fused_fn)(const float *, const uint8_t *, int64_t);
-
-#if defined(__AVX512F__)
-static inline float sum16x2(__m512 a, __m512 b) {
-    float s[LANES], t[LANES];
-    _mm512_storeu_ps(s, a);
-    _mm512_storeu_ps(t, b);
-    for (int l = 0; l < LANES; l++) s[l] += t[l];
-    return lanes_sum(s);
-}
-
-/* Q4_0 (off 8, no min) and Q4_1 (off 0, min): y = sum x * (d * (q - off) + m) */
-static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
-    for (int64_t i = 0; i < k; i += 32, b += size) {
-        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
-        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-        w0 = _mm512_add_ps(_mm512_mul_ps(d, w0), m);
-        w1 = _mm512_add_ps(_mm512_mul_ps(d, w1), m);
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
-    }
-    return sum16x2(c0, c1);
-}
-
-static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 32, b += 34) {
-        __m512 d = _mm512_set1_ps(half(b));
-        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-        __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
-    }
-    return sum16x2(c0, c1);
-}
-#define HAVE_FUSED 1
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline float sum8x4(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
-    float s[LANES], t[LANES];
-    _mm256_storeu_ps(s, a0);
-    _mm256_storeu_ps(s + 8, a1);
-    _mm256_storeu_ps(t, b0);
-    _mm256_storeu_ps(t + 8, b1);
-    for (int l = 0; l < LANES; l++) s[l] += t[l];
-    return lanes_sum(s);
-}
-
-static inline __m256 f8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
-
-static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
-    for (int64_t i = 0; i < k; i += 32, b += size) {
-        __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(min ? half(b + 2) : 0.0f);
-        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
-        __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int j = 0; j < 4; j++) {
-            __m256 w = _mm256_add_ps(_mm256_mul_ps(d, f8(q[j])), m);
-            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), w, c[j]);
-        }
-    }
-    return sum8x4(c[0], c[1], c[2], c[3]);
-}
-
-static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (int64_t i = 0; i < k; i += 32, b += 34) {
-        __m256 d = _mm256_set1_ps(half(b));
-        for (int j = 0; j < 4; j++) {
-            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
-            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_mul_ps(d, f8(q)), c[j]);
-        }
-    }
-    return sum8x4(c[0], c[1], c[2], c[3]);
-}
-#define HAVE_FUSED 1
-#endif
-
-#ifdef HAVE_FUSED
-static float fused_q4_0(const float *x, const uint8_t *b, int64_t k) {
-    return fused_q4(x, b, k, 18, 0);
-}
-static float fused_q4_1(const float *x, const uint8_t *b, int64_t k) {
-    return fused_q4(x, b, k, 20, 1);
-}
-#endif
-
-static fused_fn fused_of(int32_t type) {
-#ifdef HAVE_FUSED
-    switch (type) {
-    case Q8_0: return fused_q8_0;
-    case Q4_0: return fused_q4_0;
-    case Q4_1: return fused_q4_1;
-    default: return 0;
-    }
-#else
-    (void)type;
-    return 0;
-#endif
-}
-
 /* Ask for the bytes [from, to) of W ahead of use: a row of blocks is a few cache lines,
  * computed in less time than memory takes to send the next, so without asking the
  * kernel waits on every row (the weights, unlike float32 panels, are read so fast that
@@ -278,15 +152,19 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
         a->status = 1;
         return;
     }
-    fused_fn one = a->m == 1 ? fused_of(a->type) : 0;
-    if (one) { /* one row of x: no tile buffer */
+    if (a->m == 1) { /* one row of x: no tile buffer */
+        dot_fn one = dot_of(a->type);
+        int elems, bytes;
+        block_of(a->type, &elems, &bytes);
         int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
         int64_t rb = a->row_bytes, stop = end * rb;
         ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
         for (int64_t n = lo * TILE; n < end; n++) {
             int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
             if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
-            a->y[n] = one(a->x, a->w + n * rb, k) + (a->bias ? a->bias[n] : 0.0f);
+            const uint8_t *w = a->w + n * rb;
+            float dot = one ? one(a->x, w, k) : dot_blocks(a->x, w, k, f, elems, bytes);
+            a->y[n] = dot + (a->bias ? a->bias[n] : 0.0f);
         }
         return;
     }

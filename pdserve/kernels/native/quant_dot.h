@@ -1,0 +1,313 @@
+/* One row of x (m = 1, a decode step of one request) against one weight row in GGUF
+ * blocks, de-quantized in registers and never stored (dot_of picks the kernel per type):
+ * the weights' bytes are the only memory traffic, so a step reads 4.5-8.5 bits a weight.
+ *
+ * Every kernel forms each weight's float value exactly as gguf's de-quantize does, then
+ * adds x * w into float32 lanes; only the order of the sum differs from the float
+ * matmul's. Two ways to a value, both exact:
+ *   convert   the integer code to float, times the block's scale (plus its min);
+ *   look up   4- and 5-bit codes index a table of the 16 or 32 values the block's codes
+ *             stand for, computed once per block with gguf's operations
+ *             (_mm512_permutexvar_ps / _mm512_permutex2var_ps use the index's low 4 or 5
+ *             bits, so a code needs no masking above them). The look-up replaces a
+ *             convert and a multiply per 16 weights.
+ *
+ * AVX-512: every type; AVX2: Q8_0, Q4_0, Q4_1 (the others take dot_blocks, which
+ * de-quantizes a block at a time into a 1 KB buffer that stays in L1). */
+#ifndef PD_QUANT_DOT_H
+#define PD_QUANT_DOT_H
+
+#include "quant_blocks.h"
+
+#define LANES 16
+
+/* the 16 lane sums of one dot product, added in one fixed tree (every path alike) */
+static float lanes_sum(const float *s) {
+    float a[8];
+    for (int l = 0; l < 8; l++) a[l] = s[l] + s[l + 8];
+    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+typedef float (*dot_fn)(const float *, const uint8_t *, int64_t);
+
+/* Any type: a block de-quantized (quant_blocks.h) into an L1 buffer, then its dot. */
+static float dot_blocks(const float *x, const uint8_t *b, int64_t k, row_fn f, int elems,
+                        int bytes) {
+    float buf[256] __attribute__((aligned(64)));
+    float s[LANES] = {0};
+    for (int64_t i = 0; i < k; i += elems, b += bytes, x += elems) {
+        f(b, buf, elems);
+        for (int j = 0; j < elems; j += LANES)
+            for (int l = 0; l < LANES; l++) s[l] += x[j + l] * buf[j + l];
+    }
+    return lanes_sum(s);
+}
+
+#if defined(__AVX512F__)
+static inline float sum16x4(const __m512 *c) {
+    float s[LANES];
+    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])));
+    return lanes_sum(s);
+}
+
+static inline __m512 f16x(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+static inline __m512i u16x(__m128i q) { return _mm512_cvtepu8_epi32(q); }
+static inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
+static inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
+
+#define ZERO4 {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}
+#define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+
+/* acc += x[0, 16) * table[index]: a 4-bit look-up (index bits past 4 ignored) */
+static inline __m512 look(__m512 acc, const float *x, __m512i idx, __m512 table) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(idx, table), acc);
+}
+
+/* acc += x[0, 16) * (lo, hi)[index]: a 5-bit look-up over 32 values */
+static inline __m512 look32(__m512 acc, const float *x, __m512i idx, __m512 lo, __m512 hi) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutex2var_ps(lo, idx, hi), acc);
+}
+
+static float dot_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    for (int64_t i = 0; i < k; i += 32, b += 34, x += 32) {
+        __m512 d = _mm512_set1_ps(half(b));
+        for (int h = 0; h < 2; h++) {
+            __m512 w = _mm512_mul_ps(d, f16x(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h))));
+            c[h] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * h), w, c[h]);
+        }
+    }
+    return sum16x4(c);
+}
+
+/* Q4_0 (off 8, no min) and Q4_1 (off 0, min): the 16 values d * (q - off) + m */
+static inline float dot_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m512 c[4] = ZERO4;
+    const __m512 codes = _mm512_sub_ps(IOTA, _mm512_set1_ps(min ? 0.0f : 8.0f));
+    for (int64_t i = 0; i < k; i += 32, b += size, x += 32) {
+        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
+        __m512 table = _mm512_fmadd_ps(d, codes, m); /* d * q exact: + m one rounding */
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        c[0] = look(c[0], x, u16x(v), table);
+        c[1] = look(c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table);
+    }
+    return sum16x4(c);
+}
+
+static float dot_q4_0(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 18, 0); }
+static float dot_q4_1(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 20, 1); }
+
+/* Q5_0 (values d * (q - 16)) and Q5_1 (d * q + m): 5-bit codes, bit 4 from qh */
+static inline float dot_q5(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m512 c[4] = ZERO4;
+    const __m512 off = _mm512_set1_ps(min ? 0.0f : 16.0f), sixteen = _mm512_set1_ps(16.0f);
+    const __m512i bit4 = _mm512_set1_epi32(16);
+    const __m128i mask = _mm_set1_epi8(0xf);
+    for (int64_t i = 0; i < k; i += 32, b += size, x += 32) {
+        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
+        __m512 lo = _mm512_fmadd_ps(d, _mm512_sub_ps(IOTA, off), m);
+        __m512 hi = _mm512_fmadd_ps(d, _mm512_sub_ps(_mm512_add_ps(IOTA, sixteen), off), m);
+        uint32_t qh;
+        memcpy(&qh, b + (min ? 4 : 2), 4);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 8 : 6)));
+        __m512i i0 = u16x(_mm_and_si128(v, mask));
+        __m512i i1 = u16x(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+        i0 = _mm512_mask_or_epi32(i0, (__mmask16)qh, i0, bit4);
+        i1 = _mm512_mask_or_epi32(i1, (__mmask16)(qh >> 16), i1, bit4);
+        c[0] = look32(c[0], x, i0, lo, hi);
+        c[1] = look32(c[1], x + 16, i1, lo, hi);
+    }
+    return sum16x4(c);
+}
+
+static float dot_q5_0(const float *x, const uint8_t *b, int64_t k) { return dot_q5(x, b, k, 22, 0); }
+static float dot_q5_1(const float *x, const uint8_t *b, int64_t k) { return dot_q5(x, b, k, 24, 1); }
+
+/* Q4_K / Q5_K sub-block j's 16 (or, with `hi`, the upper 16 of 32) values ds * q - dm */
+static inline __m512 k_table(const uint8_t *b, int j, float d, float dmin, int upper) {
+    int sc, mn;
+    scale_min(b + 4, j, &sc, &mn);
+    float ds = d * (float)sc, dm = dmin * (float)mn; /* as gguf: ds * q exact, - dm rounds */
+    __m512 q = upper ? _mm512_add_ps(IOTA, _mm512_set1_ps(16.0f)) : IOTA;
+    return _mm512_fmadd_ps(_mm512_set1_ps(ds), q, _mm512_set1_ps(-dm));
+}
+
+static float dot_q4_k(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    for (int64_t i = 0; i < k; i += 256, b += 144, x += 256) {
+        float d = half(b), dmin = half(b + 2);
+        for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+            __m256i h = _mm256_srli_epi16(v, 4);
+            __m512 t0 = k_table(b, 2 * j, d, dmin, 0), t1 = k_table(b, 2 * j + 1, d, dmin, 0);
+            const float *xj = x + 64 * j;
+            c[0] = look(c[0], xj, u16x(lo128(v)), t0);
+            c[1] = look(c[1], xj + 16, u16x(hi128(v)), t0);
+            c[2] = look(c[2], xj + 32, u16x(lo128(h)), t1);
+            c[3] = look(c[3], xj + 48, u16x(hi128(h)), t1);
+        }
+    }
+    return sum16x4(c);
+}
+
+static float dot_q5_k(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    for (int64_t i = 0; i < k; i += 256, b += 176, x += 256) {
+        float d = half(b), dmin = half(b + 2);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)); /* bit j: sub-block j */
+        for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * j));
+            __m256i q0 = _mm256_and_si256(v, mask), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            q0 = _mm256_or_si256(q0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+            q1 = _mm256_or_si256(q1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+            qh = _mm256_srli_epi16(qh, 2); /* bits past a byte's own are masked off above */
+            __m512 t0 = k_table(b, 2 * j, d, dmin, 0), u0 = k_table(b, 2 * j, d, dmin, 1);
+            __m512 t1 = k_table(b, 2 * j + 1, d, dmin, 0), u1 = k_table(b, 2 * j + 1, d, dmin, 1);
+            const float *xj = x + 64 * j;
+            c[0] = look32(c[0], xj, u16x(lo128(q0)), t0, u0);
+            c[1] = look32(c[1], xj + 16, u16x(hi128(q0)), t0, u0);
+            c[2] = look32(c[2], xj + 32, u16x(lo128(q1)), t1, u1);
+            c[3] = look32(c[3], xj + 48, u16x(hi128(q1)), t1, u1);
+        }
+    }
+    return sum16x4(c);
+}
+
+static float dot_q6_k(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int64_t i = 0; i < k; i += 256, b += 210, x += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = half(b + 208);
+        for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two)),
+                _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(qh, two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
+            };
+            for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
+                __m256i v = _mm256_sub_epi8(q[g], off);
+                int s = 8 * h + 2 * g;
+                __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[s]), f16x(lo128(v)));
+                __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[s + 1]), f16x(hi128(v)));
+                const float *xg = x + 128 * h + 32 * g;
+                c[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), w0, c[g]);
+                c[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), w1, c[g]);
+            }
+        }
+    }
+    return sum16x4(c);
+}
+
+/* IQ4_NL / IQ4_XS: 32 values dl * KVALUES[code] from 16 bytes, the table per 32 */
+static inline void iq4_look(__m512 *c, const float *x, const uint8_t *qs, float dl) {
+    const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)KVALUES)));
+    __m512 table = _mm512_mul_ps(_mm512_set1_ps(dl), kv); /* exact: 11 + 6 + 7 bits */
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    c[0] = look(c[0], x, u16x(v), table);
+    c[1] = look(c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table);
+}
+
+static float dot_iq4_nl(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    for (int64_t i = 0; i < k; i += 32, b += 18, x += 32) iq4_look(c, x, b + 2, half(b));
+    return sum16x4(c);
+}
+
+static float dot_iq4_xs(const float *x, const uint8_t *b, int64_t k) {
+    __m512 c[4] = ZERO4;
+    for (int64_t i = 0; i < k; i += 256, b += 136, x += 256) {
+        float d = half(b);
+        for (int j = 0; j < 8; j++)
+            iq4_look(c + 2 * (j & 1), x + 32 * j, b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j));
+    }
+    return sum16x4(c);
+}
+
+static dot_fn dot_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return dot_q8_0;
+    case Q4_0: return dot_q4_0;
+    case Q4_1: return dot_q4_1;
+    case Q5_0: return dot_q5_0;
+    case Q5_1: return dot_q5_1;
+    case Q4_K: return dot_q4_k;
+    case Q5_K: return dot_q5_k;
+    case Q6_K: return dot_q6_k;
+    case IQ4_NL: return dot_iq4_nl;
+    case IQ4_XS: return dot_iq4_xs;
+    default: return 0;
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float sum8x4(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+    float s[LANES], t[LANES];
+    _mm256_storeu_ps(s, a0);
+    _mm256_storeu_ps(s + 8, a1);
+    _mm256_storeu_ps(t, b0);
+    _mm256_storeu_ps(t + 8, b1);
+    for (int l = 0; l < LANES; l++) s[l] += t[l];
+    return lanes_sum(s);
+}
+
+static inline __m256 f8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+static inline float dot_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
+    for (int64_t i = 0; i < k; i += 32, b += size) {
+        __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(min ? half(b + 2) : 0.0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
+        __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++) {
+            __m256 w = _mm256_add_ps(_mm256_mul_ps(d, f8(q[j])), m);
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), w, c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+
+static float dot_q8_0(const float *x, const uint8_t *b, int64_t k) {
+    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 32, b += 34) {
+        __m256 d = _mm256_set1_ps(half(b));
+        for (int j = 0; j < 4; j++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_mul_ps(d, f8(q)), c[j]);
+        }
+    }
+    return sum8x4(c[0], c[1], c[2], c[3]);
+}
+
+static float dot_q4_0(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 18, 0); }
+static float dot_q4_1(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 20, 1); }
+
+static dot_fn dot_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return dot_q8_0;
+    case Q4_0: return dot_q4_0;
+    case Q4_1: return dot_q4_1;
+    default: return 0;
+    }
+}
+#else
+static dot_fn dot_of(int32_t type) {
+    (void)type;
+    return 0;
+}
+#endif
+
+#endif
