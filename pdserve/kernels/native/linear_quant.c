@@ -11,16 +11,18 @@
  * Layout: W [N][K] as the file stores it: each row its K / block_size blocks, rows
  * `row_bytes` apart (the GGUF tensor's bytes, rows permuted for Llama's Q/K).
  *
- * Compute, per tile of TILE output rows (a thread's range is whole tiles):
- *     de-quantize the tile's rows (quant_blocks.h) into a per-thread buffer [TILE][K]
- *     (L1/L2-resident);
- *     for each row of x (in pairs): TILE dot products over k, sums kept per lane of 16:
- *     lane l adds the products at k = l, l + 16, ... in ascending k; the 16 lanes then
- *     sum in a tree (AVX-512: _mm512_reduce_add_ps's; otherwise lanes_sum's). The tile is de-quantized once and reused by every row of
- *     x, so a batch of 64 pays the de-quantizing once.
+ * Compute, per tile of TILE output rows (a thread's range is whole tiles), in chunks of
+ * KC elements of k:
+ *     de-quantize the chunk of the tile's rows (quant_blocks.h) into a per-thread buffer
+ *     [TILE][KC] (8 KB, L1-resident with the chunk of XR rows of x it meets);
+ *     for each row of x (XR at a time): TILE dot products over the chunk, sums kept per
+ *     lane of 16 across chunks: lane l adds the products at k = l, l + 16, ... in
+ *     ascending k; after the last chunk the 16 lanes sum in one tree (lanes_sum). The
+ *     tile is de-quantized once and reused by every row of x, so a batch of 64 pays the
+ *     de-quantizing once, and every operand of the inner loop is in L1.
  *
- *     AVX-512   a lane set is one zmm; 2 x rows x TILE rows = 8 sums in registers
- *     AVX2      a lane set is two ymm
+ *     AVX-512   a lane set is one zmm; 6 x rows x TILE rows = 24 sums in registers
+ *     AVX2      a lane set is two ymm; 2 x rows
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
  * Every path adds the same products in the same order per lane; a decode's single row
  * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h). */
@@ -36,6 +38,7 @@
 #include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
+#define KC 512 /* elements of a tile's rows de-quantized at once: a multiple of every block */
 
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
 #include "quant_dot.h"    /* one row of x: dot_of, dot_blocks */
@@ -46,84 +49,85 @@ int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
 /* out [count][k] = the de-quantized rows ids[i] of w (embedding lookups); 1: no kernel */
 int pd_quant_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                   int64_t count, int64_t k, float *out) {
-    row_fn f = row_of(type);
+    row_fn f = fast_row_of(type);
     if (!f) return 1;
     for (int64_t i = 0; i < count; i++) f(w + ids[i] * row_bytes, out + i * k, k);
     return 0;
 }
 
-/* out[r][t] = x_r . w_t for XR rows of x (xr[r]: a row, or zeros past the batch) and
- * TILE weight rows (k apart); k a multiple of 16 (every type's block is). A weight
- * vector loaded once feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers. */
+/* acc[r][t][l] += the products x_r[i] * w_t[i] at i = l, l + 16, ... < len (ascending)
+ * for XR rows of x (xr[r]: a row, or zeros past the batch) and TILE weight rows (ldw
+ * apart); len a multiple of 16 (every type's block is). A weight vector loaded once
+ * feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers over the chunk. */
 #if defined(__AVX512F__)
 #define XR 6
 #else
 #define XR 2
 #endif
+typedef float Acc[TILE][LANES];
 #if defined(__AVX512F__)
 /* inlined at each constant `rows` (dots' switch): a short block computes only its rows */
 static inline __attribute__((always_inline)) void dots512(const float *const *xr,
-                                                          const float *w, int64_t k,
-                                                          float out[XR][TILE], const int rows) {
+                                                          const float *w, int64_t ldw,
+                                                          int64_t len, Acc *acc,
+                                                          const int rows) {
     __m512 c[XR][TILE];
     for (int r = 0; r < rows; r++)
-        for (int t = 0; t < TILE; t++) c[r][t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += LANES) {
+        for (int t = 0; t < TILE; t++) c[r][t] = _mm512_loadu_ps(acc[r][t]);
+    for (int64_t i = 0; i < len; i += LANES) {
         __m512 wv[TILE];
-        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * k + i);
+        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * ldw + i);
         for (int r = 0; r < rows; r++) {
             __m512 xv = _mm512_loadu_ps(xr[r] + i);
+            /* x in a register: folded into each FMA as a memory operand (GCC's choice at
+             * this register pressure) it would be loaded TILE times, and loads, not FMAs,
+             * would set the pace */
+            __asm__("" : "+v"(xv));
             for (int t = 0; t < TILE; t++) c[r][t] = _mm512_fmadd_ps(xv, wv[t], c[r][t]);
         }
     }
-    for (int r = 0; r < rows; r++) /* the 16 lanes added by the compiler's own tree */
-        for (int t = 0; t < TILE; t++) out[r][t] = _mm512_reduce_add_ps(c[r][t]);
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < TILE; t++) _mm512_storeu_ps(acc[r][t], c[r][t]);
 }
 #endif
 
-static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE],
+static void dots(const float *const *xr, const float *w, int64_t ldw, int64_t len, Acc *acc,
                  int rows) {
-    float s[XR][TILE][LANES];
 #if defined(__AVX512F__)
-    (void)s;
     switch (rows) {
-    case 1: dots512(xr, w, k, out, 1); return;
-    case 2: dots512(xr, w, k, out, 2); return;
-    case 3: dots512(xr, w, k, out, 3); return;
-    case 4: dots512(xr, w, k, out, 4); return;
-    case 5: dots512(xr, w, k, out, 5); return;
-    default: dots512(xr, w, k, out, 6); return;
+    case 1: dots512(xr, w, ldw, len, acc, 1); return;
+    case 2: dots512(xr, w, ldw, len, acc, 2); return;
+    case 3: dots512(xr, w, ldw, len, acc, 3); return;
+    case 4: dots512(xr, w, ldw, len, acc, 4); return;
+    case 5: dots512(xr, w, ldw, len, acc, 5); return;
+    default: dots512(xr, w, ldw, len, acc, 6); return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    (void)rows; /* XR = 2: the zero row costs little */
+    (void)rows; /* XR = 2: the zero row costs little (its sums are never read) */
     __m256 c[XR][TILE][2];
     for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) c[r][t][0] = c[r][t][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += LANES) {
+        for (int t = 0; t < TILE; t++)
+            for (int h = 0; h < 2; h++) c[r][t][h] = _mm256_loadu_ps(acc[r][t] + 8 * h);
+    for (int64_t i = 0; i < len; i += LANES) {
         for (int h = 0; h < 2; h++) {
             __m256 x0 = _mm256_loadu_ps(xr[0] + i + 8 * h), x1 = _mm256_loadu_ps(xr[1] + i + 8 * h);
             for (int t = 0; t < TILE; t++) {
-                __m256 wv = _mm256_loadu_ps(w + t * k + i + 8 * h);
+                __m256 wv = _mm256_loadu_ps(w + t * ldw + i + 8 * h);
                 c[0][t][h] = _mm256_fmadd_ps(x0, wv, c[0][t][h]);
                 c[1][t][h] = _mm256_fmadd_ps(x1, wv, c[1][t][h]);
             }
         }
     }
     for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) {
-            _mm256_storeu_ps(s[r][t], c[r][t][0]);
-            _mm256_storeu_ps(s[r][t] + 8, c[r][t][1]);
-        }
+        for (int t = 0; t < TILE; t++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc[r][t] + 8 * h, c[r][t][h]);
 #else
     (void)rows;
-    memset(s, 0, sizeof s);
     for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++)
-            for (int64_t i = 0; i < k; i += LANES)
-                for (int l = 0; l < LANES; l++) s[r][t][l] += xr[r][i + l] * w[t * k + i + l];
+            for (int64_t i = 0; i < len; i += LANES)
+                for (int l = 0; l < LANES; l++) acc[r][t][l] += xr[r][i + l] * w[t * ldw + i + l];
 #endif
-    for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) out[r][t] = lanes_sum(s[r][t]);
 }
 
 /* Ask for the bytes [from, to) of W ahead of use: a row of blocks is a few cache lines,
@@ -146,16 +150,16 @@ static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
-    row_fn f = row_of(a->type);
+    row_fn f = fast_row_of(a->type);
     int64_t k = a->k_dim;
     if (!f) {
         a->status = 1;
         return;
     }
+    int elems, bytes;
+    block_of(a->type, &elems, &bytes);
     if (a->m == 1) { /* one row of x: no tile buffer */
         dot_fn one = dot_of(a->type);
-        int elems, bytes;
-        block_of(a->type, &elems, &bytes);
         int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
         int64_t rb = a->row_bytes, stop = end * rb;
         ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
@@ -168,30 +172,37 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
         }
         return;
     }
-    float *buf = aligned_alloc(64, (size_t)((TILE + 1) * k) * sizeof(float));
+    /* the tile's rows de-quantized KC at a time, the sums of every row of x (and XR - 1
+     * more for a short block) kept per lane between chunks */
+    int64_t groups = (a->m + XR - 1) / XR;
+    size_t floats = (size_t)((TILE + 1) * KC) + (size_t)(groups * XR) * TILE * LANES;
+    float *buf = aligned_alloc(64, floats * sizeof(float));
     if (!buf) {
         a->status = 2;
         return;
     }
-    float *zero = buf + TILE * k; /* the rows of x past the batch in a short block */
-    memset(zero, 0, (size_t)k * sizeof(float));
+    float *zero = buf + TILE * KC; /* the rows of x past the batch in a short block */
+    Acc *acc = (Acc *)(zero + KC);
+    memset(zero, 0, KC * sizeof(float));
     for (int64_t tile = lo; tile < hi; tile++) {
         int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
         if (tile + 1 < hi) /* the next tile's rows, while this one computes */
             ahead(a, (n0 + TILE) * a->row_bytes, (n0 + 2 * TILE) * a->row_bytes);
-        for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
-            f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes, buf + t * k, k);
-        for (int64_t r = 0; r < a->m; r += XR) {
-            int rows = a->m - r >= XR ? XR : (int)(a->m - r);
-            const float *xr[XR];
-            for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k : zero;
-            float out[XR][TILE];
-            dots(xr, buf, k, out, rows);
-            for (int i = 0; i < rows; i++)
-                for (int t = 0; t < cols; t++)
-                    a->y[(r + i) * a->ldy + n0 + t] =
-                        out[i][t] + (a->bias ? a->bias[n0 + t] : 0.0f);
+        memset(acc, 0, (size_t)(groups * XR) * sizeof(Acc));
+        for (int64_t kc = 0; kc < k; kc += KC) {
+            int64_t len = k - kc < KC ? k - kc : KC, skip = kc / elems * bytes;
+            for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
+                f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes + skip, buf + t * KC, len);
+            for (int64_t r = 0; r < a->m; r += XR) {
+                int rows = a->m - r >= XR ? XR : (int)(a->m - r);
+                const float *xr[XR];
+                for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k + kc : zero;
+                dots(xr, buf, KC, len, acc + r, rows);
+            }
         }
+        for (int64_t r = 0; r < a->m; r++)
+            for (int t = 0; t < cols; t++)
+                a->y[r * a->ldy + n0 + t] = lanes_sum(acc[r][t]) + (a->bias ? a->bias[n0 + t] : 0.0f);
     }
     free(buf);
 }

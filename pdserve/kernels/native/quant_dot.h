@@ -59,47 +59,58 @@ static inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); 
 #define ZERO4 {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}
 #define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 
-/* acc += x[0, 16) * table[index]: a 4-bit look-up (index bits past 4 ignored) */
-static inline __m512 look(__m512 acc, const float *x, __m512i idx, __m512 table) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutexvar_ps(idx, table), acc);
+/* Each kernel's body serves twice, `store` a constant at each use: 0, a dot (p is x,
+ * the 16 values w at p[0, 16) add x * w into *c); 1, a de-quantize (w stored at p[0, 16),
+ * the tiles' rows). */
+#define AI static inline __attribute__((always_inline))
+AI void put(__m512 *c, float *p, __m512 w, const int store) {
+    if (store)
+        _mm512_storeu_ps(p, w);
+    else
+        *c = _mm512_fmadd_ps(_mm512_loadu_ps(p), w, *c);
 }
 
-/* acc += x[0, 16) * (lo, hi)[index]: a 5-bit look-up over 32 values */
-static inline __m512 look32(__m512 acc, const float *x, __m512i idx, __m512 lo, __m512 hi) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_permutex2var_ps(lo, idx, hi), acc);
+/* a 4-bit look-up (index bits past 4 ignored) */
+AI void look(__m512 *c, float *p, __m512i idx, __m512 table, const int store) {
+    put(c, p, _mm512_permutexvar_ps(idx, table), store);
 }
 
-static float dot_q8_0(const float *x, const uint8_t *b, int64_t k) {
+/* a 5-bit look-up over 32 values */
+AI void look32(__m512 *c, float *p, __m512i idx, __m512 lo, __m512 hi, const int store) {
+    put(c, p, _mm512_permutex2var_ps(lo, idx, hi), store);
+}
+
+AI float q8_0(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
     for (int64_t i = 0; i < k; i += 32, b += 34, x += 32) {
         __m512 d = _mm512_set1_ps(half(b));
         for (int h = 0; h < 2; h++) {
             __m512 w = _mm512_mul_ps(d, f16x(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h))));
-            c[h] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * h), w, c[h]);
+            put(&c[h], x + 16 * h, w, store);
         }
     }
     return sum16x4(c);
 }
 
 /* Q4_0 (off 8, no min) and Q4_1 (off 0, min): the 16 values d * (q - off) + m */
-static inline float dot_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+AI float q4(float *x, const uint8_t *b, int64_t k, int size, int min, const int store) {
     __m512 c[4] = ZERO4;
     const __m512 codes = _mm512_sub_ps(IOTA, _mm512_set1_ps(min ? 0.0f : 8.0f));
     for (int64_t i = 0; i < k; i += 32, b += size, x += 32) {
         __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
         __m512 table = _mm512_fmadd_ps(d, codes, m); /* d * q exact: + m one rounding */
         __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        c[0] = look(c[0], x, u16x(v), table);
-        c[1] = look(c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table);
+        look(&c[0], x, u16x(v), table, store);
+        look(&c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table, store);
     }
     return sum16x4(c);
 }
 
-static float dot_q4_0(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 18, 0); }
-static float dot_q4_1(const float *x, const uint8_t *b, int64_t k) { return dot_q4(x, b, k, 20, 1); }
+AI float q4_0(float *x, const uint8_t *b, int64_t k, const int store) { return q4(x, b, k, 18, 0, store); }
+AI float q4_1(float *x, const uint8_t *b, int64_t k, const int store) { return q4(x, b, k, 20, 1, store); }
 
 /* Q5_0 (values d * (q - 16)) and Q5_1 (d * q + m): 5-bit codes, bit 4 from qh */
-static inline float dot_q5(const float *x, const uint8_t *b, int64_t k, int size, int min) {
+AI float q5(float *x, const uint8_t *b, int64_t k, int size, int min, const int store) {
     __m512 c[4] = ZERO4;
     const __m512 off = _mm512_set1_ps(min ? 0.0f : 16.0f), sixteen = _mm512_set1_ps(16.0f);
     const __m512i bit4 = _mm512_set1_epi32(16);
@@ -115,47 +126,65 @@ static inline float dot_q5(const float *x, const uint8_t *b, int64_t k, int size
         __m512i i1 = u16x(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
         i0 = _mm512_mask_or_epi32(i0, (__mmask16)qh, i0, bit4);
         i1 = _mm512_mask_or_epi32(i1, (__mmask16)(qh >> 16), i1, bit4);
-        c[0] = look32(c[0], x, i0, lo, hi);
-        c[1] = look32(c[1], x + 16, i1, lo, hi);
+        look32(&c[0], x, i0, lo, hi, store);
+        look32(&c[1], x + 16, i1, lo, hi, store);
     }
     return sum16x4(c);
 }
 
-static float dot_q5_0(const float *x, const uint8_t *b, int64_t k) { return dot_q5(x, b, k, 22, 0); }
-static float dot_q5_1(const float *x, const uint8_t *b, int64_t k) { return dot_q5(x, b, k, 24, 1); }
+AI float q5_0(float *x, const uint8_t *b, int64_t k, const int store) { return q5(x, b, k, 22, 0, store); }
+AI float q5_1(float *x, const uint8_t *b, int64_t k, const int store) { return q5(x, b, k, 24, 1, store); }
 
-/* Q4_K / Q5_K sub-block j's 16 (or, with `hi`, the upper 16 of 32) values ds * q - dm */
-static inline __m512 k_table(const uint8_t *b, int j, float d, float dmin, int upper) {
-    int sc, mn;
-    scale_min(b + 4, j, &sc, &mn);
-    float ds = d * (float)sc, dm = dmin * (float)mn; /* as gguf: ds * q exact, - dm rounds */
-    __m512 q = upper ? _mm512_add_ps(IOTA, _mm512_set1_ps(16.0f)) : IOTA;
-    return _mm512_fmadd_ps(_mm512_set1_ps(ds), q, _mm512_set1_ps(-dm));
+/* Q4_K / Q5_K: the 8 sub-blocks' ds = d * sc and -dm = -(dmin * m) (gguf's products,
+ * exact in float32), unpacked 4 at a time from the 12 scale bytes (little-endian words):
+ * sc 0-3 and m 0-3 are bytes 0-3 and 4-7 masked to 6 bits; sc 4-7 and m 4-7 take their
+ * low 4 bits from bytes 8-11 and their top 2 from bits 6-7 of bytes 0-3 and 4-7. */
+static inline void k_scales(const uint8_t *b, float *ds, float *ndm) {
+    uint32_t w[3], u[4];
+    memcpy(w, b + 4, 12);
+    u[0] = w[0] & 0x3f3f3f3f;
+    u[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030);
+    u[2] = w[1] & 0x3f3f3f3f;
+    u[3] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030);
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+    __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(-half(b + 2)));
+    float out[16];
+    _mm512_storeu_ps(out, _mm512_mul_ps(dd, v));
+    memcpy(ds, out, 8 * sizeof(float));
+    memcpy(ndm, out + 8, 8 * sizeof(float));
 }
 
-static float dot_q4_k(const float *x, const uint8_t *b, int64_t k) {
+/* sub-block j's values ds * q - dm for q in [0, 16) (+ 16 with `upper`): ds * q exact */
+static inline __m512 k_table(const float *ds, const float *ndm, int j, int upper) {
+    __m512 q = upper ? _mm512_add_ps(IOTA, _mm512_set1_ps(16.0f)) : IOTA;
+    return _mm512_fmadd_ps(_mm512_set1_ps(ds[j]), q, _mm512_set1_ps(ndm[j]));
+}
+
+AI float q4_k(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
     for (int64_t i = 0; i < k; i += 256, b += 144, x += 256) {
-        float d = half(b), dmin = half(b + 2);
+        float ds[8], ndm[8];
+        k_scales(b, ds, ndm);
         for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
             __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
             __m256i h = _mm256_srli_epi16(v, 4);
-            __m512 t0 = k_table(b, 2 * j, d, dmin, 0), t1 = k_table(b, 2 * j + 1, d, dmin, 0);
-            const float *xj = x + 64 * j;
-            c[0] = look(c[0], xj, u16x(lo128(v)), t0);
-            c[1] = look(c[1], xj + 16, u16x(hi128(v)), t0);
-            c[2] = look(c[2], xj + 32, u16x(lo128(h)), t1);
-            c[3] = look(c[3], xj + 48, u16x(hi128(h)), t1);
+            __m512 t0 = k_table(ds, ndm, 2 * j, 0), t1 = k_table(ds, ndm, 2 * j + 1, 0);
+            float *xj = x + 64 * j;
+            look(&c[0], xj, u16x(lo128(v)), t0, store);
+            look(&c[1], xj + 16, u16x(hi128(v)), t0, store);
+            look(&c[2], xj + 32, u16x(lo128(h)), t1, store);
+            look(&c[3], xj + 48, u16x(hi128(h)), t1, store);
         }
     }
     return sum16x4(c);
 }
 
-static float dot_q5_k(const float *x, const uint8_t *b, int64_t k) {
+AI float q5_k(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
     const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
     for (int64_t i = 0; i < k; i += 256, b += 176, x += 256) {
-        float d = half(b), dmin = half(b + 2);
+        float ds[8], ndm[8];
+        k_scales(b, ds, ndm);
         __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)); /* bit j: sub-block j */
         for (int j = 0; j < 4; j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * j));
@@ -163,25 +192,26 @@ static float dot_q5_k(const float *x, const uint8_t *b, int64_t k) {
             q0 = _mm256_or_si256(q0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
             q1 = _mm256_or_si256(q1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
             qh = _mm256_srli_epi16(qh, 2); /* bits past a byte's own are masked off above */
-            __m512 t0 = k_table(b, 2 * j, d, dmin, 0), u0 = k_table(b, 2 * j, d, dmin, 1);
-            __m512 t1 = k_table(b, 2 * j + 1, d, dmin, 0), u1 = k_table(b, 2 * j + 1, d, dmin, 1);
-            const float *xj = x + 64 * j;
-            c[0] = look32(c[0], xj, u16x(lo128(q0)), t0, u0);
-            c[1] = look32(c[1], xj + 16, u16x(hi128(q0)), t0, u0);
-            c[2] = look32(c[2], xj + 32, u16x(lo128(q1)), t1, u1);
-            c[3] = look32(c[3], xj + 48, u16x(hi128(q1)), t1, u1);
+            __m512 t0 = k_table(ds, ndm, 2 * j, 0), u0 = k_table(ds, ndm, 2 * j, 1);
+            __m512 t1 = k_table(ds, ndm, 2 * j + 1, 0), u1 = k_table(ds, ndm, 2 * j + 1, 1);
+            float *xj = x + 64 * j;
+            look32(&c[0], xj, u16x(lo128(q0)), t0, u0, store);
+            look32(&c[1], xj + 16, u16x(hi128(q0)), t0, u0, store);
+            look32(&c[2], xj + 32, u16x(lo128(q1)), t1, u1, store);
+            look32(&c[3], xj + 48, u16x(hi128(q1)), t1, u1, store);
         }
     }
     return sum16x4(c);
 }
 
-static float dot_q6_k(const float *x, const uint8_t *b, int64_t k) {
+AI float q6_k(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
     const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
     const __m256i off = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < k; i += 256, b += 210, x += 256) {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        float d = half(b + 208);
+        float ds[16]; /* d * sc per sub-block of 16, as gguf: exact */
+        __m512 sc = f16x(_mm_loadu_si128((const __m128i *)(b + 192)));
+        _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), sc));
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
             __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
@@ -196,11 +226,11 @@ static float dot_q6_k(const float *x, const uint8_t *b, int64_t k) {
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
                 __m256i v = _mm256_sub_epi8(q[g], off);
                 int s = 8 * h + 2 * g;
-                __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[s]), f16x(lo128(v)));
-                __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[s + 1]), f16x(hi128(v)));
-                const float *xg = x + 128 * h + 32 * g;
-                c[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), w0, c[g]);
-                c[g] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), w1, c[g]);
+                __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(ds[s]), f16x(lo128(v)));
+                __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(ds[s + 1]), f16x(hi128(v)));
+                float *xg = x + 128 * h + 32 * g;
+                put(&c[g], xg, w0, store);
+                put(&c[g], xg + 16, w1, store);
             }
         }
     }
@@ -208,28 +238,62 @@ static float dot_q6_k(const float *x, const uint8_t *b, int64_t k) {
 }
 
 /* IQ4_NL / IQ4_XS: 32 values dl * KVALUES[code] from 16 bytes, the table per 32 */
-static inline void iq4_look(__m512 *c, const float *x, const uint8_t *qs, float dl) {
+AI void iq4_look(__m512 *c, float *x, const uint8_t *qs, float dl, const int store) {
     const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)KVALUES)));
     __m512 table = _mm512_mul_ps(_mm512_set1_ps(dl), kv); /* exact: 11 + 6 + 7 bits */
     __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    c[0] = look(c[0], x, u16x(v), table);
-    c[1] = look(c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table);
+    look(&c[0], x, u16x(v), table, store);
+    look(&c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table, store);
 }
 
-static float dot_iq4_nl(const float *x, const uint8_t *b, int64_t k) {
+AI float iq4_nl(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
-    for (int64_t i = 0; i < k; i += 32, b += 18, x += 32) iq4_look(c, x, b + 2, half(b));
+    for (int64_t i = 0; i < k; i += 32, b += 18, x += 32) iq4_look(c, x, b + 2, half(b), store);
     return sum16x4(c);
 }
 
-static float dot_iq4_xs(const float *x, const uint8_t *b, int64_t k) {
+AI float iq4_xs(float *x, const uint8_t *b, int64_t k, const int store) {
     __m512 c[4] = ZERO4;
     for (int64_t i = 0; i < k; i += 256, b += 136, x += 256) {
         float d = half(b);
         for (int j = 0; j < 8; j++)
-            iq4_look(c + 2 * (j & 1), x + 32 * j, b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j));
+            iq4_look(c + 2 * (j & 1), x + 32 * j, b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), store);
     }
     return sum16x4(c);
+}
+
+/* dot_<type> (x, blocks, k) and row512_<type> (blocks, y, k), from one body each */
+#define KERNEL(name)                                                                        \
+    static float dot_##name(const float *x, const uint8_t *b, int64_t k) {                   \
+        return name((float *)x, b, k, 0); /* x is only read where store is 0 */              \
+    }                                                                                       \
+    static void row512_##name(const uint8_t *b, float *y, int64_t k) { (void)name(y, b, k, 1); }
+KERNEL(q8_0)
+KERNEL(q4_0)
+KERNEL(q4_1)
+KERNEL(q5_0)
+KERNEL(q5_1)
+KERNEL(q4_k)
+KERNEL(q5_k)
+KERNEL(q6_k)
+KERNEL(iq4_nl)
+KERNEL(iq4_xs)
+
+/* the de-quantize the tiles and embedding look-ups use: these kernels' stores */
+static row_fn fast_row_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return row512_q8_0;
+    case Q4_0: return row512_q4_0;
+    case Q4_1: return row512_q4_1;
+    case Q5_0: return row512_q5_0;
+    case Q5_1: return row512_q5_1;
+    case Q4_K: return row512_q4_k;
+    case Q5_K: return row512_q5_k;
+    case Q6_K: return row512_q6_k;
+    case IQ4_NL: return row512_iq4_nl;
+    case IQ4_XS: return row512_iq4_xs;
+    default: return row_of(type);
+    }
 }
 
 static dot_fn dot_of(int32_t type) {
@@ -308,6 +372,10 @@ static dot_fn dot_of(int32_t type) {
     (void)type;
     return 0;
 }
+#endif
+
+#if !defined(__AVX512F__)
+static row_fn fast_row_of(int32_t type) { return row_of(type); }
 #endif
 
 #endif
