@@ -1,8 +1,9 @@
 """kernels/native/linear_quant.c against "de-quantize with `gguf`, then the float32 matmul".
 
-Per type, random blocks (random bits, finite half-precision scales), batches 1, 8, 64
-and an odd one, an output width that ends in a short tile, on every vector path this CPU
-runs (AVX-512, AVX2, portable C), each built with its own flags. The error bound is
+Per type, random blocks (random bits, finite half-precision scales), batches 1 to 64
+(each way linear_quant.c splits a batch), an output width that ends in a short tile, on
+every vector path this CPU runs (AVX-512, AVX2, portable C), each built with its own
+flags. The error bound is
 float32 summation-order noise: a few ulps of sum |x| |W|.
 """
 
@@ -77,7 +78,9 @@ def reference(x: torch.Tensor, w: np.ndarray, type_id: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
-@pytest.mark.parametrize("m", [1, 3, 8, 20, 64])  # 20, 64: the panel path
+# rows of x: 1, the one-row kernels; 3, 8, 9 (8 + 1) and, for 32-blocks, 20 (8 + 8 + 4):
+# the register kernels' passes of up to 8 rows; 20 (256-blocks) and 64: the tiles
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20, 64])
 def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -> None:
     k = 512 if TYPES[type_id][1] == 256 else 160
     n = 37  # ends in a short tile

@@ -38,6 +38,10 @@
 #include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
+/* Rows of x whose floats fit in L1 together (m * k up to this) take the register
+ * kernels, MR rows a pass over each weight row: every pass reads all of x again, from L1
+ * only while it fits. More rows take the tiles. */
+#define REG_FLOATS 8192
 #define KC 512 /* elements of a tile's rows de-quantized at once: a multiple of every block */
 
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
@@ -158,7 +162,8 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     }
     int elems, bytes;
     block_of(a->type, &elems, &bytes);
-    if (a->m == 1) { /* one row of x: no tile buffer */
+    dots_fn many = dots_of(a->type);
+    if (a->m == 1 || (many && a->m * k <= REG_FLOATS)) { /* few rows of x: no tile buffer */
         dot_fn one = dot_of(a->type);
         int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
         int64_t rb = a->row_bytes, stop = end * rb;
@@ -167,8 +172,17 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
             int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
             if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
             const uint8_t *w = a->w + n * rb;
-            float dot = one ? one(a->x, w, k) : dot_blocks(a->x, w, k, f, elems, bytes);
-            a->y[n] = dot + (a->bias ? a->bias[n] : 0.0f);
+            float bias = a->bias ? a->bias[n] : 0.0f;
+            for (int64_t r = 0; r < a->m; r += MR) { /* MR rows of x a pass over the row */
+                const float *x = a->x + r * k;
+                float out[MR];
+                int rows = a->m - r < MR ? (int)(a->m - r) : MR;
+                if (rows > 1)
+                    many(x, k, w, k, out, rows);
+                else
+                    out[0] = one ? one(x, w, k) : dot_blocks(x, w, k, f, elems, bytes);
+                for (int i = 0; i < rows; i++) a->y[(r + i) * a->ldy + n] = out[i] + bias;
+            }
         }
         return;
     }

@@ -45,10 +45,23 @@ static float dot_blocks(const float *x, const uint8_t *b, int64_t k, row_fn f, i
 }
 
 #if defined(__AVX512F__)
-static inline float sum16x4(const __m512 *c) {
+#define MR 8 /* rows of x one pass over a weight row serves (a decode batch of up to 8) */
+#define AI static inline __attribute__((always_inline))
+typedef __m512 Sums[MR]; /* one slot's sums, one zmm per row of x */
+
+/* out[r] = row r's sums added: one row keeps 4 slots (4 chains of FMAs in flight),
+ * several rows one slot each (their rows are the independent chains) */
+AI void finish(Sums *c, float *out, const int rows) {
     float s[LANES];
-    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])));
-    return lanes_sum(s);
+    if (rows == 1) {
+        _mm512_storeu_ps(s, _mm512_add_ps(_mm512_add_ps(c[0][0], c[1][0]), _mm512_add_ps(c[2][0], c[3][0])));
+        out[0] = lanes_sum(s);
+        return;
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(s, c[0][r]);
+        out[r] = lanes_sum(s);
+    }
 }
 
 static inline __m512 f16x(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
@@ -56,62 +69,71 @@ static inline __m512i u16x(__m128i q) { return _mm512_cvtepu8_epi32(q); }
 static inline __m128i lo128(__m256i v) { return _mm256_castsi256_si128(v); }
 static inline __m128i hi128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
 
-#define ZERO4 {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}
+#define SUMS(c)                                                                             \
+    Sums c[4];                                                                              \
+    for (int s_ = 0; s_ < 4; s_++)                                                          \
+        for (int r_ = 0; r_ < MR; r_++) c[s_][r_] = _mm512_setzero_ps()
+#define SLOT(i) c[rows > 1 ? 0 : (i)] /* the slot a vector of weights adds into */
 #define IOTA _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 
-/* Each kernel's body serves twice, `store` a constant at each use: 0, a dot (p is x,
- * the 16 values w at p[0, 16) add x * w into *c); 1, a de-quantize (w stored at p[0, 16),
- * the tiles' rows). */
-#define AI static inline __attribute__((always_inline))
-AI void put(__m512 *c, float *p, __m512 w, const int store) {
-    if (store)
-        _mm512_storeu_ps(p, w);
-    else
-        *c = _mm512_fmadd_ps(_mm512_loadu_ps(p), w, *c);
+/* Each kernel's body serves three ways, `rows` a constant at each use: 1, a dot (p is x,
+ * the 16 values w at p[0, 16) add x * w into the slot); 2..MR, as many dots with the rows
+ * of x ldx apart, each vector of weights formed once for all; 0, a de-quantize (w stored
+ * at p[0, 16): the tiles' rows). */
+AI void put(__m512 *c, float *p, __m512 w, const int rows, int64_t ldx) {
+    if (rows == 0) _mm512_storeu_ps(p, w);
+    for (int r = 0; r < rows; r++) c[r] = _mm512_fmadd_ps(_mm512_loadu_ps(p + r * ldx), w, c[r]);
 }
 
 /* a 4-bit look-up (index bits past 4 ignored) */
-AI void look(__m512 *c, float *p, __m512i idx, __m512 table, const int store) {
-    put(c, p, _mm512_permutexvar_ps(idx, table), store);
+AI void look(__m512 *c, float *p, __m512i idx, __m512 table, const int rows, int64_t ldx) {
+    put(c, p, _mm512_permutexvar_ps(idx, table), rows, ldx);
 }
 
 /* a 5-bit look-up over 32 values */
-AI void look32(__m512 *c, float *p, __m512i idx, __m512 lo, __m512 hi, const int store) {
-    put(c, p, _mm512_permutex2var_ps(lo, idx, hi), store);
+AI void look32(__m512 *c, float *p, __m512i idx, __m512 lo, __m512 hi, const int rows,
+               int64_t ldx) {
+    put(c, p, _mm512_permutex2var_ps(lo, idx, hi), rows, ldx);
 }
 
-AI float q8_0(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q8_0(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
     for (int64_t i = 0; i < k; i += 32, b += 34, x += 32) {
         __m512 d = _mm512_set1_ps(half(b));
         for (int h = 0; h < 2; h++) {
             __m512 w = _mm512_mul_ps(d, f16x(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h))));
-            put(&c[h], x + 16 * h, w, store);
+            put(SLOT(h), x + 16 * h, w, rows, ldx);
         }
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
 /* Q4_0 (off 8, no min) and Q4_1 (off 0, min): the 16 values d * (q - off) + m */
-AI float q4(float *x, const uint8_t *b, int64_t k, int size, int min, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q4(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows, int size,
+           int min) {
+    SUMS(c);
     const __m512 codes = _mm512_sub_ps(IOTA, _mm512_set1_ps(min ? 0.0f : 8.0f));
     for (int64_t i = 0; i < k; i += 32, b += size, x += 32) {
         __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
         __m512 table = _mm512_fmadd_ps(d, codes, m); /* d * q exact: + m one rounding */
         __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        look(&c[0], x, u16x(v), table, store);
-        look(&c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table, store);
+        look(SLOT(0), x, u16x(v), table, rows, ldx);
+        look(SLOT(1), x + 16, u16x(_mm_srli_epi16(v, 4)), table, rows, ldx);
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
-AI float q4_0(float *x, const uint8_t *b, int64_t k, const int store) { return q4(x, b, k, 18, 0, store); }
-AI float q4_1(float *x, const uint8_t *b, int64_t k, const int store) { return q4(x, b, k, 20, 1, store); }
+AI void q4_0(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    q4(x, ldx, b, k, out, rows, 18, 0);
+}
+AI void q4_1(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    q4(x, ldx, b, k, out, rows, 20, 1);
+}
 
 /* Q5_0 (values d * (q - 16)) and Q5_1 (d * q + m): 5-bit codes, bit 4 from qh */
-AI float q5(float *x, const uint8_t *b, int64_t k, int size, int min, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q5(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows, int size,
+           int min) {
+    SUMS(c);
     const __m512 off = _mm512_set1_ps(min ? 0.0f : 16.0f), sixteen = _mm512_set1_ps(16.0f);
     const __m512i bit4 = _mm512_set1_epi32(16);
     const __m128i mask = _mm_set1_epi8(0xf);
@@ -126,14 +148,18 @@ AI float q5(float *x, const uint8_t *b, int64_t k, int size, int min, const int 
         __m512i i1 = u16x(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
         i0 = _mm512_mask_or_epi32(i0, (__mmask16)qh, i0, bit4);
         i1 = _mm512_mask_or_epi32(i1, (__mmask16)(qh >> 16), i1, bit4);
-        look32(&c[0], x, i0, lo, hi, store);
-        look32(&c[1], x + 16, i1, lo, hi, store);
+        look32(SLOT(0), x, i0, lo, hi, rows, ldx);
+        look32(SLOT(1), x + 16, i1, lo, hi, rows, ldx);
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
-AI float q5_0(float *x, const uint8_t *b, int64_t k, const int store) { return q5(x, b, k, 22, 0, store); }
-AI float q5_1(float *x, const uint8_t *b, int64_t k, const int store) { return q5(x, b, k, 24, 1, store); }
+AI void q5_0(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    q5(x, ldx, b, k, out, rows, 22, 0);
+}
+AI void q5_1(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    q5(x, ldx, b, k, out, rows, 24, 1);
+}
 
 /* Q4_K / Q5_K: the 8 sub-blocks' ds = d * sc and -dm = -(dmin * m) (gguf's products,
  * exact in float32), unpacked 4 at a time from the 12 scale bytes (little-endian words):
@@ -160,8 +186,8 @@ static inline __m512 k_table(const float *ds, const float *ndm, int j, int upper
     return _mm512_fmadd_ps(_mm512_set1_ps(ds[j]), q, _mm512_set1_ps(ndm[j]));
 }
 
-AI float q4_k(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q4_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
     for (int64_t i = 0; i < k; i += 256, b += 144, x += 256) {
         float ds[8], ndm[8];
         k_scales(b, ds, ndm);
@@ -170,17 +196,17 @@ AI float q4_k(float *x, const uint8_t *b, int64_t k, const int store) {
             __m256i h = _mm256_srli_epi16(v, 4);
             __m512 t0 = k_table(ds, ndm, 2 * j, 0), t1 = k_table(ds, ndm, 2 * j + 1, 0);
             float *xj = x + 64 * j;
-            look(&c[0], xj, u16x(lo128(v)), t0, store);
-            look(&c[1], xj + 16, u16x(hi128(v)), t0, store);
-            look(&c[2], xj + 32, u16x(lo128(h)), t1, store);
-            look(&c[3], xj + 48, u16x(hi128(h)), t1, store);
+            look(SLOT(0), xj, u16x(lo128(v)), t0, rows, ldx);
+            look(SLOT(1), xj + 16, u16x(hi128(v)), t0, rows, ldx);
+            look(SLOT(2), xj + 32, u16x(lo128(h)), t1, rows, ldx);
+            look(SLOT(3), xj + 48, u16x(hi128(h)), t1, rows, ldx);
         }
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
-AI float q5_k(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q5_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
     const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
     for (int64_t i = 0; i < k; i += 256, b += 176, x += 256) {
         float ds[8], ndm[8];
@@ -195,17 +221,17 @@ AI float q5_k(float *x, const uint8_t *b, int64_t k, const int store) {
             __m512 t0 = k_table(ds, ndm, 2 * j, 0), u0 = k_table(ds, ndm, 2 * j, 1);
             __m512 t1 = k_table(ds, ndm, 2 * j + 1, 0), u1 = k_table(ds, ndm, 2 * j + 1, 1);
             float *xj = x + 64 * j;
-            look32(&c[0], xj, u16x(lo128(q0)), t0, u0, store);
-            look32(&c[1], xj + 16, u16x(hi128(q0)), t0, u0, store);
-            look32(&c[2], xj + 32, u16x(lo128(q1)), t1, u1, store);
-            look32(&c[3], xj + 48, u16x(hi128(q1)), t1, u1, store);
+            look32(SLOT(0), xj, u16x(lo128(q0)), t0, u0, rows, ldx);
+            look32(SLOT(1), xj + 16, u16x(hi128(q0)), t0, u0, rows, ldx);
+            look32(SLOT(2), xj + 32, u16x(lo128(q1)), t1, u1, rows, ldx);
+            look32(SLOT(3), xj + 48, u16x(hi128(q1)), t1, u1, rows, ldx);
         }
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
-AI float q6_k(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
+AI void q6_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
     const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
     const __m256i off = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < k; i += 256, b += 210, x += 256) {
@@ -229,45 +255,61 @@ AI float q6_k(float *x, const uint8_t *b, int64_t k, const int store) {
                 __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(ds[s]), f16x(lo128(v)));
                 __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(ds[s + 1]), f16x(hi128(v)));
                 float *xg = x + 128 * h + 32 * g;
-                put(&c[g], xg, w0, store);
-                put(&c[g], xg + 16, w1, store);
+                put(SLOT(g), xg, w0, rows, ldx);
+                put(SLOT(g), xg + 16, w1, rows, ldx);
             }
         }
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
 /* IQ4_NL / IQ4_XS: 32 values dl * KVALUES[code] from 16 bytes, the table per 32 */
-AI void iq4_look(__m512 *c, float *x, const uint8_t *qs, float dl, const int store) {
+AI void iq4_look(Sums *c, float *x, int64_t ldx, const uint8_t *qs, float dl, const int rows) {
     const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)KVALUES)));
     __m512 table = _mm512_mul_ps(_mm512_set1_ps(dl), kv); /* exact: 11 + 6 + 7 bits */
     __m128i v = _mm_loadu_si128((const __m128i *)qs);
-    look(&c[0], x, u16x(v), table, store);
-    look(&c[1], x + 16, u16x(_mm_srli_epi16(v, 4)), table, store);
+    look(SLOT(0), x, u16x(v), table, rows, ldx);
+    look(SLOT(1), x + 16, u16x(_mm_srli_epi16(v, 4)), table, rows, ldx);
 }
 
-AI float iq4_nl(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
-    for (int64_t i = 0; i < k; i += 32, b += 18, x += 32) iq4_look(c, x, b + 2, half(b), store);
-    return sum16x4(c);
+AI void iq4_nl(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
+    for (int64_t i = 0; i < k; i += 32, b += 18, x += 32) iq4_look(c, x, ldx, b + 2, half(b), rows);
+    finish(c, out, rows);
 }
 
-AI float iq4_xs(float *x, const uint8_t *b, int64_t k, const int store) {
-    __m512 c[4] = ZERO4;
+AI void iq4_xs(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
     for (int64_t i = 0; i < k; i += 256, b += 136, x += 256) {
         float d = half(b);
         for (int j = 0; j < 8; j++)
-            iq4_look(c + 2 * (j & 1), x + 32 * j, b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), store);
+            iq4_look(c + (rows > 1 ? 0 : 2 * (j & 1)), x + 32 * j, ldx, b + 8 + 16 * j,
+                     d * (float)iq4_xs_scale(b, j), rows);
     }
-    return sum16x4(c);
+    finish(c, out, rows);
 }
 
-/* dot_<type> (x, blocks, k) and row512_<type> (blocks, y, k), from one body each */
+/* dot_<type> (one row of x), dots_<type> (2..MR rows ldx apart) and row512_<type> (a
+ * de-quantize), from one body each; x is only read where rows > 0 */
 #define KERNEL(name)                                                                        \
     static float dot_##name(const float *x, const uint8_t *b, int64_t k) {                   \
-        return name((float *)x, b, k, 0); /* x is only read where store is 0 */              \
+        float out;                                                                          \
+        name((float *)x, 0, b, k, &out, 1);                                                 \
+        return out;                                                                         \
     }                                                                                       \
-    static void row512_##name(const uint8_t *b, float *y, int64_t k) { (void)name(y, b, k, 1); }
+    static void dots_##name(const float *x, int64_t ldx, const uint8_t *b, int64_t k,        \
+                            float *out, int rows) {                                         \
+        switch (rows) {                                                                     \
+        case 2: name((float *)x, ldx, b, k, out, 2); return;                                \
+        case 3: name((float *)x, ldx, b, k, out, 3); return;                                \
+        case 4: name((float *)x, ldx, b, k, out, 4); return;                                \
+        case 5: name((float *)x, ldx, b, k, out, 5); return;                                \
+        case 6: name((float *)x, ldx, b, k, out, 6); return;                                \
+        case 7: name((float *)x, ldx, b, k, out, 7); return;                                \
+        default: name((float *)x, ldx, b, k, out, MR); return;                              \
+        }                                                                                   \
+    }                                                                                       \
+    static void row512_##name(const uint8_t *b, float *y, int64_t k) { name(y, 0, b, k, 0, 0); }
 KERNEL(q8_0)
 KERNEL(q4_0)
 KERNEL(q4_1)
@@ -278,6 +320,24 @@ KERNEL(q5_k)
 KERNEL(q6_k)
 KERNEL(iq4_nl)
 KERNEL(iq4_xs)
+
+/* rows 2..MR of x against one weight row: out[r] = x_r . w (0 where a type has none) */
+typedef void (*dots_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int);
+static dots_fn dots_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return dots_q8_0;
+    case Q4_0: return dots_q4_0;
+    case Q4_1: return dots_q4_1;
+    case Q5_0: return dots_q5_0;
+    case Q5_1: return dots_q5_1;
+    case Q4_K: return dots_q4_k;
+    case Q5_K: return dots_q5_k;
+    case Q6_K: return dots_q6_k;
+    case IQ4_NL: return dots_iq4_nl;
+    case IQ4_XS: return dots_iq4_xs;
+    default: return 0;
+    }
+}
 
 /* the de-quantize the tiles and embedding look-ups use: these kernels' stores */
 static row_fn fast_row_of(int32_t type) {
@@ -375,6 +435,12 @@ static dot_fn dot_of(int32_t type) {
 #endif
 
 #if !defined(__AVX512F__)
+#define MR 1
+typedef void (*dots_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int);
+static dots_fn dots_of(int32_t type) {
+    (void)type;
+    return 0;
+}
 static row_fn fast_row_of(int32_t type) { return row_of(type); }
 #endif
 
