@@ -14,9 +14,12 @@ step of a model larger than the cache does). Reported, per type:
 
 Taking turns: each repetition times the read, every quantized batch and every float32
 batch once, so a busy machine's noisy stretches fall on all; the medians are reported.
+Clock: with one thread (the default) each call's CPU time on the calling thread
+(time.thread_time), so time the thread spends preempted by other work on a shared machine
+is not counted; with --threads N > 1 (the kernels' workers) the wall clock.
 
     python benchmarks/quant_kernels.py [--types Q4_K Q6_K ...] [--n 8192] [--k 2048]
-        [--batch 1 8 64] [--reps 9] [--threads 0] [--json]
+        [--batch 1 8 64] [--reps 3] [--threads 1] [--json]
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ def _halves(type_id: int) -> list[int]:
 
 
 def timed(fn: Any, *args: Any) -> float:
-    start = time.perf_counter()
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    start = clock()
     fn(*args)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def bench_type(
@@ -90,6 +94,13 @@ def bench_type(
         turn[0] += 1
         kernel(xs[m], w, type_id, None, ys[m])
 
+    def read_all(parts: list[np.ndarray]) -> None:  # on this thread where it is the only one
+        list(
+            map(np.bitwise_or.reduce, parts)
+            if threads == 1
+            else pool.map(np.bitwise_or.reduce, parts)
+        )
+
     read_s: list[float] = []
     q_s: dict[int, list[float]] = {m: [] for m in args.batch}
     f_s: dict[int, list[float]] = {m: [] for m in args.batch}
@@ -97,7 +108,7 @@ def bench_type(
         quant(m)
         f32(xs[m], packed, None, n)
     for _ in range(args.reps * len(copies)):
-        read_s.append(timed(lambda: list(pool.map(np.bitwise_or.reduce, parts))) / len(copies))
+        read_s.append(timed(read_all, parts) / len(copies))
         for m in args.batch:
             q_s[m].append(timed(quant, m))
             f_s[m].append(timed(f32, xs[m], packed, None, n))
@@ -123,18 +134,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--reps", type=int, default=3, help="passes over the copies")
-    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--threads", type=int, default=1, help="1: CPU time; more: wall clock")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(torch.get_num_threads()) as pool:
         for name in args.types:
             rows.append(bench_type(names[name], args, Path(tmp), pool))
             if not args.json:
                 print("  ".join(f"{key} {val}" for key, val in rows[-1].items()), flush=True)
-    info = {"threads": torch.get_num_threads(), "n": args.n, "k": args.k, "rows": rows}
+    clock = "thread CPU time" if args.threads == 1 else "wall"
+    info = {"threads": args.threads, "clock": clock, "n": args.n, "k": args.k, "rows": rows}
     if args.json:
         print(json.dumps(info, indent=1))
 

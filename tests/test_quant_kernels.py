@@ -78,8 +78,8 @@ def reference(x: torch.Tensor, w: np.ndarray, type_id: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
-# rows of x: 1, the one-row kernels; 3, 8, 9 (8 + 1) and, for 32-blocks, 20 (8 + 8 + 4):
-# the register kernels' passes of up to 8 rows; 20 (256-blocks) and 64: the tiles
+# rows of x: 1, the one-row kernels; 3, 8: the register kernels' passes of up to 8 rows;
+# 9, 20, 64: the tiles
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 20, 64])
 def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -> None:
     k = 512 if TYPES[type_id][1] == 256 else 160
@@ -97,6 +97,20 @@ def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -
     err = (got - ref).abs()
     bound = 8 * k**0.5 * 2.0**-24 * (scale + bias.double().abs()) + 1e-30
     assert (err <= bound).all(), f"worst {(err / bound).max():.2f}x the float32 noise bound"
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+def test_register_kernels_sum_in_chunks_of_k(kernel: LinearQuant, type_id: int) -> None:
+    """8 rows of x with k = 2560: the register kernels take k in chunks (x's chunk in L1),
+    the last one short, each chunk's sums added into y."""
+    m, n, k = 8, 9, 2560
+    w = random_blocks(type_id, n, k, seed=type_id + 7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(type_id))
+    y = torch.full((m, n), float("nan"))
+    kernel(x, torch.from_numpy(w), type_id, None, y)
+    ref, scale = reference(x, w, type_id)
+    err = (y.double() - ref).abs()
+    assert (err <= 8 * k**0.5 * 2.0**-24 * scale + 1e-30).all()
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])

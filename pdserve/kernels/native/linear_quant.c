@@ -38,10 +38,8 @@
 #include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
-/* Rows of x whose floats fit in L1 together (m * k up to this) take the register
- * kernels, MR rows a pass over each weight row: every pass reads all of x again, from L1
- * only while it fits. More rows take the tiles. */
-#define REG_FLOATS 8192
+#define REG_ROWS 8     /* up to this many rows of x: the register kernels (few_rows) */
+#define REG_FLOATS 8192 /* floats of x few_rows keeps in L1 (32 KB) */
 #define KC 512 /* elements of a tile's rows de-quantized at once: a multiple of every block */
 
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
@@ -151,6 +149,45 @@ static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
 
 #define AHEAD_ROWS 4 /* fused path: rows of W asked for ahead of the one computed */
 
+/* The rows [lo, hi) x TILE of W against a few rows of x (m = 1, or up to REG_ROWS with
+ * dots_of), no tile buffer: each weight row's blocks de-quantized in registers once per
+ * MR rows of x. In chunks of k that keep every row of x's chunk in L1 (REG_FLOATS floats
+ * together): a pass over a chunk of W rows reads x from L1, and each chunk's sums add
+ * into y (the first onto the bias). */
+static void few_rows(QuantArgs *a, int64_t lo, int64_t hi, row_fn f, int elems, int bytes) {
+    dot_fn one = dot_of(a->type);
+    dots_fn many = dots_of(a->type);
+    int64_t k = a->k_dim, rb = a->row_bytes, first = lo * TILE;
+    int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
+    int64_t chunk = REG_FLOATS / a->m / 256 * 256; /* 256: a multiple of every block */
+    chunk = chunk < 256 ? 256 : chunk >= k ? k : chunk;
+    for (int64_t kc = 0; kc < k; kc += chunk) {
+        int64_t len = k - kc < chunk ? k - kc : chunk;
+        int64_t skip = kc / elems * bytes, seg = len / elems * bytes;
+        for (int64_t n = first; n < end && n < first + AHEAD_ROWS; n++)
+            ahead(a, n * rb + skip, n * rb + skip + seg);
+        for (int64_t n = first; n < end; n++) {
+            int64_t next = n + AHEAD_ROWS; /* its chunk asked for AHEAD_ROWS rows ahead */
+            if (next < end) ahead(a, next * rb + skip, next * rb + skip + seg);
+            const uint8_t *w = a->w + n * rb + skip;
+            float bias = a->bias ? a->bias[n] : 0.0f;
+            for (int64_t r = 0; r < a->m; r += MR) { /* MR rows of x a pass over the row */
+                const float *x = a->x + r * k + kc;
+                float out[MR];
+                int rows = a->m - r < MR ? (int)(a->m - r) : MR;
+                if (rows > 1)
+                    many(x, k, w, len, out, rows);
+                else
+                    out[0] = one ? one(x, w, len) : dot_blocks(x, w, len, f, elems, bytes);
+                for (int i = 0; i < rows; i++) {
+                    float *y = a->y + (r + i) * a->ldy + n;
+                    *y = (kc ? *y : bias) + out[i];
+                }
+            }
+        }
+    }
+}
+
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
@@ -162,28 +199,8 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     }
     int elems, bytes;
     block_of(a->type, &elems, &bytes);
-    dots_fn many = dots_of(a->type);
-    if (a->m == 1 || (many && a->m * k <= REG_FLOATS)) { /* few rows of x: no tile buffer */
-        dot_fn one = dot_of(a->type);
-        int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
-        int64_t rb = a->row_bytes, stop = end * rb;
-        ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
-        for (int64_t n = lo * TILE; n < end; n++) {
-            int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
-            if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
-            const uint8_t *w = a->w + n * rb;
-            float bias = a->bias ? a->bias[n] : 0.0f;
-            for (int64_t r = 0; r < a->m; r += MR) { /* MR rows of x a pass over the row */
-                const float *x = a->x + r * k;
-                float out[MR];
-                int rows = a->m - r < MR ? (int)(a->m - r) : MR;
-                if (rows > 1)
-                    many(x, k, w, k, out, rows);
-                else
-                    out[0] = one ? one(x, w, k) : dot_blocks(x, w, k, f, elems, bytes);
-                for (int i = 0; i < rows; i++) a->y[(r + i) * a->ldy + n] = out[i] + bias;
-            }
-        }
+    if (a->m == 1 || (dots_of(a->type) && a->m <= REG_ROWS)) {
+        few_rows(a, lo, hi, f, elems, bytes);
         return;
     }
     /* the tile's rows de-quantized KC at a time, the sums of every row of x (and XR - 1
