@@ -147,6 +147,26 @@ static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
 #endif
 }
 
+/* out[t] = the 16 lanes of s[t] added, t < TILE (4): on AVX-512 the four sums at once
+ * (pairs interleaved and added, then 128-bit quarters), a tenth of the instructions of
+ * four lanes_sum, which a batch of 64 pays for every 4 weight rows */
+_Static_assert(TILE == 4, "tile_sums adds four rows' sums");
+static void tile_sums(const float (*s)[LANES], float *out) {
+#if defined(__AVX512F__)
+    __m512 c0 = _mm512_loadu_ps(s[0]), c1 = _mm512_loadu_ps(s[1]);
+    __m512 c2 = _mm512_loadu_ps(s[2]), c3 = _mm512_loadu_ps(s[3]);
+    __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+    __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(c2, c3), _mm512_unpackhi_ps(c2, c3));
+    /* per 128-bit quarter: (a0 + a2, a1 + a3, b0 + b2, b1 + b3) = sums of s0, s1, s2, s3 */
+    __m512 q = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(q),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    for (int t = 0; t < TILE; t++) out[t] = lanes_sum(s[t]);
+#endif
+}
+
 #define AHEAD_ROWS 4 /* fused path: rows of W asked for ahead of the one computed */
 
 /* The rows [lo, hi) x TILE of W against a few rows of x (m = 1, or up to REG_ROWS with
@@ -231,9 +251,12 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
                 dots(xr, buf, KC, len, acc + r, rows);
             }
         }
-        for (int64_t r = 0; r < a->m; r++)
+        for (int64_t r = 0; r < a->m; r++) {
+            float out[TILE];
+            tile_sums(acc[r], out);
             for (int t = 0; t < cols; t++)
-                a->y[r * a->ldy + n0 + t] = lanes_sum(acc[r][t]) + (a->bias ? a->bias[n0 + t] : 0.0f);
+                a->y[r * a->ldy + n0 + t] = out[t] + (a->bias ? a->bias[n0 + t] : 0.0f);
+        }
     }
     free(buf);
 }
