@@ -1,8 +1,9 @@
 """kernels/native/linear_quant.c against "de-quantize with `gguf`, then the float32 matmul".
 
-Per type, random blocks (random bits, finite half-precision scales), batches 1, 8, 64
-and an odd one, an output width that ends in a short tile, on every vector path this CPU
-runs (AVX-512, AVX2, portable C), each built with its own flags. The error bound is
+Per type, random blocks (random bits, finite half-precision scales), batches 1 to 64
+(each way linear_quant.c splits a batch), an output width that ends in a short tile, on
+every vector path this CPU runs (AVX-512, AVX2, portable C), each built with its own
+flags. The error bound is
 float32 summation-order noise: a few ulps of sum |x| |W|.
 """
 
@@ -21,7 +22,8 @@ from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, linear_quant
 gguf_quants = pytest.importorskip("gguf.quants")
 
 # byte offsets of each type's half-precision scales inside a block
-HALVES = {2: [0], 3: [0, 2], 6: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+HALVES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208],
+          20: [0], 23: [0]}  # fmt: skip
 PATHS = {  # name -> (extra build flags, /proc/cpuinfo flags it needs)
     "avx512": ((), ("avx512f",)),
     "avx2": (("-mno-avx512f",), ("avx2", "fma")),
@@ -76,7 +78,9 @@ def reference(x: torch.Tensor, w: np.ndarray, type_id: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
-@pytest.mark.parametrize("m", [1, 3, 8, 20, 64])  # 20, 64: the panel path
+# rows of x: 1, the one-row kernels; 3, 8: the register kernels' passes of up to 8 rows;
+# 9, 20, 64: the tiles
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20, 64])
 def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -> None:
     k = 512 if TYPES[type_id][1] == 256 else 160
     n = 37  # ends in a short tile
@@ -96,6 +100,20 @@ def test_matmul_matches_dequantized(kernel: LinearQuant, type_id: int, m: int) -
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
+def test_register_kernels_sum_in_chunks_of_k(kernel: LinearQuant, type_id: int) -> None:
+    """8 rows of x with k = 2560: the register kernels take k in chunks (x's chunk in L1),
+    the last one short, each chunk's sums added into y."""
+    m, n, k = 8, 9, 2560
+    w = random_blocks(type_id, n, k, seed=type_id + 7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(type_id))
+    y = torch.full((m, n), float("nan"))
+    kernel(x, torch.from_numpy(w), type_id, None, y)
+    ref, scale = reference(x, w, type_id)
+    err = (y.double() - ref).abs()
+    assert (err <= 8 * k**0.5 * 2.0**-24 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=[TYPES[t][0] for t in sorted(TYPES)])
 def test_rows_equal_dequantized_bit_for_bit_where_no_fma(kernel: LinearQuant, type_id: int) -> None:
     """Embedding look-ups: rows equal gguf's de-quantized rows (within one rounding of a
     fused multiply-add for the types whose value is d * q + m)."""
@@ -104,7 +122,7 @@ def test_rows_equal_dequantized_bit_for_bit_where_no_fma(kernel: LinearQuant, ty
     ids = torch.tensor([8, 0, 3, 3])
     got = kernel.rows(torch.from_numpy(w), type_id, ids, k)
     want = torch.from_numpy(np.asarray(gguf_quants.dequantize(w, type_id), np.float32))[ids]
-    if type_id in (3, 12, 13):  # d * q + m, d * q - m: the compiler may fuse
+    if type_id in (3, 7, 12, 13):  # d * q + m, d * q - m: the compiler may fuse
         torch.testing.assert_close(got, want, rtol=2**-22, atol=1e-6)
     else:
         assert torch.equal(got, want)

@@ -1,5 +1,5 @@
-/* y = x @ W^T + b with W kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
- * Q5_K, Q6_K), float32 activations, float32 sums.
+/* y = x @ W^T + b with W kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), float32 activations, float32 sums.
  *
  * Why: a decode step reads every weight once; GGUF blocks hold 4.5-8.5 bits a weight
  * where float32 holds 32, so the step reads 4-7x fewer bytes. The values are the ones
@@ -11,19 +11,21 @@
  * Layout: W [N][K] as the file stores it: each row its K / block_size blocks, rows
  * `row_bytes` apart (the GGUF tensor's bytes, rows permuted for Llama's Q/K).
  *
- * Compute, per tile of TILE output rows (a thread's range is whole tiles):
- *     de-quantize the tile's rows (quant_blocks.h) into a per-thread buffer [TILE][K]
- *     (L1/L2-resident);
- *     for each row of x (in pairs): TILE dot products over k, sums kept per lane of 16:
- *     lane l adds the products at k = l, l + 16, ... in ascending k; the 16 lanes then
- *     sum in a tree (AVX-512: _mm512_reduce_add_ps's; otherwise lanes_sum's). The tile is de-quantized once and reused by every row of
- *     x, so a batch of 64 pays the de-quantizing once.
+ * Compute, per tile of TILE output rows (a thread's range is whole tiles), in chunks of
+ * KC elements of k:
+ *     de-quantize the chunk of the tile's rows (quant_blocks.h) into a per-thread buffer
+ *     [TILE][KC] (8 KB, L1-resident with the chunk of XR rows of x it meets);
+ *     for each row of x (XR at a time): TILE dot products over the chunk, sums kept per
+ *     lane of 16 across chunks: lane l adds the products at k = l, l + 16, ... in
+ *     ascending k; after the last chunk the 16 lanes sum in one tree (lanes_sum). The
+ *     tile is de-quantized once and reused by every row of x, so a batch of 64 pays the
+ *     de-quantizing once, and every operand of the inner loop is in L1.
  *
- *     AVX-512   a lane set is one zmm; 2 x rows x TILE rows = 8 sums in registers
- *     AVX2      a lane set is two ymm
+ *     AVX-512   a lane set is one zmm; 6 x rows x TILE rows = 24 sums in registers
+ *     AVX2      a lane set is two ymm; 2 x rows
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
  * Every path adds the same products in the same order per lane; a decode's single row
- * of x (m = 1) takes a fused path that never stores the weights (see fused_fn). */
+ * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,9 +38,12 @@
 #include "kernel_args.h" /* QuantArgs */
 
 #define TILE 4
-#define LANES 16
+#define REG_ROWS 8     /* up to this many rows of x: the register kernels (few_rows) */
+#define REG_FLOATS 8192 /* floats of x few_rows keeps in L1 (32 KB) */
+#define KC 512 /* elements of a tile's rows de-quantized at once: a multiple of every block */
 
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
+#include "quant_dot.h"    /* one row of x: dot_of, dot_blocks */
 
 /* 1 if `type` has a kernel here (the wrapper asks before it keeps a tensor's blocks) */
 int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
@@ -46,209 +51,84 @@ int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
 /* out [count][k] = the de-quantized rows ids[i] of w (embedding lookups); 1: no kernel */
 int pd_quant_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                   int64_t count, int64_t k, float *out) {
-    row_fn f = row_of(type);
+    row_fn f = fast_row_of(type);
     if (!f) return 1;
     for (int64_t i = 0; i < count; i++) f(w + ids[i] * row_bytes, out + i * k, k);
     return 0;
 }
 
-/* the 16 lane sums of one dot product, added in one fixed tree (every path alike) */
-static float lanes_sum(const float *s) {
-    float a[8];
-    for (int l = 0; l < 8; l++) a[l] = s[l] + s[l + 8];
-    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
-
-/* out[r][t] = x_r . w_t for XR rows of x (xr[r]: a row, or zeros past the batch) and
- * TILE weight rows (k apart); k a multiple of 16 (every type's block is). A weight
- * vector loaded once feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers. */
+/* acc[r][t][l] += the products x_r[i] * w_t[i] at i = l, l + 16, ... < len (ascending)
+ * for XR rows of x (xr[r]: a row, or zeros past the batch) and TILE weight rows (ldw
+ * apart); len a multiple of 16 (every type's block is). A weight vector loaded once
+ * feeds XR FMAs: on AVX-512 6 x 4 sums stay in registers over the chunk. */
 #if defined(__AVX512F__)
 #define XR 6
 #else
 #define XR 2
 #endif
+typedef float Acc[TILE][LANES];
 #if defined(__AVX512F__)
 /* inlined at each constant `rows` (dots' switch): a short block computes only its rows */
 static inline __attribute__((always_inline)) void dots512(const float *const *xr,
-                                                          const float *w, int64_t k,
-                                                          float out[XR][TILE], const int rows) {
+                                                          const float *w, int64_t ldw,
+                                                          int64_t len, Acc *acc,
+                                                          const int rows) {
     __m512 c[XR][TILE];
     for (int r = 0; r < rows; r++)
-        for (int t = 0; t < TILE; t++) c[r][t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += LANES) {
+        for (int t = 0; t < TILE; t++) c[r][t] = _mm512_loadu_ps(acc[r][t]);
+    for (int64_t i = 0; i < len; i += LANES) {
         __m512 wv[TILE];
-        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * k + i);
+        for (int t = 0; t < TILE; t++) wv[t] = _mm512_loadu_ps(w + t * ldw + i);
         for (int r = 0; r < rows; r++) {
             __m512 xv = _mm512_loadu_ps(xr[r] + i);
+            /* x in a register: folded into each FMA as a memory operand (GCC's choice at
+             * this register pressure) it would be loaded TILE times, and loads, not FMAs,
+             * would set the pace */
+            __asm__("" : "+v"(xv));
             for (int t = 0; t < TILE; t++) c[r][t] = _mm512_fmadd_ps(xv, wv[t], c[r][t]);
         }
     }
-    for (int r = 0; r < rows; r++) /* the 16 lanes added by the compiler's own tree */
-        for (int t = 0; t < TILE; t++) out[r][t] = _mm512_reduce_add_ps(c[r][t]);
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < TILE; t++) _mm512_storeu_ps(acc[r][t], c[r][t]);
 }
 #endif
 
-static void dots(const float *const *xr, const float *w, int64_t k, float out[XR][TILE],
+static void dots(const float *const *xr, const float *w, int64_t ldw, int64_t len, Acc *acc,
                  int rows) {
-    float s[XR][TILE][LANES];
 #if defined(__AVX512F__)
-    (void)s;
     switch (rows) {
-    case 1: dots512(xr, w, k, out, 1); return;
-    case 2: dots512(xr, w, k, out, 2); return;
-    case 3: dots512(xr, w, k, out, 3); return;
-    case 4: dots512(xr, w, k, out, 4); return;
-    case 5: dots512(xr, w, k, out, 5); return;
-    default: dots512(xr, w, k, out, 6); return;
+    case 1: dots512(xr, w, ldw, len, acc, 1); return;
+    case 2: dots512(xr, w, ldw, len, acc, 2); return;
+    case 3: dots512(xr, w, ldw, len, acc, 3); return;
+    case 4: dots512(xr, w, ldw, len, acc, 4); return;
+    case 5: dots512(xr, w, ldw, len, acc, 5); return;
+    default: dots512(xr, w, ldw, len, acc, 6); return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    (void)rows; /* XR = 2: the zero row costs little */
+    (void)rows; /* XR = 2: the zero row costs little (its sums are never read) */
     __m256 c[XR][TILE][2];
     for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) c[r][t][0] = c[r][t][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += LANES) {
+        for (int t = 0; t < TILE; t++)
+            for (int h = 0; h < 2; h++) c[r][t][h] = _mm256_loadu_ps(acc[r][t] + 8 * h);
+    for (int64_t i = 0; i < len; i += LANES) {
         for (int h = 0; h < 2; h++) {
             __m256 x0 = _mm256_loadu_ps(xr[0] + i + 8 * h), x1 = _mm256_loadu_ps(xr[1] + i + 8 * h);
             for (int t = 0; t < TILE; t++) {
-                __m256 wv = _mm256_loadu_ps(w + t * k + i + 8 * h);
+                __m256 wv = _mm256_loadu_ps(w + t * ldw + i + 8 * h);
                 c[0][t][h] = _mm256_fmadd_ps(x0, wv, c[0][t][h]);
                 c[1][t][h] = _mm256_fmadd_ps(x1, wv, c[1][t][h]);
             }
         }
     }
     for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) {
-            _mm256_storeu_ps(s[r][t], c[r][t][0]);
-            _mm256_storeu_ps(s[r][t] + 8, c[r][t][1]);
-        }
+        for (int t = 0; t < TILE; t++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc[r][t] + 8 * h, c[r][t][h]);
 #else
     (void)rows;
-    memset(s, 0, sizeof s);
     for (int r = 0; r < XR; r++)
         for (int t = 0; t < TILE; t++)
-            for (int64_t i = 0; i < k; i += LANES)
-                for (int l = 0; l < LANES; l++) s[r][t][l] += xr[r][i + l] * w[t * k + i + l];
-#endif
-    for (int r = 0; r < XR; r++)
-        for (int t = 0; t < TILE; t++) out[r][t] = lanes_sum(s[r][t]);
-}
-
-/* One row of x (m = 1, a decode step of one request) against one weight row, its blocks
- * de-quantized in registers and never stored: the weights' bytes are the only memory
- * traffic, so a step reads 4.5-8.5 bits a weight. Q4_0, Q4_1, Q8_0 on AVX-512 and AVX2;
- * 0 where a type has none here (the tile path computes it). Lane l of the two sums adds
- * the products at k = 32 b + l (first) and 32 b + 16 + l (second) in ascending b. */
-typedef float (*fused_fn)(const float *, const uint8_t *, int64_t);
-
-#if defined(__AVX512F__)
-static inline float sum16x2(__m512 a, __m512 b) {
-    float s[LANES], t[LANES];
-    _mm512_storeu_ps(s, a);
-    _mm512_storeu_ps(t, b);
-    for (int l = 0; l < LANES; l++) s[l] += t[l];
-    return lanes_sum(s);
-}
-
-/* Q4_0 (off 8, no min) and Q4_1 (off 0, min): y = sum x * (d * (q - off) + m) */
-static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
-    for (int64_t i = 0; i < k; i += 32, b += size) {
-        __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(min ? half(b + 2) : 0.0f);
-        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-        w0 = _mm512_add_ps(_mm512_mul_ps(d, w0), m);
-        w1 = _mm512_add_ps(_mm512_mul_ps(d, w1), m);
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
-    }
-    return sum16x2(c0, c1);
-}
-
-static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 32, b += 34) {
-        __m512 d = _mm512_set1_ps(half(b));
-        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-        __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w0, c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), w1, c1);
-    }
-    return sum16x2(c0, c1);
-}
-#define HAVE_FUSED 1
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline float sum8x4(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
-    float s[LANES], t[LANES];
-    _mm256_storeu_ps(s, a0);
-    _mm256_storeu_ps(s + 8, a1);
-    _mm256_storeu_ps(t, b0);
-    _mm256_storeu_ps(t + 8, b1);
-    for (int l = 0; l < LANES; l++) s[l] += t[l];
-    return lanes_sum(s);
-}
-
-static inline __m256 f8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
-
-static inline float fused_q4(const float *x, const uint8_t *b, int64_t k, int size, int min) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    const __m128i mask = _mm_set1_epi8(0xf), off = _mm_set1_epi8(min ? 0 : 8);
-    for (int64_t i = 0; i < k; i += 32, b += size) {
-        __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(min ? half(b + 2) : 0.0f);
-        __m128i v = _mm_loadu_si128((const __m128i *)(b + (min ? 4 : 2)));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, mask), off);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off);
-        __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int j = 0; j < 4; j++) {
-            __m256 w = _mm256_add_ps(_mm256_mul_ps(d, f8(q[j])), m);
-            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), w, c[j]);
-        }
-    }
-    return sum8x4(c[0], c[1], c[2], c[3]);
-}
-
-static float fused_q8_0(const float *x, const uint8_t *b, int64_t k) {
-    __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (int64_t i = 0; i < k; i += 32, b += 34) {
-        __m256 d = _mm256_set1_ps(half(b));
-        for (int j = 0; j < 4; j++) {
-            __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
-            c[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_mul_ps(d, f8(q)), c[j]);
-        }
-    }
-    return sum8x4(c[0], c[1], c[2], c[3]);
-}
-#define HAVE_FUSED 1
-#endif
-
-#ifdef HAVE_FUSED
-static float fused_q4_0(const float *x, const uint8_t *b, int64_t k) {
-    return fused_q4(x, b, k, 18, 0);
-}
-static float fused_q4_1(const float *x, const uint8_t *b, int64_t k) {
-    return fused_q4(x, b, k, 20, 1);
-}
-#endif
-
-static fused_fn fused_of(int32_t type) {
-#ifdef HAVE_FUSED
-    switch (type) {
-    case Q8_0: return fused_q8_0;
-    case Q4_0: return fused_q4_0;
-    case Q4_1: return fused_q4_1;
-    default: return 0;
-    }
-#else
-    (void)type;
-    return 0;
+            for (int64_t i = 0; i < len; i += LANES)
+                for (int l = 0; l < LANES; l++) acc[r][t][l] += xr[r][i + l] * w[t * ldw + i + l];
 #endif
 }
 
@@ -267,52 +147,115 @@ static inline void ahead(const QuantArgs *a, int64_t from, int64_t to) {
 #endif
 }
 
+/* out[t] = the 16 lanes of s[t] added, t < TILE (4): on AVX-512 the four sums at once
+ * (pairs interleaved and added, then 128-bit quarters), a tenth of the instructions of
+ * four lanes_sum, which a batch of 64 pays for every 4 weight rows */
+_Static_assert(TILE == 4, "tile_sums adds four rows' sums");
+static void tile_sums(const float (*s)[LANES], float *out) {
+#if defined(__AVX512F__)
+    __m512 c0 = _mm512_loadu_ps(s[0]), c1 = _mm512_loadu_ps(s[1]);
+    __m512 c2 = _mm512_loadu_ps(s[2]), c3 = _mm512_loadu_ps(s[3]);
+    __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+    __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(c2, c3), _mm512_unpackhi_ps(c2, c3));
+    /* per 128-bit quarter: (a0 + a2, a1 + a3, b0 + b2, b1 + b3) = sums of s0, s1, s2, s3 */
+    __m512 q = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(q),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    for (int t = 0; t < TILE; t++) out[t] = lanes_sum(s[t]);
+#endif
+}
+
 #define AHEAD_ROWS 4 /* fused path: rows of W asked for ahead of the one computed */
+
+/* The rows [lo, hi) x TILE of W against a few rows of x (m = 1, or up to REG_ROWS with
+ * dots_of), no tile buffer: each weight row's blocks de-quantized in registers once per
+ * MR rows of x. In chunks of k that keep every row of x's chunk in L1 (REG_FLOATS floats
+ * together): a pass over a chunk of W rows reads x from L1, and each chunk's sums add
+ * into y (the first onto the bias). */
+static void few_rows(QuantArgs *a, int64_t lo, int64_t hi, row_fn f, int elems, int bytes) {
+    dot_fn one = dot_of(a->type);
+    dots_fn many = dots_of(a->type);
+    int64_t k = a->k_dim, rb = a->row_bytes, first = lo * TILE;
+    int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
+    int64_t chunk = REG_FLOATS / a->m / 256 * 256; /* 256: a multiple of every block */
+    chunk = chunk < 256 ? 256 : chunk >= k ? k : chunk;
+    for (int64_t kc = 0; kc < k; kc += chunk) {
+        int64_t len = k - kc < chunk ? k - kc : chunk;
+        int64_t skip = kc / elems * bytes, seg = len / elems * bytes;
+        for (int64_t n = first; n < end && n < first + AHEAD_ROWS; n++)
+            ahead(a, n * rb + skip, n * rb + skip + seg);
+        for (int64_t n = first; n < end; n++) {
+            int64_t next = n + AHEAD_ROWS; /* its chunk asked for AHEAD_ROWS rows ahead */
+            if (next < end) ahead(a, next * rb + skip, next * rb + skip + seg);
+            const uint8_t *w = a->w + n * rb + skip;
+            float bias = a->bias ? a->bias[n] : 0.0f;
+            for (int64_t r = 0; r < a->m; r += MR) { /* MR rows of x a pass over the row */
+                const float *x = a->x + r * k + kc;
+                float out[MR];
+                int rows = a->m - r < MR ? (int)(a->m - r) : MR;
+                if (rows > 1)
+                    many(x, k, w, len, out, rows);
+                else
+                    out[0] = one ? one(x, w, len) : dot_blocks(x, w, len, f, elems, bytes);
+                for (int i = 0; i < rows; i++) {
+                    float *y = a->y + (r + i) * a->ldy + n;
+                    *y = (kc ? *y : bias) + out[i];
+                }
+            }
+        }
+    }
+}
 
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
-    row_fn f = row_of(a->type);
+    row_fn f = fast_row_of(a->type);
     int64_t k = a->k_dim;
     if (!f) {
         a->status = 1;
         return;
     }
-    fused_fn one = a->m == 1 ? fused_of(a->type) : 0;
-    if (one) { /* one row of x: no tile buffer */
-        int64_t end = hi * TILE < a->n ? hi * TILE : a->n;
-        int64_t rb = a->row_bytes, stop = end * rb;
-        ahead(a, lo * TILE * rb, lo * TILE * rb + AHEAD_ROWS * rb);
-        for (int64_t n = lo * TILE; n < end; n++) {
-            int64_t next = (n + AHEAD_ROWS) * rb; /* the row AHEAD_ROWS on: within the range */
-            if (next < stop) ahead(a, next, next + rb < stop ? next + rb : stop);
-            a->y[n] = one(a->x, a->w + n * rb, k) + (a->bias ? a->bias[n] : 0.0f);
-        }
+    int elems, bytes;
+    block_of(a->type, &elems, &bytes);
+    if (a->m == 1 || (dots_of(a->type) && a->m <= REG_ROWS)) {
+        few_rows(a, lo, hi, f, elems, bytes);
         return;
     }
-    float *buf = aligned_alloc(64, (size_t)((TILE + 1) * k) * sizeof(float));
+    /* the tile's rows de-quantized KC at a time, the sums of every row of x (and XR - 1
+     * more for a short block) kept per lane between chunks */
+    int64_t groups = (a->m + XR - 1) / XR;
+    size_t floats = (size_t)((TILE + 1) * KC) + (size_t)(groups * XR) * TILE * LANES;
+    float *buf = aligned_alloc(64, floats * sizeof(float));
     if (!buf) {
         a->status = 2;
         return;
     }
-    float *zero = buf + TILE * k; /* the rows of x past the batch in a short block */
-    memset(zero, 0, (size_t)k * sizeof(float));
+    float *zero = buf + TILE * KC; /* the rows of x past the batch in a short block */
+    Acc *acc = (Acc *)(zero + KC);
+    memset(zero, 0, KC * sizeof(float));
     for (int64_t tile = lo; tile < hi; tile++) {
         int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
         if (tile + 1 < hi) /* the next tile's rows, while this one computes */
             ahead(a, (n0 + TILE) * a->row_bytes, (n0 + 2 * TILE) * a->row_bytes);
-        for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
-            f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes, buf + t * k, k);
-        for (int64_t r = 0; r < a->m; r += XR) {
-            int rows = a->m - r >= XR ? XR : (int)(a->m - r);
-            const float *xr[XR];
-            for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k : zero;
-            float out[XR][TILE];
-            dots(xr, buf, k, out, rows);
-            for (int i = 0; i < rows; i++)
-                for (int t = 0; t < cols; t++)
-                    a->y[(r + i) * a->ldy + n0 + t] =
-                        out[i][t] + (a->bias ? a->bias[n0 + t] : 0.0f);
+        memset(acc, 0, (size_t)(groups * XR) * sizeof(Acc));
+        for (int64_t kc = 0; kc < k; kc += KC) {
+            int64_t len = k - kc < KC ? k - kc : KC, skip = kc / elems * bytes;
+            for (int t = 0; t < TILE; t++) /* a short last tile repeats its last row */
+                f(a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes + skip, buf + t * KC, len);
+            for (int64_t r = 0; r < a->m; r += XR) {
+                int rows = a->m - r >= XR ? XR : (int)(a->m - r);
+                const float *xr[XR];
+                for (int i = 0; i < XR; i++) xr[i] = i < rows ? a->x + (r + i) * k + kc : zero;
+                dots(xr, buf, KC, len, acc + r, rows);
+            }
+        }
+        for (int64_t r = 0; r < a->m; r++) {
+            float out[TILE];
+            tile_sums(acc[r], out);
+            for (int t = 0; t < cols; t++)
+                a->y[r * a->ldy + n0 + t] = out[t] + (a->bias ? a->bias[n0 + t] : 0.0f);
         }
     }
     free(buf);

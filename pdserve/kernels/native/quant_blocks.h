@@ -1,4 +1,4 @@
-/* GGUF's block formats, de-quantized a row at a time (row_q8_0 .. row_q6_k, chosen by
+/* GGUF's block formats, de-quantized a row at a time (row_q8_0 .. iq4_xs, chosen by
  * row_of): the float values `gguf`'s de-quantize gives, per type.
  *
  * Why a header of its own: what a block holds is one concern, how the linear tiles, dots
@@ -14,7 +14,14 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20, IQ4_XS = 23
+};
+
+/* IQ4_NL / IQ4_XS: the 16 values a 4-bit code stands for (gguf's IQ4_NL.kvalues) */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 
 
 /* IEEE half -> float, exact (subnormals, infinities and NaN included): one instruction
@@ -116,6 +123,20 @@ static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
     }
 }
 
+/* Q5_0 / Q5_1: q[l] |= 16 where bit l of qh is set (l < 32), 8 bits a step: the byte's
+ * bits spread one per byte (multiply, mask, carry into bit 0), then moved to bit 4 */
+static void high_bits(uint32_t qh, int8_t *q) {
+    for (int g = 0; g < 4; g++) {
+        uint64_t bits = ((qh >> (8 * g)) & 0xff) * 0x0101010101010101ull;
+        bits &= 0x8040201008040201ull; /* byte i keeps bit i */
+        bits = ((bits + 0x7f7f7f7f7f7f7f7full) >> 7) & 0x0101010101010101ull;
+        uint64_t word;
+        memcpy(&word, q + 8 * g, 8);
+        word |= bits << 4;
+        memcpy(q + 8 * g, &word, 8);
+    }
+}
+
 static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
     int8_t q[32];
     for (int64_t i = 0; i < k; i += 32, b += 22, y += 32) {
@@ -123,9 +144,48 @@ static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
         uint32_t qh;
         memcpy(&qh, b + 2, 4);
         nibbles(b + 6, 16, 0, q, q + 16);
-        for (int l = 0; l < 32; l++) q[l] = (int8_t)((q[l] | (((qh >> l) & 1) << 4)) - 16);
+        high_bits(qh, q);
+        for (int l = 0; l < 32; l++) q[l] = (int8_t)(q[l] - 16);
         scale16(q, d, 0.0f, y);
         scale16(q + 16, d, 0.0f, y + 16);
+    }
+}
+
+static void row_q5_1(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[32];
+    for (int64_t i = 0; i < k; i += 32, b += 24, y += 32) {
+        float d = half(b), m = half(b + 2);
+        uint32_t qh;
+        memcpy(&qh, b + 4, 4);
+        nibbles(b + 8, 16, 0, q, q + 16);
+        high_bits(qh, q);
+        scale16(q, d, m, y);
+        scale16(q + 16, d, m, y + 16);
+    }
+}
+
+/* IQ4_NL / IQ4_XS: 32 values dl * KVALUES[code] from 16 bytes (low nibbles first) */
+static void iq4_32(const uint8_t *qs, float dl, float *y) {
+    for (int l = 0; l < 16; l++) {
+        y[l] = dl * (float)KVALUES[qs[l] & 0xf];
+        y[l + 16] = dl * (float)KVALUES[qs[l] >> 4];
+    }
+}
+
+static void row_iq4_nl(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k; i += 32, b += 18, y += 32) iq4_32(b + 2, half(b), y);
+}
+
+/* IQ4_XS: sub-block j's scale, 6 bits (4 from scales_l, 2 from scales_h) less 32 */
+static inline int iq4_xs_scale(const uint8_t *b, int j) {
+    int h = (b[2] | (b[3] << 8)) >> (2 * j) & 3;
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0xf) | (h << 4)) - 32;
+}
+
+static void row_iq4_xs(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k; i += 256, b += 136, y += 256) {
+        float d = half(b);
+        for (int j = 0; j < 8; j++) iq4_32(b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), y + 32 * j);
     }
 }
 
@@ -164,13 +224,16 @@ static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
 static void row_q5_k(const uint8_t *b, float *y, int64_t k) {
     int8_t q[256];
     for (int64_t i = 0; i < k; i += 256, b += 176, y += 256) {
-        const uint8_t *qh = b + 16, *qs = b + 48;
+        const uint8_t *qs = b + 48;
+        uint8_t h[32]; /* qh, shifted 2 bits on per chunk: constant shifts vectorize */
+        memcpy(h, b + 16, 32);
         for (int c = 0; c < 4; c++) {
             int8_t *lo = q + 64 * c, *hi = lo + 32;
             nibbles(qs + 32 * c, 32, 0, lo, hi);
             for (int l = 0; l < 32; l++) {
-                lo[l] |= (int8_t)(((qh[l] >> (2 * c)) & 1) << 4);
-                hi[l] |= (int8_t)(((qh[l] >> (2 * c + 1)) & 1) << 4);
+                lo[l] |= (int8_t)((h[l] << 4) & 0x10);
+                hi[l] |= (int8_t)((h[l] << 3) & 0x10);
+                h[l] = (uint8_t)(h[l] >> 2);
             }
         }
         scale_k(b, q, y);
@@ -204,11 +267,26 @@ static row_fn row_of(int32_t type) {
     case Q4_0: return row_q4_0;
     case Q4_1: return row_q4_1;
     case Q5_0: return row_q5_0;
+    case Q5_1: return row_q5_1;
     case Q4_K: return row_q4_k;
     case Q5_K: return row_q5_k;
     case Q6_K: return row_q6_k;
+    case IQ4_NL: return row_iq4_nl;
+    case IQ4_XS: return row_iq4_xs;
     default: return 0;
     }
+}
+
+/* elements and bytes of one block of `type` (0, 0 where it has no kernel) */
+static void block_of(int32_t type, int *elems, int *bytes) {
+    static const struct { int32_t type; int elems, bytes; } sizes[] = {
+        {Q4_0, 32, 18},   {Q4_1, 32, 20},   {Q5_0, 32, 22},   {Q5_1, 32, 24},
+        {Q8_0, 32, 34},   {Q4_K, 256, 144}, {Q5_K, 256, 176}, {Q6_K, 256, 210},
+        {IQ4_NL, 32, 18}, {IQ4_XS, 256, 136},
+    };
+    *elems = *bytes = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].type == type) *elems = sizes[i].elems, *bytes = sizes[i].bytes;
 }
 
 #endif
