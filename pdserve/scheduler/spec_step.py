@@ -1,0 +1,175 @@
+"""The verifying step of speculative decoding (docs/architecture.md §10).
+
+A synchronous step: every token of its requests is on the host (the engine processed
+the in-flight step first), so each request's inputs are its last output and its draft,
+
+    request i:  inputs  last, d1 .. dk          at positions  kv_len .. kv_len + k
+                targets t0, t1 .. tk            (the model's greedy token after each input)
+                output  t0 .. ta                a = accept_greedy(d, t): d1..da == t0..ta-1
+
+one forward over all of them (an extend forward: the head at every position), then on
+the host the longest agreeing prefix and the bonus token. The KV written for inputs
+past the accepted ones is garbage that the next steps overwrite position by position
+(attention never reads past a request's length); the pages that held only rejected
+positions go back to the allocator at once, since the forward that wrote them is done.
+The next input of each request is written into the FutureMap here, behind the wait, so
+an overlap step may follow this one directly.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from pdserve.kernels.stream import Event, Stream
+from pdserve.model.forward_batch import ForwardBatch, device_tensor
+from pdserve.model.runner import ModelRunner
+from pdserve.model.sampling import logprobs_of
+from pdserve.protocol import TopLogprobs
+from pdserve.scheduler import speculation
+from pdserve.scheduler.decode_step import slot_of
+from pdserve.scheduler.future_map import FutureMap
+from pdserve.scheduler.grow import _attach
+from pdserve.scheduler.request import Req
+from pdserve.scheduler.speculation import Speculator
+
+
+class DecodeEngine(Protocol):
+    """What this module uses of scheduler/decode.py's DecodeEngine."""
+
+    runner: ModelRunner
+    future: FutureMap
+    forward_stream: Stream
+    schedule_stream: Stream
+    spec: Speculator | None
+    steps: int
+    busy_s: float
+
+    def _append(
+        self, req: Req, token: int, logprob: float, top: TopLogprobs | None = None
+    ) -> None: ...
+    def _wait_publishing_arrivals(self, done: Event) -> None: ...
+    def _blocked(self) -> AbstractContextManager[None]: ...
+
+
+def speculate(eng: DecodeEngine, batch: list[Req], drafts: list[list[int]]) -> None:
+    """Verify `drafts` (one per request of `batch`, [] for none) in one forward and
+    append each request's accepted tokens and its bonus token."""
+    assert eng.spec is not None
+    drafts = [d[: _room(eng, r, len(d))] for r, d in zip(batch, drafts)]
+    fb = _build(eng.runner, batch, drafts)
+    tokens, lps, tops, timing = _run(eng, batch, drafts, fb)
+    eng.steps += 1
+    eng.spec.steps += 1
+    eng.busy_s += timing
+    at = 0
+    for req, draft in zip(batch, drafts):
+        n = len(draft) + 1
+        targets = tokens[at : at + n]
+        a = speculation.accept_greedy(draft, targets)
+        if draft:
+            eng.spec.record(req, len(draft), a)
+        req.launched_steps += a + 1  # the KV of inputs last, d1..da is now the request's
+        for j in range(a + 1):
+            if req.finished:  # a stop token or max_tokens inside the accepted run
+                break
+            eng._append(req, targets[j], lps[at + j], tops[at + j] if tops else None)
+        at += n
+        if not req.finished:
+            _trim(eng, req)
+            eng.future.stash(req.row, req.output_ids[-1])  # forward stream idle: no race
+
+
+def _room(eng: DecodeEngine, req: Req, want: int) -> int:
+    """Draft tokens whose KV slots `req` holds or can take now (no preemption for a
+    draft: it shrinks instead)."""
+    if want == 0:
+        return 0
+    alloc, ps = eng.runner.kv_pool.allocator, eng.runner.layout.page_size
+    need = alloc.pages_for(req.kv_len + want + 1) - len(req.pages)
+    if need > 0:
+        got = alloc.alloc(need)
+        if got is not None:
+            _attach(eng, req, got)  # type: ignore[arg-type]
+    return min(want, len(req.pages) * ps - req.kv_len - 1)
+
+
+def _trim(eng: DecodeEngine, req: Req) -> None:
+    """Give back at once the pages past the slot of the request's next step."""
+    alloc = eng.runner.kv_pool.allocator
+    keep = alloc.pages_for(req.kv_need)
+    if len(req.pages) > keep:
+        alloc.free(req.pages[keep:])
+        del req.pages[keep:]
+
+
+def _build(runner: ModelRunner, batch: list[Req], drafts: list[list[int]]) -> ForwardBatch:
+    ps, dev = runner.layout.page_size, runner.device
+    ids: list[int] = []
+    positions: list[int] = []
+    seq_lens, extend_lens = [], []
+    for req, draft in zip(batch, drafts):
+        ids += [req.output_ids[-1], *draft]
+        positions += _positions(req, draft)
+        seq_lens.append(req.kv_len + len(draft) + 1)
+        extend_lens.append(len(draft) + 1)
+    rows = [r.row for r in batch]
+    slots = [slot_of(r, p, ps) for r, d in zip(batch, drafts) for p in _positions(r, d)]
+    fb = ForwardBatch(
+        input_ids=device_tensor(ids, torch.int64, dev),
+        positions=device_tensor(positions, torch.int64, dev),
+        out_cache_loc=device_tensor(slots, torch.int64, dev),
+        rows=device_tensor(rows, torch.int64, dev),
+        seq_lens=seq_lens,
+        extend_lens=extend_lens,
+        host_rows=rows,
+    )
+    runner.prepare(fb)
+    fb.last_index = device_tensor(
+        list(range(len(ids))), torch.int64, dev
+    )  # every position's logits
+    return fb
+
+
+def _positions(req: Req, draft: list[int]) -> range:
+    return range(req.kv_len, req.kv_len + len(draft) + 1)
+
+
+def _run(
+    eng: DecodeEngine, batch: list[Req], drafts: list[list[int]], fb: ForwardBatch
+) -> tuple[list[int], list[float], list[TopLogprobs] | None, float]:
+    """The forward on the forward stream, waited for: each position's greedy token,
+    its logprob, its top k (None when nobody asked) and the forward's seconds."""
+    runner = eng.runner
+    params = [r.params for r, d in zip(batch, drafts) for _ in range(len(d) + 1)]
+    t = len(params)
+    k = max(p.top_logprobs for p in params)
+    out_tokens = torch.empty(t, dtype=torch.int64)
+    out_lps = torch.empty(t, dtype=torch.float32)
+    top_v = torch.empty(t, k, dtype=torch.float32) if k else None
+    top_i = torch.empty(t, k, dtype=torch.int64) if k else None
+    timing: list[float] = []
+
+    def forward() -> None:
+        start = time.perf_counter()
+        logits = runner.forward(fb)
+        tokens = runner.model.ops.argmax(logits)
+        lps = logprobs_of(logits, tokens, params)
+        out_tokens.copy_(tokens)
+        out_lps.copy_(lps.chosen)
+        if top_v is not None and top_i is not None:
+            assert lps.top_values is not None and lps.top_ids is not None
+            top_v.copy_(lps.top_values)
+            top_i.copy_(lps.top_ids)
+        timing.append(time.perf_counter() - start)
+
+    eng.forward_stream.wait_stream(eng.schedule_stream)  # the inputs were copied there
+    eng.forward_stream.run(forward)
+    eng._wait_publishing_arrivals(eng.forward_stream.record())
+    tops = None
+    if top_v is not None and top_i is not None:
+        tops = [TopLogprobs(i, v) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    return out_tokens.tolist(), out_lps.tolist(), tops, sum(timing)

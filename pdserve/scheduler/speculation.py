@@ -1,0 +1,132 @@
+"""Speculative decoding's policy on the decode: who drafts, how much, and when not at all
+(docs/architecture.md §10). The verifying step itself is scheduler/spec_step.py.
+
+Which steps speculate:
+
+    --speculative off ............. none (the default)
+    batch > max_batch ............. none: the overlap loop's one-token steps
+    a request in the batch samples,
+      has penalties, a logit bias
+      or a grammar ................ none: speculation is greedy only (below)
+    otherwise ..................... requests that opted in and are not backing off look
+                                    up a draft; if any found one, the step verifies
+
+Greedy only: a greedy request's tokens are the argmax at each position, so a draft
+token is accepted exactly when it equals that argmax, and the verified output is the
+output without speculation token for token. Sampling, penalties (whose state advances
+with each token) and grammars (whose mask does) keep the ordinary step.
+
+Back-off, per request: each verification's share of accepted draft tokens feeds a
+moving average; below LOW_ACCEPT the request skips lookups for a number of steps that
+doubles each time (up to MAX_COOLDOWN) and resets once its drafts are accepted again.
+A rejected draft costs the verifying forward's extra positions and the step's lost
+overlap; an accepted one saves a whole step.
+
+Back-off, per batch: above `SpeculativeConfig.max_batch` running requests no step
+speculates. A decode step reads every weight once whatever its batch, so at one stream
+verifying k + 1 positions costs about one step; as the batch grows the step becomes
+compute-bound and the verifying positions cost as much as the tokens they may save,
+while the synchronous step loses the overlap loop's hidden host time
+(benchmarks/speculative.py measures the turn).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.config import SpeculativeConfig
+from pdserve.scheduler.ngram import NgramProposer
+from pdserve.scheduler.request import Req
+
+LOW_ACCEPT = 0.3  # a moving acceptance below this backs the request off
+EMA = 0.5  # the weight of the newest verification in the moving average
+MAX_COOLDOWN = 64  # steps a request skips lookups after its drafts fail, at most
+
+
+def accept_greedy(draft: list[int], targets: list[int]) -> int:
+    """How many draft tokens the model accepts: the longest prefix of `draft` equal to
+    the model's own greedy tokens at those positions (`targets[i]` follows the input
+    that ends with draft[i - 1]). The output is then targets[: accepted + 1]."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class SpecState:
+    """A request's proposer and back-off, made at its first speculative look."""
+
+    proposer: NgramProposer
+    fed: int = 0  # outputs handed to the proposer so far
+    rate: float = 1.0  # moving acceptance
+    cooldown: int = 0  # lookups still to skip
+    backoff: int = 1  # the next cooldown
+
+
+@dataclass
+class Speculator:
+    cfg: SpeculativeConfig
+    states: dict[str, SpecState] = field(default_factory=dict)
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def batch_may(self, batch: list[Req]) -> bool:
+        """Whether this batch may speculate (the per-batch rules); ticks cooldowns."""
+        if len(batch) > self.cfg.max_batch or not all(_plain(r) for r in batch):
+            return False
+        wants = False
+        for r in batch:
+            st = self.states.get(r.rid)
+            if st is not None and st.cooldown > 0:
+                st.cooldown -= 1
+            elif r.params.speculative:
+                wants = True
+        return wants
+
+    def drafts(self, batch: list[Req]) -> list[list[int]]:
+        """Each request's draft ([] for none): at most k tokens, and fewer than it still
+        has to produce (a verification yields accepted + 1 tokens)."""
+        out: list[list[int]] = []
+        for r in batch:
+            st = self.states.get(r.rid)
+            left = r.params.max_tokens - len(r.output_ids) - 1
+            if not r.params.speculative or left < 1 or (st is not None and st.cooldown > 0):
+                out.append([])
+                continue
+            if st is None:
+                cap = r.prompt_len + r.params.max_tokens
+                st = self.states[r.rid] = SpecState(NgramProposer(r.prompt_ids, cap))
+            st.proposer.extend(r.output_ids[st.fed :])
+            st.fed = len(r.output_ids)
+            out.append(st.proposer.propose(min(self.cfg.k, left)))
+        return out
+
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
+        """One verification's outcome for `req` (drafted > 0)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        st = self.states[req.rid]
+        st.rate = (1 - EMA) * st.rate + EMA * accepted / drafted
+        if st.rate >= LOW_ACCEPT:
+            st.backoff = 1
+            return
+        st.cooldown, st.backoff = st.backoff, min(2 * st.backoff, MAX_COOLDOWN)
+        st.rate = LOW_ACCEPT  # one good draft after the cooldown lifts it again
+
+    def forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "spec_drafted_tokens": self.drafted,
+            "spec_accepted_tokens": self.accepted,
+            "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "spec_steps": self.steps,
+        }
+
+
+def _plain(r: Req) -> bool:
+    """Greedy with nothing that changes the logits: speculation is exact for it."""
+    return r.params.greedy and not r.params.adjusts_logits
