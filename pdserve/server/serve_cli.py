@@ -16,10 +16,16 @@ from pdserve.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TransferConfig,
 )
 from pdserve.envs import ENV
-from pdserve.server.serve_flags import add_engine_flags, add_server_flags, config_default
+from pdserve.server.serve_flags import (
+    add_decode_flags,
+    add_engine_flags,
+    add_server_flags,
+    config_default,
+)
 from pdserve.server.server_config import ServerConfig
 
 
@@ -28,6 +34,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p = subparsers.add_parser(role, help=text, description=text)
         add_server_flags(p, role)
         add_engine_flags(p)
+        if role == "decode":
+            add_decode_flags(p)
         p.set_defaults(func=lambda args, role=role: run_server(role, args))
 
 
@@ -55,6 +63,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
                                   prefill_first=args.prefill_first,
                                   prefill_order=args.prefill_order,
                                   prefill_max_wait_ms=args.prefill_max_wait_ms),
+        speculative=_speculative(args),
     )  # fmt: skip
     transfer = TransferConfig(
         host=args.transfer_host,
@@ -80,6 +89,12 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         cors_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
+    if not hasattr(args, "speculative"):  # a prefill: it samples the first token only
+        return SpeculativeConfig()
+    return SpeculativeConfig(mode=args.speculative, k=args.spec_k, max_batch=args.spec_max_batch)
 
 
 def run_server(role: str, args: argparse.Namespace) -> int:

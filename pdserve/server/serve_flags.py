@@ -13,9 +13,11 @@ from typing import Any
 from pdserve.config import (
     PREFILL_FIRST_MODES,
     PREFILL_ORDERS,
+    SPECULATIVE_MODES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TransferConfig,
 )
 from pdserve.envs import ENV
@@ -138,6 +140,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="CUDA: launch the decode forward's kernels one by one instead of "
                         "replaying the CUDA graph captured at start-up for the step's batch "
                         "size (same tokens)")  # fmt: skip
+
+
+# Flags only `pdserve decode` takes; `pdserve up` gives them to its decodes alone.
+DECODE_ONLY_FLAGS = ("--speculative", "--spec-k", "--spec-max-batch")
+
+
+def add_decode_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (decode only)")
+    g.add_argument("--speculative", choices=SPECULATIVE_MODES, default=SpeculativeConfig.mode,
+                   help="draft tokens and verify them in one forward: 'ngram' looks drafts up "
+                        "in the request's prompt and output (greedy requests only; the tokens "
+                        "are those without it; default %(default)s)")  # fmt: skip
+    _flag(g, "--spec-k", SpeculativeConfig, "k", "draft tokens per request and step, at most")
+    _flag(g, "--spec-max-batch", SpeculativeConfig, "max_batch",
+          "no speculation while more requests than this run (0: never)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
