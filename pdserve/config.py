@@ -112,7 +112,7 @@ SPECULATIVE_MODES = ("off", "ngram")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding on the decode engine (scheduler/speculation.py,
-    docs/architecture.md §10). "ngram": drafts looked up in the request's own prompt and
+    docs/architecture.md §13). "ngram": drafts looked up in the request's own prompt and
     output, verified k + 1 positions in one forward; greedy requests only."""
 
     mode: str = "off"

@@ -318,7 +318,7 @@ class DecodeEngine:
 
     def _launch_or_speculate(self, batch: list[Req]) -> StepResult | None:
         """An overlap step, or a synchronous speculative one (scheduler/speculation.py,
-        docs/architecture.md §10): drafts need every token of the batch on the host, so
+        docs/architecture.md §13): drafts need every token of the batch on the host, so
         the in-flight step is processed first. None when the step ran here."""
         if self.spec is None or not self.spec.batch_may(batch):
             return self._launch(batch)

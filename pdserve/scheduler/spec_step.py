@@ -1,4 +1,4 @@
-"""The verifying step of speculative decoding (docs/architecture.md §10).
+"""The verifying step of speculative decoding (docs/architecture.md §13).
 
 A synchronous step: every token of its requests is on the host (the engine processed
 the in-flight step first), so each request's inputs are its last output and its draft,
@@ -7,8 +7,8 @@ the in-flight step first), so each request's inputs are its last output and its 
                 targets t0, t1 .. tk            (the model's greedy token after each input)
                 output  t0 .. ta                a = accept_greedy(d, t): d1..da == t0..ta-1
 
-one forward over all of them (an extend forward: the head at every position), then on
-the host the longest agreeing prefix and the bonus token. The KV written for inputs
+one forward over all of them (a decode batch of one token per position, _build), then
+on the host the longest agreeing prefix and the bonus token. The KV written for inputs
 past the accepted ones is garbage that the next steps overwrite position by position
 (attention never reads past a request's length); the pages that held only rejected
 positions go back to the allocator at once, since the forward that wrote them is done.
@@ -107,30 +107,30 @@ def _trim(eng: DecodeEngine, req: Req) -> None:
 
 
 def _build(runner: ModelRunner, batch: list[Req], drafts: list[list[int]]) -> ForwardBatch:
+    """A decode batch of one token per verified position: the k + 1 tokens of request i
+    share its row, each with its own position and length. Every attention backend writes
+    the step's KV before it attends, so the token at kv_len + j sees the drafts before it
+    written in this same forward, and the step runs the decode's fast path (the native
+    one-call forward, CUDA graphs) with the head at every position."""
     ps, dev = runner.layout.page_size, runner.device
     ids: list[int] = []
     positions: list[int] = []
-    seq_lens, extend_lens = [], []
+    rows: list[int] = []
     for req, draft in zip(batch, drafts):
         ids += [req.output_ids[-1], *draft]
         positions += _positions(req, draft)
-        seq_lens.append(req.kv_len + len(draft) + 1)
-        extend_lens.append(len(draft) + 1)
-    rows = [r.row for r in batch]
+        rows += [req.row] * (len(draft) + 1)
     slots = [slot_of(r, p, ps) for r, d in zip(batch, drafts) for p in _positions(r, d)]
     fb = ForwardBatch(
         input_ids=device_tensor(ids, torch.int64, dev),
         positions=device_tensor(positions, torch.int64, dev),
         out_cache_loc=device_tensor(slots, torch.int64, dev),
         rows=device_tensor(rows, torch.int64, dev),
-        seq_lens=seq_lens,
-        extend_lens=extend_lens,
+        seq_lens=[p + 1 for p in positions],
+        extend_lens=[1] * len(ids),
         host_rows=rows,
     )
-    runner.prepare(fb)
-    fb.last_index = device_tensor(
-        list(range(len(ids))), torch.int64, dev
-    )  # every position's logits
+    runner.prepare(fb)  # a decode batch: the logits of every token
     return fb
 
 

@@ -1,5 +1,5 @@
 """Speculative decoding's policy on the decode: who drafts, how much, and when not at all
-(docs/architecture.md §10). The verifying step itself is scheduler/spec_step.py.
+(docs/architecture.md §13). The verifying step itself is scheduler/spec_step.py.
 
 Which steps speculate:
 
