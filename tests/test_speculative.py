@@ -204,3 +204,29 @@ def test_ngram_proposer_lookup():
     assert p.propose(2) == [5, 9]  # the longest suffix first: "1 2 3 4" -> 5 9
     q = NgramProposer([5, 6, 5, 6], capacity=8)
     assert q.propose(4) == [5, 6]  # the most recent occurrence, cut at the end
+
+
+def test_flags_reach_the_decode_only(tiny_model):
+    """`pdserve up` hands --speculative and --spec-k to its decodes alone; the decode's
+    flags become its SpeculativeConfig; a bad value is refused by name."""
+    import argparse
+
+    from pdserve.server.launch import split_decode_flags
+    from pdserve.server.serve_cli import add_cli, configs_from_args
+
+    args = ["--page-size", "4", "--speculative", "ngram", "--spec-k=3", "--disable-overlap"]
+    assert split_decode_flags(args) == (
+        ["--page-size", "4", "--disable-overlap"],
+        ["--speculative", "ngram", "--spec-k=3"],
+    )
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["decode", "--model", str(tiny_model), "--speculative", "ngram",
+                            "--spec-k", "6"])  # fmt: skip
+    assert configs_from_args("decode", ns)[1].engine.speculative == SpeculativeConfig("ngram", 6)
+    ns = parser.parse_args(["prefill", "--model", str(tiny_model)])
+    assert configs_from_args("prefill", ns)[1].engine.speculative.mode == "off"
+    with pytest.raises(SystemExit):  # the prefill has no such flag
+        parser.parse_args(["prefill", "--speculative", "ngram"])
+    with pytest.raises(ValueError, match="--spec-k"):
+        SpeculativeConfig("ngram", 0)
