@@ -230,3 +230,52 @@ def test_flags_reach_the_decode_only(tiny_model):
         parser.parse_args(["prefill", "--speculative", "ngram"])
     with pytest.raises(ValueError, match="--spec-k"):
         SpeculativeConfig("ngram", 0)
+
+
+def _chi2(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
+
+
+CHI2_DF4_P001 = 18.47  # chi-square with 4 degrees of freedom: exceeded with probability 0.001
+
+
+@pytest.mark.parametrize("draft", [1, 4])  # a likely and an unlikely draft token
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    """On a 5-token vocabulary: the first token emitted for a one-token draft follows the
+    target p whatever the draft, and the token after an accepted draft follows the next
+    position's target. A verifier that keeps the draft whenever p(d) > 0 fails this."""
+    import torch
+
+    from pdserve.scheduler.spec_sampling import verify_sampled
+
+    p0 = [0.1, 0.4, 0.2, 0.25, 0.05]
+    p1 = [0.3, 0.1, 0.1, 0.2, 0.3]
+    probs = torch.tensor([p0, p1])
+    first, second = [0] * 5, [0] * 5
+    for seed in range(4000):
+        out = verify_sampled([draft], probs, seed, index=7)
+        first[out[0]] += 1
+        if out[0] == draft:
+            second[out[1]] += 1
+    assert _chi2(first, p0) < CHI2_DF4_P001, first
+    assert _chi2(second, p1) < CHI2_DF4_P001, second
+    always = [4000 if t == draft else 0 for t in range(5)]  # the broken verifier's counts
+    assert _chi2(always, p0) > CHI2_DF4_P001
+
+
+def test_sampled_requests_speculate_and_end_cleanly(llms, monkeypatch):
+    """Requests that sample without a seed take the verifying step (rejection sampling):
+    each ends at its max_tokens with every page back."""
+    monkeypatch.setattr(speculation, "NgramProposer", Oracle)
+    BAD.clear()
+    llm = llms[(4, False)]
+    prompts = [[31, 32, 33], [34, 35]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    off, _, _ = _compare(llm, prompts, [greedy, greedy], k=3)  # the oracle's drafts
+    sampled = SamplingParams(max_tokens=12, temperature=0.7, top_k=20, ignore_eos=True)
+    spec = Speculator(SpeculativeConfig(mode="ngram", k=3))
+    on = _run(llm, prompts, [sampled, sampled], spec)
+    assert [len(t) for t, _, _ in on] == [12, 12]
+    assert all(r == "length" for _, r, _ in on)
+    assert spec.steps > 0 and spec.drafted > 0

@@ -6,6 +6,7 @@ the in-flight step first), so each request's inputs are its last output and its 
     request i:  inputs  last, d1 .. dk          at positions  kv_len .. kv_len + k
                 targets t0, t1 .. tk            (the model's greedy token after each input)
                 output  t0 .. ta                a = accept_greedy(d, t): d1..da == t0..ta-1
+                (a request that samples: rejection sampling instead, spec_sampling.py)
 
 one forward over all of them (a decode batch of one token per position, _build), then
 on the host the longest agreeing prefix and the bonus token. The KV written for inputs
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -34,6 +35,7 @@ from pdserve.scheduler.decode_step import slot_of
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.grow import _attach
 from pdserve.scheduler.request import Req
+from pdserve.scheduler.spec_sampling import target_probs, verify_sampled
 from pdserve.scheduler.speculation import Speculator
 
 
@@ -61,26 +63,34 @@ def speculate(eng: DecodeEngine, batch: list[Req], drafts: list[list[int]]) -> N
     assert eng.spec is not None
     drafts = [d[: _room(eng, r, len(d))] for r, d in zip(batch, drafts)]
     fb = _build(eng.runner, batch, drafts)
-    tokens, lps, tops, timing = _run(eng, batch, drafts, fb)
+    out = _run(eng, batch, drafts, fb)
     eng.steps += 1
     eng.spec.steps += 1
-    eng.busy_s += timing
+    eng.busy_s += out.seconds
     at = 0
-    for req, draft in zip(batch, drafts):
+    for i, (req, draft) in enumerate(zip(batch, drafts)):
         n = len(draft) + 1
-        targets = tokens[at : at + n]
-        a = speculation.accept_greedy(draft, targets)
+        emitted = _emitted(req, draft, out.tokens[at : at + n], out.probs.get(i))
         if draft:
-            eng.spec.record(req, len(draft), a)
-        req.launched_steps += a + 1  # the KV of inputs last, d1..da is now the request's
-        for j in range(a + 1):
+            eng.spec.record(req, len(draft), len(emitted) - 1)
+        req.launched_steps += len(emitted)  # the KV of inputs last, d1..da is now its own
+        for j, token in enumerate(emitted):
             if req.finished:  # a stop token or max_tokens inside the accepted run
                 break
-            eng._append(req, targets[j], lps[at + j], tops[at + j] if tops else None)
+            eng._append(req, token, out.lps[at + j], out.tops[at + j] if out.tops else None)
         at += n
         if not req.finished:
             _trim(eng, req)
             eng.future.stash(req.row, req.output_ids[-1])  # forward stream idle: no race
+
+
+def _emitted(
+    req: Req, draft: list[int], targets: list[int], probs: torch.Tensor | None
+) -> list[int]:
+    """The tokens a verified request emits: the accepted draft prefix and one more."""
+    if probs is None:  # greedy: the model's own token after each accepted input
+        return targets[: speculation.accept_greedy(draft, targets) + 1]
+    return verify_sampled(draft, probs, req.seed, req.launched_steps + 1)
 
 
 def _room(eng: DecodeEngine, req: Req, want: int) -> int:
@@ -138,11 +148,20 @@ def _positions(req: Req, draft: list[int]) -> range:
     return range(req.kv_len, req.kv_len + len(draft) + 1)
 
 
+class Verified(NamedTuple):
+    """A verifying forward's results on the host, one entry per position."""
+
+    tokens: list[int]  # the greedy token
+    lps: list[float]  # its logprob (NaN where nobody asked)
+    tops: list[TopLogprobs] | None  # the top k (None when nobody asked)
+    probs: dict[int, torch.Tensor]  # request i that samples -> its target at its positions
+    seconds: float  # the forward's
+
+
 def _run(
     eng: DecodeEngine, batch: list[Req], drafts: list[list[int]], fb: ForwardBatch
-) -> tuple[list[int], list[float], list[TopLogprobs] | None, float]:
-    """The forward on the forward stream, waited for: each position's greedy token,
-    its logprob, its top k (None when nobody asked) and the forward's seconds."""
+) -> Verified:
+    """The forward on the forward stream, waited for."""
     runner = eng.runner
     params = [r.params for r, d in zip(batch, drafts) for _ in range(len(d) + 1)]
     t = len(params)
@@ -151,6 +170,11 @@ def _run(
     out_lps = torch.empty(t, dtype=torch.float32)
     top_v = torch.empty(t, k, dtype=torch.float32) if k else None
     top_i = torch.empty(t, k, dtype=torch.int64) if k else None
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
+    probs: dict[int, torch.Tensor] = {}
     timing: list[float] = []
 
     def forward() -> None:
@@ -158,6 +182,9 @@ def _run(
         logits = runner.forward(fb)
         tokens = runner.model.ops.argmax(logits)
         lps = logprobs_of(logits, tokens, params)
+        for i in sampled:
+            rows = logits[starts[i] : starts[i + 1]]
+            probs[i] = target_probs(rows, batch[i].params).cpu()
         out_tokens.copy_(tokens)
         out_lps.copy_(lps.chosen)
         if top_v is not None and top_i is not None:
@@ -172,4 +199,4 @@ def _run(
     tops = None
     if top_v is not None and top_i is not None:
         tops = [TopLogprobs(i, v) for i, v in zip(top_i.tolist(), top_v.tolist())]
-    return out_tokens.tolist(), out_lps.tolist(), tops, sum(timing)
+    return Verified(out_tokens.tolist(), out_lps.tolist(), tops, probs, sum(timing))

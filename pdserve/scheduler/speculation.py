@@ -5,16 +5,20 @@ Which steps speculate:
 
     --speculative off ............. none (the default)
     batch > max_batch ............. none: the overlap loop's one-token steps
-    a request in the batch samples,
-      has penalties, a logit bias
-      or a grammar ................ none: speculation is greedy only (below)
+    a request in the batch has
+      penalties, a logit bias or a
+      grammar, or samples with a
+      seed or with logprobs ....... none (below)
     otherwise ..................... requests that opted in and are not backing off look
                                     up a draft; if any found one, the step verifies
 
-Greedy only: a greedy request's tokens are the argmax at each position, so a draft
-token is accepted exactly when it equals that argmax, and the verified output is the
-output without speculation token for token. Sampling, penalties (whose state advances
-with each token) and grammars (whose mask does) keep the ordinary step.
+Greedy: a greedy request's tokens are the argmax at each position, so a draft token is
+accepted exactly when it equals that argmax, and the verified output is the output
+without speculation token for token. Sampling: rejection sampling keeps the target
+distribution (spec_sampling.py) but draws other tokens than the ordinary sampler, so a
+request with its own seed (whose tokens are promised reproducible whatever its batch)
+and one that asks for logprobs keep the ordinary step. Penalties (whose state advances
+with each token) and grammars (whose mask does) keep it too.
 
 Back-off, per request: each verification's share of accepted draft tokens feeds a
 moving average; below LOW_ACCEPT the request skips lookups for a number of steps that
@@ -128,5 +132,10 @@ class Speculator:
 
 
 def _plain(r: Req) -> bool:
-    """Greedy with nothing that changes the logits: speculation is exact for it."""
-    return r.params.greedy and not r.params.adjusts_logits
+    """Speculation keeps this request's output: greedy (the same tokens), or sampling
+    without a seed of its own and without logprobs (the same distribution,
+    spec_sampling.py), and in both cases nothing that changes the logits step by step."""
+    p = r.params
+    if p.adjusts_logits:
+        return False
+    return p.greedy or (p.seed is None and not p.wants_logprobs)
