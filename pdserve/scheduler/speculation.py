@@ -21,10 +21,12 @@ and one that asks for logprobs keep the ordinary step. Penalties (whose state ad
 with each token) and grammars (whose mask does) keep it too.
 
 Back-off, per request: each verification's share of accepted draft tokens feeds a
-moving average; below LOW_ACCEPT the request skips lookups for a number of steps that
-doubles each time (up to MAX_COOLDOWN) and resets once its drafts are accepted again.
-A rejected draft costs the verifying forward's extra positions and the step's lost
-overlap; an accepted one saves a whole step.
+moving average, and a lookup that found nothing counts as a draft all rejected; below
+LOW_ACCEPT the request skips lookups for a number of steps that doubles each time (up
+to MAX_COOLDOWN) and resets once its drafts are accepted again. A rejected draft costs
+the verifying forward's extra positions and the step's lost overlap, a failed lookup
+the lost overlap (the in-flight step is processed before the lookup); an accepted
+draft token saves a whole step.
 
 Back-off, per batch: above `SpeculativeConfig.max_batch` running requests no step
 speculates. A decode step reads every weight once whatever its batch, so at one stream
@@ -44,7 +46,7 @@ from pdserve.scheduler.request import Req
 
 LOW_ACCEPT = 0.3  # a moving acceptance below this backs the request off
 EMA = 0.5  # the weight of the newest verification in the moving average
-MAX_COOLDOWN = 64  # steps a request skips lookups after its drafts fail, at most
+MAX_COOLDOWN = 16  # steps a request skips lookups after its drafts fail, at most
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> int:
@@ -104,15 +106,22 @@ class Speculator:
                 st = self.states[r.rid] = SpecState(NgramProposer(r.prompt_ids, cap))
             st.proposer.extend(r.output_ids[st.fed :])
             st.fed = len(r.output_ids)
-            out.append(st.proposer.propose(min(self.cfg.k, left)))
+            draft = st.proposer.propose(min(self.cfg.k, left))
+            if not draft:  # a lookup that finds nothing still cost the step its overlap
+                self._judge(st, 0.0)
+            out.append(draft)
         return out
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """One verification's outcome for `req` (drafted > 0)."""
         self.drafted += drafted
         self.accepted += accepted
-        st = self.states[req.rid]
-        st.rate = (1 - EMA) * st.rate + EMA * accepted / drafted
+        self._judge(self.states[req.rid], accepted / drafted)
+
+    @staticmethod
+    def _judge(st: SpecState, rate: float) -> None:
+        """Fold one lookup's outcome into the moving acceptance; back off below LOW_ACCEPT."""
+        st.rate = (1 - EMA) * st.rate + EMA * rate
         if st.rate >= LOW_ACCEPT:
             st.backoff = 1
             return
