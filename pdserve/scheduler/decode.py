@@ -320,7 +320,8 @@ class DecodeEngine:
         """An overlap step, or a synchronous speculative one (scheduler/speculation.py,
         docs/architecture.md §13): drafts need every token of the batch on the host, so
         the in-flight step is processed first. None when the step ran here."""
-        if self.spec is None or not self.spec.batch_may(batch):
+        waiting = bool(self.prealloc or self.transfer or self.prebuilt or self.preempted)
+        if self.spec is None or not self.spec.batch_may(batch, waiting):
             return self._launch(batch)
         if self.in_flight is not None:
             done, self.in_flight = self.in_flight, None
