@@ -119,7 +119,7 @@ class SpeculativeConfig:
     k: int = 4  # draft tokens proposed per request and step, at most
     # a batch of more running requests than this does not speculate (the overlap loop's
     # one-token steps win there); 0: never. The measured rule is in scheduler/speculation.py
-    max_batch: int = 4
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         _one_of(self, "mode", SPECULATIVE_MODES)

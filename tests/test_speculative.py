@@ -88,7 +88,7 @@ def _compare(llm, prompts, params, k, eos=None):
         off = _run(llm, prompts, params, None)
         for p, (tokens, _, _) in zip(prompts, off):  # the longest of equal prompts
             REFS[tuple(p)] = max(REFS.get(tuple(p), []), tokens, key=len)
-        spec = Speculator(SpeculativeConfig(mode="ngram", k=k))
+        spec = Speculator(SpeculativeConfig(mode="ngram", k=k, max_batch=4))
         on = _run(llm, prompts, params, spec)
     finally:
         llm.decode.runner.arch = arch
@@ -274,7 +274,7 @@ def test_sampled_requests_speculate_and_end_cleanly(llms, monkeypatch):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     off, _, _ = _compare(llm, prompts, [greedy, greedy], k=3)  # the oracle's drafts
     sampled = SamplingParams(max_tokens=12, temperature=0.7, top_k=20, ignore_eos=True)
-    spec = Speculator(SpeculativeConfig(mode="ngram", k=3))
+    spec = Speculator(SpeculativeConfig(mode="ngram", k=3, max_batch=4))
     on = _run(llm, prompts, [sampled, sampled], spec)
     assert [len(t) for t, _, _ in on] == [12, 12]
     assert all(r == "length" for _, r, _ in on)

@@ -21,6 +21,10 @@ request with its own seed (whose tokens are promised reproducible whatever its b
 and one that asks for logprobs keep the ordinary step. Penalties (whose state advances
 with each token) and grammars (whose mask does) keep it too.
 
+Draft length, per request: it starts at 2 tokens, doubles (up to k) each time a
+draft is taken whole and shrinks to what was kept when one is cut, so an answer that
+copies its prompt soon drafts k at a time while one that rarely matches risks little.
+
 Back-off, per request: each verification's share of accepted draft tokens feeds a
 moving average, and a lookup that found nothing counts as a draft all rejected; below
 LOW_ACCEPT the request skips lookups for a number of steps that doubles each time (up
@@ -73,6 +77,7 @@ class SpecState:
     rate: float = 0.5  # moving acceptance: one failed lookup from backing off
     cooldown: int = 0  # lookups still to skip
     backoff: int = 1  # the next cooldown
+    k: int = 2  # this request's draft length now (doubles on a full acceptance)
 
 
 @dataclass
@@ -112,7 +117,7 @@ class Speculator:
                 st = self.states[r.rid] = SpecState(NgramProposer(r.prompt_ids, cap))
             st.proposer.extend(r.output_ids[st.fed :])
             st.fed = len(r.output_ids)
-            draft = st.proposer.propose(min(self.cfg.k, left))
+            draft = st.proposer.propose(min(st.k, self.cfg.k, left))
             if not draft:  # a lookup that finds nothing still cost the step its overlap
                 self._judge(st, 0.0)
             out.append(draft)
@@ -122,7 +127,10 @@ class Speculator:
         """One verification's outcome for `req` (drafted > 0)."""
         self.drafted += drafted
         self.accepted += accepted
-        self._judge(self.states[req.rid], accepted / drafted)
+        st = self.states[req.rid]
+        # a draft taken whole earns a longer one; a cut one, as long as what was kept
+        st.k = min(2 * st.k, self.cfg.k) if accepted == drafted else max(1, accepted)
+        self._judge(st, accepted / drafted)
 
     @staticmethod
     def _judge(st: SpecState, rate: float) -> None:
