@@ -169,7 +169,7 @@ def main() -> int:
     ap.add_argument("--chat-streams", type=lambda s: [int(x) for x in s.split(",")],
                     default=[16], help="comma-separated stream counts")  # fmt: skip
     ap.add_argument("--workloads", default="code-edit,summarize,chat")
-    ap.add_argument("--spec-k", type=int, default=4)
+    ap.add_argument("--spec-k", type=int, default=8)
     ap.add_argument("--spec-max-batch", type=int, default=None)
     ap.add_argument("--up-args", default="", help="more `pdserve up` flags, space-separated")
     args = ap.parse_args()

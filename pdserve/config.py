@@ -116,7 +116,7 @@ class SpeculativeConfig:
     output, verified k + 1 positions in one forward; greedy requests only."""
 
     mode: str = "off"
-    k: int = 4  # draft tokens proposed per request and step, at most
+    k: int = 8  # draft tokens proposed per request and step, at most (benchmarks/speculative.py)
     # a batch of more running requests than this does not speculate (the overlap loop's
     # one-token steps win there); 0: never. The measured rule is in scheduler/speculation.py
     max_batch: int = 1
