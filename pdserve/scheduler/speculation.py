@@ -35,10 +35,11 @@ draft token saves a whole step.
 
 Back-off, per batch: while requests wait to join the batch (a burst arriving, a
 queue), and above `SpeculativeConfig.max_batch` running requests, no step speculates.
-A decode step reads every weight once whatever its batch, so at one stream verifying
-k + 1 positions costs about one step; as the batch grows the step becomes
-compute-bound, the verifying positions cost as much as the tokens they may save, and
-the synchronous step loses the overlap loop's hidden host time. Measured
+A decode step reads every weight once whatever its batch, so verifying k + 1
+positions of one stream costs little more than one step where reading the weights
+bounds it; as the batch grows the step becomes compute-bound, the verifying positions
+cost as much as the tokens they may save, and the synchronous step loses the overlap
+loop's hidden host time. Measured
 (benchmarks/speculative.py, Qwen2.5-Coder-0.5B, 2 shared vCPUs): 16 chat streams
 served 0.69x the tokens/s with speculation engaging whenever the batch was at most 4
 (the ramp-up and the tail of the burst, where the small batches it slowed held back
