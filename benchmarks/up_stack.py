@@ -14,12 +14,14 @@ from test_e2e_pd import free_port, spawn, stop, wait_healthy  # noqa: E402
 
 
 @contextmanager
-def pdserve_up(name: str, model: str | None = None) -> Iterator[str]:
-    """The router's base URL of a fresh `pdserve up` (its logs named `name`)."""
+def pdserve_up(name: str, model: str | None = None, args: tuple[str, ...] = ()) -> Iterator[str]:
+    """The router's base URL of a fresh `pdserve up` (its logs named `name`; `args`: more
+    flags for it)."""
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--grace-period", "5"]
     if model:
         argv += ["--model", model]
+    argv += args
     proc: subprocess.Popen = spawn(argv, name)
     url = f"http://127.0.0.1:{port}"
     try:

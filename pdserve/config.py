@@ -143,6 +143,33 @@ PREFILL_FIRST_MODES = ("burst", "always")
 PREFILL_ORDERS = ("shortest", "arrival")
 
 
+SPECULATIVE_MODES = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on the decode engine (scheduler/speculation.py,
+    docs/architecture.md §13). "ngram": drafts looked up in the request's own prompt and
+    output, verified k + 1 positions in one forward; greedy requests only."""
+
+    mode: str = "off"
+    k: int = 8  # draft tokens proposed per request and step, at most (benchmarks/speculative.py)
+    # a batch of more running requests than this does not speculate (the overlap loop's
+    # one-token steps win there); 0: never. The measured rule is in scheduler/speculation.py
+    max_batch: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of(self, "mode", SPECULATIVE_MODES)
+        if not 1 <= self.k <= 16:
+            raise ValueError(f"k (--spec-k) must be in [1, 16], got {self.k}")
+        if self.max_batch < 0:
+            raise ValueError(f"max_batch (--spec-max-batch) must be >= 0, got {self.max_batch}")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off" and self.max_batch > 0
+
+
 DTYPES = ("float32", "bfloat16", "float16")  # weights and KV; model/runner.py maps them
 WEIGHTS = ("quantized", "float32")  # a GGUF's projections on the CPU (model/weights.py)
 
@@ -174,6 +201,7 @@ class EngineConfig:
     nice: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "num_threads")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.checkpoints.resolve import resolve_model
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import EngineRequest, TokenEvent
 from pdserve.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ class LLM:
         weights: str = EngineConfig.weights,
         device: str = EngineConfig.device,
         kernel_backend: str = "torch",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         resolved = resolve_model(model)  # None: the default model (smollm2)
         self.model_name = resolved.name
@@ -65,6 +66,7 @@ class LLM:
                 max_prefill_tokens=max_prefill_tokens,
                 disable_overlap=disable_overlap,
             ),
+            speculative=speculative or SpeculativeConfig(),
         )
         self.handoff = InProcessHandoff()
         prefill_runner = ModelRunner(self.cfg)

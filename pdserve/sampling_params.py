@@ -43,6 +43,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     # an llguidance grammar (JSON text; pdserve.model.sampling.grammar) every output token must follow
     grammar: str | None = None
+    # False: this request never speculates on a decode that does (--speculative); the
+    # tokens are the same either way, only their pace differs
+    speculative: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a user-facing message on invalid values."""

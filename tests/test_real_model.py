@@ -5,12 +5,14 @@ its five wheels), each against transformers loading the same GGUF
 
 Chat prompts tokenize like transformers' `apply_chat_template`; greedy answers are
 token-identical and end at the model's EOS, offline (`LLM`) and through the whole PD
-path (`pdserve up`: router -> prefill -> ZeroMQ KV -> decode, chat completions API).
+path (`pdserve up`: router -> prefill -> ZeroMQ KV -> decode, chat completions API,
+n-gram speculation on: test_speculation_keeps_the_tokens).
 A near-tie in transformers' logits is the only divergence accepted, and it is shown.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 
@@ -150,6 +152,8 @@ def server():
         "5",
         "--max-total-tokens",
         "4096",
+        "--speculative",  # every answer through it must still equal transformers'
+        "ngram",
     ]  # fmt: skip — no --model: the default
     proc = spawn(argv, "real-model-up")
     url = f"http://127.0.0.1:{port}"
@@ -176,6 +180,56 @@ def test_pd_chat_completions_equal_transformers(ref, ours, server):
         assert choice["finish_reason"] == "stop" and want[-1] == EOS
         usage = r.json()["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), len(want))
+
+
+TEXT = (
+    "The river rose in the night and by morning the lower town was under water. "
+    "Boats moved between the houses, and the bell of the old church rang every hour."
+)
+SPEC_MESSAGES = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
+SPEC_TOKENS = 24
+
+
+def _chat(url: str, **extra: object) -> dict:
+    body = {"model": "smollm2", "messages": SPEC_MESSAGES, "temperature": 0,
+            "max_tokens": SPEC_TOKENS, "logprobs": True, **extra}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _counter(decode: str, name: str) -> float:
+    text = httpx.get(decode + "/metrics", timeout=10).text
+    m = re.search(rf"^pdserve:{name} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def _tokens(choice: dict) -> list[tuple[str, float]]:
+    return [(c["token"], c["logprob"]) for c in choice["logprobs"]["content"]]
+
+
+def test_speculation_keeps_the_tokens(server):
+    """An answer that copies its prompt is drafted by n-gram lookup and verified; its
+    tokens and logprobs equal the same request opted out (`speculative: false`), also
+    with a stop string landing mid-draft; the decode's /metrics count the drafts."""
+    url = server
+    decode = httpx.get(url + "/server_info", timeout=5).json()["router"]["decode"][0]
+    before = _counter(decode, "spec_accepted_tokens_total")
+    on = _chat(url)
+    accepted = _counter(decode, "spec_accepted_tokens_total") - before
+    off = _chat(url, speculative=False)
+    assert [t for t, _ in _tokens(on)] == [t for t, _ in _tokens(off)]
+    assert [lp for _, lp in _tokens(on)] == pytest.approx([lp for _, lp in _tokens(off)], abs=1e-3)
+    assert on["message"]["content"] == off["message"]["content"]
+    assert accepted > 0  # the answer copies its prompt: drafts were verified and kept
+    assert 0 < _counter(decode, "spec_acceptance_rate") <= 1
+    # a stop string inside the text: the answer ends at the same place either way
+    words = off["message"]["content"].split()
+    stop_at = words[len(words) // 2]
+    on_s, off_s = _chat(url, stop=[stop_at]), _chat(url, stop=[stop_at], speculative=False)
+    assert on_s["message"]["content"] == off_s["message"]["content"]
+    assert on_s["finish_reason"] == off_s["finish_reason"] == "stop"
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,8 @@ from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step, 
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req, State
+from pdserve.scheduler.spec_step import speculate
+from pdserve.scheduler.speculation import Speculator
 from pdserve.scheduler.stop import check_stop
 from pdserve.transfer.base import KVSource
 
@@ -67,6 +69,7 @@ class DecodeEngine:
         self.source = source
         self.overlap = not cfg.scheduler.disable_overlap
         self.future = FutureMap(cfg.max_rows, runner.device, cfg.kernel_backend)
+        self.spec = Speculator(cfg.speculative) if cfg.speculative.on else None
         self.schedule_stream, self.forward_stream = make_streams(runner.device)
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[str, Req] = {}
@@ -135,7 +138,9 @@ class DecodeEngine:
         self.receive()
         self._publish_pending()  # arrivals' first tokens, before _schedule waits on the fence
         batch = self._schedule()
-        launched = self._launch(batch) if batch and not self._yield_to_prefill() else None
+        launched = (
+            self._launch_or_speculate(batch) if batch and not self._yield_to_prefill() else None
+        )
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:
             self._process(previous)
@@ -311,6 +316,23 @@ class DecodeEngine:
             schedule=self.schedule_stream,
         )
 
+    def _launch_or_speculate(self, batch: list[Req]) -> StepResult | None:
+        """An overlap step, or a synchronous speculative one (scheduler/speculation.py,
+        docs/architecture.md §13): drafts need every token of the batch on the host, so
+        the in-flight step is processed first. None when the step ran here."""
+        waiting = bool(self.prealloc or self.transfer or self.prebuilt or self.preempted)
+        if self.spec is None or not self.spec.batch_may(batch, waiting):
+            return self._launch(batch)
+        if self.in_flight is not None:
+            done, self.in_flight = self.in_flight, None
+            self._process(done)
+        batch = [r for r in batch if not r.finished]
+        drafts = self.spec.drafts(batch)
+        if not any(drafts):
+            return self._launch(batch) if batch else None
+        speculate(self, batch, drafts)
+        return None
+
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:
         assert result.copy_done is not None
@@ -380,6 +402,8 @@ class DecodeEngine:
         was = req.state
         req.state = State.DONE
         self.reqs.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.forget(req.rid)
         if was == State.PREALLOC:
             self.prealloc.remove(req)
             self.source.reject(req, detail or req.error or "aborted")

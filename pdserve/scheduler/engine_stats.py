@@ -68,6 +68,7 @@ def decode_stats(eng: Any) -> dict[str, float]:
         "prebuilt": len(eng.prebuilt),
         "forward_busy_ratio": busy_ratio(eng.busy_s, eng.started),
         "decode_steps": eng.steps,
+        **(eng.spec.stats() if eng.spec is not None else {}),
         **eng.transfer_totals.as_stats(),
         **channel_stats(eng.source),
     }

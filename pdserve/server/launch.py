@@ -41,6 +41,7 @@ from pdserve.server.launch_children import (
     supervise,
     wait_healthy,
 )
+from pdserve.server.serve_flags import DECODE_ONLY_FLAGS
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -103,6 +104,21 @@ def _thread_plan(engine_args: list[str], engines: int, state_dir: str) -> list[l
     return [[*base, "--core-share", f"{path}:{i}:{engines}"] for i in range(engines)]
 
 
+def split_decode_flags(engine_args: list[str]) -> tuple[list[str], list[str]]:
+    """(flags for every server, flags only decodes take: serve_flags.DECODE_ONLY_FLAGS,
+    each with its value)."""
+    shared: list[str] = []
+    decode: list[str] = []
+    i = 0
+    while i < len(engine_args):
+        a = engine_args[i]
+        only = a.split("=", 1)[0] in DECODE_ONLY_FLAGS
+        takes = 2 if only and "=" not in a else 1  # the flag, and its value unless =VALUE
+        (decode if only else shared).extend(engine_args[i : i + takes])
+        i += takes
+    return shared, decode
+
+
 # A decode sharing its host with a prefill runs at this niceness: when both compute (and
 # the router, the HTTP servers and clients want CPU too) the prefill wins the contended
 # core. Its step is on every waiting request's first token, while a decode step that
@@ -133,7 +149,8 @@ def child_env(base: Mapping[str, str], api_key: str | None) -> dict[str, str]:
 def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
     model = _prepare_model(args.model)
-    per_engine = _thread_plan(args.engine_args, args.num_prefill + args.num_decode, state_dir)
+    shared, decode_only = split_decode_flags(args.engine_args)
+    per_engine = _thread_plan(shared, args.num_prefill + args.num_decode, state_dir)
     prefills, decodes = [], []
     for i in range(args.num_prefill):
         port, boot = free_port(args.host), free_port(args.host)
@@ -141,7 +158,7 @@ def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
         prefills.append(Child(f"prefill{i}", argv, args.host, port, boot))
     for j in range(args.num_decode):
         port = free_port(args.host)
-        engine = _decode_nice(per_engine[args.num_prefill + j], args.num_prefill)
+        engine = _decode_nice(per_engine[args.num_prefill + j], args.num_prefill) + decode_only
         argv = worker_argv("decode", model, args.host, port, None, engine)
         decodes.append(Child(f"decode{j}", argv, args.host, port))
     router = Child("router", router_argv(args, prefills, decodes), args.host, args.port)

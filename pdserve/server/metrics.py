@@ -17,6 +17,10 @@ are read from the latest `engine.stats()` snapshot at scrape time:
     pdserve:num_preempted_queue_reqs        preempted
     pdserve:preemptions_total               preemptions
     pdserve:recomputed_tokens_total         recomputed_tokens
+    pdserve:spec_drafted_tokens_total       spec_drafted_tokens (decode, --speculative)
+    pdserve:spec_accepted_tokens_total      spec_accepted_tokens
+    pdserve:spec_acceptance_rate            spec_acceptance_rate
+    pdserve:spec_steps_total                spec_steps
     pdserve:prefix_cache_hit_tokens_total   prefix_cache_hit_tokens (prefill)
     pdserve:prefix_cache_hit_rate           prefix_cache_hit_rate (prefill)
     pdserve:prefix_cache_evictions_total    prefix_cache_evictions (prefill)
@@ -53,6 +57,10 @@ _GAUGES = {
         "Prefill: share of prompt tokens whose KV the prefix cache held",
     ),
     "prefix_cache_pages": ("prefix_cache_pages", "Prefill: KV pages held by the prefix cache"),
+    "spec_acceptance_rate": (
+        "spec_acceptance_rate",
+        "Decode: share of speculative draft tokens the model accepted",
+    ),
 }
 _COUNTERS = {
     "preemptions": ("preemptions", "Decode: running requests preempted (KV pool full)"),
@@ -62,6 +70,9 @@ _COUNTERS = {
         "Prefill: prompt tokens served from the prefix cache",
     ),
     "prefix_cache_evictions": ("prefix_cache_evictions", "Prefill: prefix-cache pages evicted"),
+    "spec_drafted_tokens": ("spec_drafted_tokens", "Decode: speculative draft tokens verified"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Decode: draft tokens the model accepted"),
+    "spec_steps": ("spec_steps", "Decode: speculative (verifying) steps"),
 }
 
 

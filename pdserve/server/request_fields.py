@@ -89,6 +89,7 @@ class SamplingKnobs(Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
+    speculative: bool = True  # pdserve's: False opts this request out of speculative decoding
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {"min_tokens": (0,)}
 
     def params(self, max_tokens: int, logprobs: bool, top: int = 0,
@@ -112,6 +113,7 @@ class SamplingKnobs(Body):
             logit_bias=self._logit_bias(),
             top_logprobs=top,
             prompt_logprobs=prompt_top,
+            speculative=self.speculative,
         )
 
     def _logit_bias(self) -> dict[int, float]:

@@ -16,10 +16,16 @@ from pdserve.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TransferConfig,
 )
 from pdserve.envs import ENV
-from pdserve.server.serve_flags import add_engine_flags, add_server_flags, config_from_flags
+from pdserve.server.serve_flags import (
+    add_decode_flags,
+    add_engine_flags,
+    add_server_flags,
+    config_from_flags,
+)
 from pdserve.server.server_config import ServerConfig
 
 
@@ -28,6 +34,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         p = subparsers.add_parser(role, help=text, description=text)
         add_server_flags(p, role)
         add_engine_flags(p)
+        if role == "decode":
+            add_decode_flags(p)
         p.set_defaults(func=lambda args, role=role: run_server(role, args))
 
 
@@ -44,6 +52,7 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         model_path=model,
         cache=config_from_flags(CacheConfig, args),
         scheduler=config_from_flags(SchedulerConfig, args),
+        speculative=_speculative(args),
     )
     transfer = config_from_flags(TransferConfig, args)
     server = config_from_flags(
@@ -56,6 +65,12 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
         metrics_public=args.metrics_public or ENV.METRICS_PUBLIC.get() == "1",
     )
     return server, EngineSpec(role=role, engine=engine, transfer=transfer)
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
+    if not hasattr(args, "speculative"):  # a prefill: it samples the first token only
+        return SpeculativeConfig()
+    return SpeculativeConfig(mode=args.speculative, k=args.spec_k, max_batch=args.spec_max_batch)
 
 
 def run_server(role: str, args: argparse.Namespace) -> int:

@@ -13,9 +13,11 @@ from typing import Any, TypeVar
 from pdserve.config import (
     PREFILL_FIRST_MODES,
     PREFILL_ORDERS,
+    SPECULATIVE_MODES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TransferConfig,
     flag_of,
 )
@@ -32,13 +34,13 @@ def config_default(cls: type, name: str) -> Any:
     return f.default
 
 
-def _flag(p: Any, cls: type, field: str, help: str) -> None:
-    """The flag of a config dataclass field (named by config.flag_of), its default the
-    field's (one place for each default)."""
+def _flag(p: Any, cls: type, field: str, help: str, flag: str | None = None) -> None:
+    """The flag of a config dataclass field (named by config.flag_of unless `flag` names
+    it), its default the field's (one place for each default)."""
     default = config_default(cls, field)
     numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
     p.add_argument(
-        flag_of(field),
+        flag or flag_of(field),
         default=default,
         type=type(default) if numeric else None,
         help=f"{help} (default: %(default)s)",
@@ -152,6 +154,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="CUDA: launch the decode forward's kernels one by one instead of "
                         "replaying the CUDA graph captured at start-up for the step's batch "
                         "size (same tokens)")  # fmt: skip
+
+
+# Flags only `pdserve decode` takes; `pdserve up` gives them to its decodes alone.
+DECODE_ONLY_FLAGS = ("--speculative", "--spec-k", "--spec-max-batch")
+
+
+def add_decode_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (decode only)")
+    g.add_argument("--speculative", choices=SPECULATIVE_MODES, default=SpeculativeConfig.mode,
+                   help="draft tokens and verify them in one forward: 'ngram' looks drafts up "
+                        "in the request's prompt and output (greedy requests only; the tokens "
+                        "are those without it; default %(default)s)")  # fmt: skip
+    _flag(g, SpeculativeConfig, "k", "draft tokens per request and step, at most", "--spec-k")
+    _flag(g, SpeculativeConfig, "max_batch",
+          "no speculation while more requests than this run (0: never)", "--spec-max-batch")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
