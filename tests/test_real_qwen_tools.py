@@ -24,14 +24,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-import sys
 
 import httpx
 import openai
 import pytest
 import qwen_tools_reference as ref
 from pydantic import BaseModel
-from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.checkpoints.resolve import gguf_folder
 from pdserve.server.openai_api import ChatMessage
@@ -50,19 +48,9 @@ def answers() -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(answers):
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(ref.gguf_file()),
-            "--port", str(port), "--grace-period", "5", "--max-total-tokens", "2048",
-            # a shared two-core machine can hold a prefill's heartbeat past the default 5 s
-            "--heartbeat-timeout", "30"]  # fmt: skip
-    proc = spawn(argv, "real-qwen-tools")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
-        yield url
-    finally:
-        stop(proc)
+def server(answers, qwen_stack) -> str:
+    """The session's Qwen stack (tests/qwen_stack.py: its flags include a 30 s heartbeat)."""
+    return qwen_stack.url
 
 
 def post(url: str, path: str, body: dict) -> dict:
