@@ -65,16 +65,24 @@ def find_llama_bench(args: argparse.Namespace) -> Path:
     root = Path(args.setup_llamacpp or "/work/llamacpp")
     server = llamacpp_peer.built_binary(root)
     if server is None:
-        raise SystemExit("llama-bench not found: pass --llama-bench PATH (make bench-llamacpp builds it)")
+        raise SystemExit(
+            "llama-bench not found: pass --llama-bench PATH (make bench-llamacpp builds it)"
+        )
     return server.parent / "llama-bench"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="gemma3-270m", help="a GGUF file or a built-in GGUF name")
     ap.add_argument("--llama-bench", default=None, metavar="PATH")
-    ap.add_argument("--setup-llamacpp", default=None, metavar="DIR",
-                    help="where `make bench-llamacpp` built llama.cpp (llama-bench beside llama-server)")
+    ap.add_argument(
+        "--setup-llamacpp",
+        default=None,
+        metavar="DIR",
+        help="where `make bench-llamacpp` built llama.cpp (llama-bench beside llama-server)",
+    )
     ap.add_argument("-p", type=int, default=512, help="prompt tokens (default: %(default)s)")
     ap.add_argument("-n", type=int, default=128, help="generated tokens (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -108,8 +116,10 @@ def main() -> None:
     llm.close()
     summary = {k: statistics.median(r["pdserve"][k] / r["llama.cpp"][k] for r in rounds)
                for k in ("pp", "tg")}  # fmt: skip
-    print(f"median pdserve / llama.cpp: pp{args.p} {summary['pp']:.2f}x, tg{args.n} {summary['tg']:.2f}x"
-          f"  ({gguf.name}, {args.threads} threads, {platform.processor() or platform.machine()})")
+    print(
+        f"median pdserve / llama.cpp: pp{args.p} {summary['pp']:.2f}x, tg{args.n} {summary['tg']:.2f}x"
+        f"  ({gguf.name}, {args.threads} threads, {platform.processor() or platform.machine()})"
+    )
     if args.json:
         print(json.dumps({"gguf": str(gguf), "threads": args.threads, "rounds": rounds,
                           "median_ratio": summary}))  # fmt: skip

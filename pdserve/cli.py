@@ -28,13 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _COMMANDS:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("pdserve"):
-                continue  # a subcommand not built yet
-            raise
-        module.add_cli(sub)
+        # an import error propagates: a subcommand must never vanish into "invalid choice"
+        importlib.import_module(mod).add_cli(sub)
     return parser
 
 

@@ -15,9 +15,10 @@ from pdserve.server.serve_flags import add_engine_flags, add_server_flags, confi
 from pdserve.server.server_config import ServerConfig
 
 CONFIGS = (TransferConfig, EngineConfig, CacheConfig, SchedulerConfig, ServerConfig)
-# set otherwise: the role's command, the resolved --model, the nested configs; and the
+# set otherwise: the role's command, the resolved --model, the nested configs (speculative:
+# the decode's own flags, serve_flags.add_decode_flags); and the
 # frontend's fields without a flag (docs/reliability.md)
-NOT_FLAGS = {"role", "model_path", "cache", "scheduler", "engine_heartbeat_timeout_s",
+NOT_FLAGS = {"role", "model_path", "cache", "scheduler", "speculative","engine_heartbeat_timeout_s",
              "health_generate_timeout_s", "default_max_new_tokens"}  # fmt: skip
 # strings the configs check: a value they accept other than the default
 ACCEPTED = {"dtype": "bfloat16", "weights": "float32", "device": "cuda"}
