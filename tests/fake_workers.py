@@ -94,6 +94,7 @@ class FakeWorker:
     stream_chunks: int = 3
     chunk_delay_s: float = 0.0
     end_delay_s: float = 0.0  # a stream's pause between its last event and its end
+    last_event: bytes = b"data: [DONE]\n\n"  # what ends a stream (a Responses one: its own)
     chat_text: str | None = None
     stats: dict[str, Any] = field(default_factory=lambda: {"engine": {}, "recent": []})
     stall_at: int | None = None  # event index where a stream goes silent
@@ -178,7 +179,7 @@ def _sse(worker: FakeWorker, path: str, body: dict[str, Any], ids: bool = False)
                 head = f": ids {100 + i}\n" if ids else ""
                 yield f"{head}data: {json.dumps(payload)}\n\n".encode()
                 await asyncio.sleep(worker.chunk_delay_s)
-            yield b"data: [DONE]\n\n"
+            yield worker.last_event
             await asyncio.sleep(worker.end_delay_s)
         except (asyncio.CancelledError, GeneratorExit):
             worker.disconnected.append(path)

@@ -53,6 +53,24 @@ def test_client_disconnect_mid_stream_aborts_both_legs(pd, path) -> None:
     assert wait_for(lambda: p.aborted == [{"rid": rid}] and d.aborted == [{"rid": rid}])
 
 
+LAST_EVENTS = {
+    "/v1/responses": b'event: response.completed\ndata: {"type": "response.completed"}\n\n',
+    "/v1/messages": b'event: message_stop\ndata: {"type": "message_stop"}\n\n',
+}
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_a_stream_ends_at_its_routes_last_event(pd, path) -> None:
+    """These streams have no [DONE]: their last event ends them, not a router error."""
+    _, d, url = pd
+    d.last_event = LAST_EVENTS[path]
+    with httpx.stream("POST", url + path, json={"stream": True}, timeout=10) as r:
+        body = b"".join(r.iter_raw())
+    assert body.endswith(LAST_EVENTS[path]), body[-300:]
+    assert b"error" not in body and body.count(b"data: ") == d.stream_chunks + 1
+    assert "pdserve:router_failed_total 0.0" in httpx.get(url + "/metrics", timeout=10).text
+
+
 def test_router_errors_on_the_messages_route_have_anthropics_shape(pd) -> None:
     _, _, url = pd
     r = httpx.post(url + "/v1/messages", content=b"[1, 2]", timeout=10)

@@ -22,6 +22,11 @@ TOKEN_IDS_HEADER = "x-pdserve-token-ids"  # as server/openai_format.py's (no imp
 _IDS = b": ids "
 _DONE = b"data: [DONE]"
 _ERROR = b'data: {"error"'
+# The events after which a worker's stream is complete: chat and completions end with
+# [DONE]; the Responses stream with its terminal response event, the Messages stream
+# with message_stop (or Anthropic's error event, which ends it too).
+_LAST = (_DONE, b"event: response.completed", b"event: response.incomplete",
+         b"event: response.failed", b"event: message_stop", b"event: error")  # fmt: skip
 
 
 def split_block(block: bytes) -> tuple[list[int], bytes]:
@@ -46,7 +51,8 @@ def worker_error(event: bytes) -> LegError:
 
 async def events(run: Run, a: Attempt) -> AsyncIterator[bytes]:
     """The decode's events for the client; records their ids in `run`. Raises LegError
-    when the stream fails, is tripped (Attempt.trip) or ends before its [DONE]."""
+    when the stream fails, is tripped (Attempt.trip) or ends before its last event
+    (_LAST)."""
     assert a.decode_resp is not None
     buf = b""
     a.stream, a.progress = True, time.monotonic()
@@ -65,7 +71,7 @@ async def events(run: Run, a: Attempt) -> AsyncIterator[bytes]:
                 run.ids += ids
                 if out:
                     run.sent = True
-                    run.done = run.done or out.startswith(_DONE)
+                    run.done = run.done or out.startswith(_LAST)
                     outs.append(out)
             if outs:
                 yield outs[0] if len(outs) == 1 else b"".join(outs)
