@@ -20,6 +20,7 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
+from pdserve.transfer.messages import Abort, Ack
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
 
@@ -68,8 +69,6 @@ def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
         (Fault("reorder", "KVChunk", nth=5), "never arrived"),  # KVDone overtakes the last chunk
         (Fault("truncate", "KVChunk", nth=1), "byte count"),
         (Fault("corrupt", "KVChunk", nth=2), "checksum mismatch"),
-        (Fault("corrupt", "KVDone", nth=0), ""),  # refused or dropped (then timed out)
-        (Fault("drop", "KVDone", nth=0), "timed out"),
         (Fault("delay", "KVChunk", nth=0, delay_s=2.0), "silent"),  # no heartbeats meanwhile
     ],
     ids=lambda v: v.action + "-" + v.kind if isinstance(v, Fault) else None,
@@ -80,6 +79,66 @@ def test_fault_fails_closed_once(fault: Fault, reason: str) -> None:
     assert not dec_events[0].ok and reason in dec_events[0].reason
     assert not pre_events[0].ok
     assert elapsed < 2.0 + 2.0  # the 2 s timeout, not a later one (slack: a loaded machine)
+
+
+@pytest.mark.parametrize("action", ["drop", "corrupt"])
+def test_lost_kv_done_is_sent_again(action: str) -> None:
+    """A KVDone that never arrives (or arrives too mangled to decode) is sent again while
+    unanswered: the transfer ends once, well before its 30 s timeout; intact KV is
+    accepted (a mangled header that still decodes is refused by its digest instead)."""
+    dec_events, pre_events, elapsed, (pre, dec) = run_transfer(
+        [Fault(action, "KVDone", nth=0)], kv_timeout_s=30.0
+    )
+    assert len(dec_events) == 1 and len(pre_events) == 1
+    assert dec_events[0].ok == pre_events[0].ok
+    assert dec_events[0].ok or "KVDone refused" in dec_events[0].reason
+    if action == "drop":
+        assert dec_events[0].ok
+        assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
+    assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("answer", ["ack", "abort"])
+def test_lost_answer_to_kv_done_is_given_again(monkeypatch, answer: str) -> None:
+    """The decode's Ack (or its Abort of a refused KVDone) lost on the way back: the
+    prefill's repeated KVDone gets the same answer again, so the prefill frees the
+    room at once instead of after kv_timeout_s (30 s)."""
+    faults = [Fault("drop", "KVChunk", nth=1)] if answer == "abort" else []
+    tx = KVSender(
+        LAYOUT,
+        transfer_settings(kv_timeout_s=30, heartbeat_interval_s=0.1),
+        fault_hook=FaultInjector(faults, seed=1),
+    )
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=30))
+    lost: list[object] = []
+    send = rx._ctl.send
+
+    def lossy(endpoint: str, msg: object) -> bool:
+        if isinstance(msg, Ack | Abort) and not lost:
+            lost.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lossy)
+    try:
+        pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre, dec = (
+            Side(pre_pool, *reserve(pre_pool, N, 1)),
+            Side(dec_pool, *reserve(dec_pool, N, 2)),
+        )
+        rx.expect(make_req("a", 5, N, tx.bootstrap_port), dec.pool, dec.slots)
+        push_prompt(tx, make_req("a", 5, N, tx.bootstrap_port), pre, chunk=CHUNK)
+        [dev] = wait_for(rx.poll, 1, 8)
+        assert dev.ok == (answer == "ack")
+        t0 = time.monotonic()
+        [pev] = wait_for(tx.poll, 1, 8)
+        assert pev.ok == dev.ok and len(lost) == 1
+        assert time.monotonic() - t0 < 5.0
+        assert rx.stats()["repeated_done"] >= 1
+        assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_reordered_chunks_are_harmless() -> None:

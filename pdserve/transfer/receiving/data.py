@@ -2,7 +2,9 @@
 
     KVChunk   header, then payload frames: cut as the header names them (payload.py),
               checked (validate.py), written into the reserved slots (writer.py)
-    KVDone    checked (validate.check_done): the transfer is reported ok, the Ack goes back
+    KVDone    checked (validate.check_done): the transfer is reported ok, the Ack goes back;
+              one repeated for a transfer that ended lately gets the same answer again
+              (the Ack, or the Abort; ended.py)
 
 A chunk or KVDone of no live transfer (an unknown room, a stale session) is counted and
 dropped. Mixed into KVReceiver, which owns the state and the failure paths named below.
@@ -23,8 +25,9 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.base import SourceEvent, prefill_stages
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import MAX_HEADER_BYTES, Ack, KVChunk, KVDone
+from pdserve.transfer.messages import MAX_HEADER_BYTES, Abort, Ack, KVChunk, KVDone
 from pdserve.transfer.receiving.control import ControlSockets
+from pdserve.transfer.receiving.ended import Ended
 from pdserve.transfer.receiving.payload import received
 from pdserve.transfer.receiving.transfer import Transfer
 from pdserve.transfer.receiving.validate import check_chunk, check_done
@@ -50,10 +53,11 @@ class DataChannel:
     _pages: PageIO
     _lock: threading.Lock
     _xfers: dict[int, Transfer]
+    _ended: Ended
 
     if TYPE_CHECKING:
 
-        def _close(self, x: Transfer) -> bool: ...
+        def _close(self, x: Transfer, reason: str = "") -> bool: ...
 
         def _fail(self, x: Transfer, reason: str, notify: bool = True) -> None: ...
 
@@ -109,6 +113,7 @@ class DataChannel:
     def _on_done(self, done: KVDone) -> None:
         x = self._lookup(done.room, done.session)
         if x is None:
+            self._answer_again(done)
             return
         reason = check_done(x, done)
         if reason:
@@ -123,3 +128,18 @@ class DataChannel:
             # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)
             self._ctl.send(x.endpoint, Ack(room=done.room, session=done.session))
             self._io.emit(ok)
+
+    def _answer_again(self, done: KVDone) -> None:
+        """A KVDone of a transfer that ended already: the prefill sends it again when it
+        heard no answer (a broken connection lost the first KVDone or our answer)."""
+        with self._lock:
+            end = self._ended.get(done.room, done.session)
+        if end is None:
+            return
+        self._count("repeated_done")
+        if end.reason:
+            self._ctl.send(
+                end.endpoint, Abort(room=done.room, session=done.session, reason=end.reason)
+            )
+        else:
+            self._ctl.send(end.endpoint, Ack(room=done.room, session=done.session))

@@ -45,6 +45,7 @@ from pdserve.transfer.messages import Abort, Announce, Claim, Decoder, Heartbeat
 from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.receiving.control import ControlSockets
 from pdserve.transfer.receiving.data import DataChannel, data_limits
+from pdserve.transfer.receiving.ended import End, Ended
 from pdserve.transfer.receiving.transfer import Transfer
 from pdserve.transfer.receiving.writer import PoolWriters
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
@@ -87,9 +88,12 @@ class KVReceiver(DataChannel):
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
+        self._ended = Ended()  # guarded by _lock: how the latest transfers ended (ended.py)
         self._io = IOThread("kv-receiver", tick_s=0.05)
         # prefill bootstrap endpoint -> DEALER (I/O thread)
-        self._ctl = ControlSockets(self._io, self._decoder, curve, self._on_control, self._busy)
+        self._ctl = ControlSockets(
+            self._io, self._decoder, curve, self._on_control, self._busy, self.decode_id.encode()
+        )
         # an unfinished message's bound (with CURVE, only the cluster's workers connect)
         self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
         self._ctl.guard = self._guard
@@ -154,9 +158,10 @@ class KVReceiver(DataChannel):
             if x is None or x.req is not req:
                 return
             del self._xfers[req.room]
+            abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
+            self._ended.add(req.room, End(x.session, x.endpoint, abort.reason))
         with x.lock:
             x.open = False
-        abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
         self._io.submit(lambda: self._ctl.send(x.endpoint, abort))
 
     def reject(self, req: Ticket, reason: str) -> None:
@@ -238,17 +243,19 @@ class KVReceiver(DataChannel):
         elif not isinstance(msg, Heartbeat):
             self._count("unexpected_message")
 
-    def _close(self, x: Transfer) -> bool:
-        """Make `x` terminal; False if something else (cancel, another failure) did first."""
+    def _close(self, x: Transfer, reason: str = "") -> bool:
+        """Make `x` terminal (`reason`: why it failed, "" if it ended well); False if
+        something else (cancel, another failure) did first."""
         with self._lock:
             if self._xfers.get(x.req.room) is x:
                 del self._xfers[x.req.room]
+                self._ended.add(x.req.room, End(x.session, x.endpoint, reason))
         with x.lock:
             was_open, x.open = x.open, False
         return was_open
 
     def _fail(self, x: Transfer, reason: str, notify: bool = True) -> None:
-        if not self._close(x):
+        if not self._close(x, reason):
             return
         self._io.emit(SourceEvent(x.req.rid, False, reason=reason))
         if notify:

@@ -1,8 +1,13 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
 Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim ─▶ push chunks
-            ─▶ KVDone ─▶ Ack ─▶ released ok
+            ─▶ KVDone (again every heartbeat_interval_s until answered) ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
+
+A connection of the link that breaks loses what it carried (libzmq reconnects and goes on
+with what is queued after it): lost KV makes the decode refuse the KVDone; a lost KVDone,
+or a lost answer to it, is what the repeated KVDone recovers (the decode answers a repeat
+with the Ack or Abort it gave: receiving/ended.py).
 
 Every room is tied to a decode from the start: the decode announces a room when the
 request reaches it, and a room no decode announced within `kv_bootstrap_timeout_s` fails
@@ -117,6 +122,10 @@ class KVSender(BootstrapChannel):
         if curve is not None:
             authorize(curve)  # ZAP: only holders of the cluster secret may connect
         router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
+        # NOTE: a decode keeps its routing id across reconnects (receiving/control.py); the
+        # new connection takes the id over at once, even where this side has not yet seen
+        # the old one break (without it the decode would be refused until it had)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # NOTE: before the bind, so the guard's monitor sees every connection
         self._ctrl = MsgSocket(router, self._decoder, fault_hook, guard=self._guard)
         self.bootstrap_port = bind(router, settings.transfer_host, settings.bootstrap_port)
@@ -258,7 +267,9 @@ class KVSender(BootstrapChannel):
                 return
         if st.done is not None and not st.done_sent:
             self._pusher.send_done(sock, st)
-            st.deadline = time.monotonic() + self.settings.kv_timeout_s
+            now = time.monotonic()
+            st.deadline = now + self.settings.kv_timeout_s
+            st.resend_at = now + self.settings.heartbeat_interval_s
 
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
@@ -308,10 +319,22 @@ class KVSender(BootstrapChannel):
                 log.exception("timeout of room %d failed", st.room)
                 self._remove(st)
         self._fail_silent_peers(now)
+        self._resend_done(now)
         self._refused.expire(now)
         if now >= self._next_hb:
             self._next_hb = now + self.settings.heartbeat_interval_s
             self._heartbeat()
+
+    def _resend_done(self, now: float) -> None:
+        """Send the KVDone of each room still waiting for its answer again: a connection
+        that broke may have lost it, or the decode's Ack (see the top)."""
+        for st in [s for s in self._rooms.values() if s.done_sent and s.resend_at <= now]:
+            assert st.ready is not None
+            st.resend_at = now + self.settings.heartbeat_interval_s
+            try:
+                self._pusher.send_done(self._data.get(st.ready.data_endpoint), st)
+            except (zmq.ZMQError, RuntimeError) as e:  # no pipe now: the next turn tries again
+                log.debug("KVDone of room %d not sent again: %s", st.room, e)
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
