@@ -64,9 +64,8 @@ def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
 @pytest.mark.parametrize(
     "fault, reason",
     [
-        (Fault("drop", "KVChunk", nth=1), "never arrived"),
+        (Fault("drop", "KVChunk", prob=1.0), "never arrived"),  # pushed again, lost again
         (Fault("duplicate", "KVChunk", nth=0), "duplicate chunk"),
-        (Fault("reorder", "KVChunk", nth=5), "never arrived"),  # KVDone overtakes the last chunk
         (Fault("truncate", "KVChunk", nth=1), "byte count"),
         (Fault("corrupt", "KVChunk", nth=2), "checksum mismatch"),
         (Fault("delay", "KVChunk", nth=0, delay_s=2.0), "silent"),  # no heartbeats meanwhile
@@ -79,6 +78,22 @@ def test_fault_fails_closed_once(fault: Fault, reason: str) -> None:
     assert not dec_events[0].ok and reason in dec_events[0].reason
     assert not pre_events[0].ok
     assert elapsed < 2.0 + 2.0  # the 2 s timeout, not a later one (slack: a loaded machine)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault("drop", "KVChunk", nth=1), Fault("reorder", "KVChunk", nth=5)],  # (KVDone overtakes it)
+    ids=["drop", "reorder"],
+)
+def test_lost_kv_is_pushed_again(fault: Fault) -> None:
+    """A KVDone whose KV did not all arrive (a chunk lost, or still on its way) asks the
+    prefill for all of it again, under a new session: the transfer ends well, with the
+    prefill's KV (a chunk of the old session that comes late is refused as stale)."""
+    dec_events, pre_events, elapsed, (pre, dec) = run_transfer([fault], kv_timeout_s=30.0)
+    assert [e.ok for e in dec_events] == [True] and [e.ok for e in pre_events] == [True]
+    assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
+    assert torch.equal(gather(pre.pool, pre.slots)[1], gather(dec.pool, dec.slots)[1])
+    assert elapsed < 2.0
 
 
 @pytest.mark.parametrize("action", ["drop", "corrupt"])
@@ -103,7 +118,7 @@ def test_lost_answer_to_kv_done_is_given_again(monkeypatch, answer: str) -> None
     """The decode's Ack (or its Abort of a refused KVDone) lost on the way back: the
     prefill's repeated KVDone gets the same answer again, so the prefill frees the
     room at once instead of after kv_timeout_s (30 s)."""
-    faults = [Fault("drop", "KVChunk", nth=1)] if answer == "abort" else []
+    faults = [Fault("drop", "KVChunk", prob=1.0)] if answer == "abort" else []
     tx = KVSender(
         LAYOUT,
         transfer_settings(kv_timeout_s=30, heartbeat_interval_s=0.1),

@@ -33,9 +33,9 @@ from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 # re-exported: the checksums of these messages
 __all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 
-# 6: Announce, Claim, bounded fields (5: block hashes, 4: runs packed in one frame, 3: KVChunk.runs,
-# 2: XXH3-64, 1: crc32)
-PROTOCOL_VERSION = 6
+# 7: Ready.again_of (6: Announce, Claim, bounded fields, 5: block hashes, 4: runs packed in one
+# frame, 3: KVChunk.runs, 2: XXH3-64, 1: crc32)
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 MAX_REMOTE_TEXT = 256  # characters of a peer's text kept (a reason, a layout)
 
@@ -71,6 +71,9 @@ class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     num_tokens: int
     decode_id: Name
     model: Name = ""  # scheduler.identity.model_fingerprint(): what the decode serves
+    # A Ready sent again under a new session (the one it replaces; 0: the first): KV was
+    # lost on the way (a broken connection), so the prefill pushes all of it again
+    again_of: Session = 0
 
 
 class Claim(_Msg, tag="claim", kw_only=True, frozen=True):

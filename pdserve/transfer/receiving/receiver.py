@@ -137,9 +137,7 @@ class KVReceiver(DataChannel):
         # so a peer must not predict it from sessions it has seen (random's state is recoverable)
         x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.settings.kv_timeout_s
-        with self._lock:
-            self._xfers[req.room] = x
-        ready = Ready(
+        ready = x.ready = Ready(
             room=req.room,
             rid=req.rid,
             session=x.session,
@@ -149,6 +147,8 @@ class KVReceiver(DataChannel):
             decode_id=self.decode_id,
             model=self.model,
         )
+        with self._lock:
+            self._xfers[req.room] = x
         self._io.submit(lambda: self._send_ready(x, ready))
 
     def cancel(self, req: Ticket, reason: str) -> None:

@@ -4,6 +4,8 @@
               heartbeat covers it) before either side holds anything for it
     Ready     the decode reserved pages: its data endpoint (checked: netaddr), layout
               and model (checked: peers.ready_mismatch) -> Claim back, then KV is pushed
+    Ready     again (again_of: the session it replaces) from the room's decode: it lost
+              some of the KV on the way; all of it is pushed again under the new session
     Ack       the decode has the KV: the room is released ok
     Abort     the decode gave up: the room fails (session 0: before or without a Ready)
     Heartbeat both ways, every heartbeat_interval_s: a decode silent past
@@ -55,6 +57,8 @@ class BootstrapChannel:
         ) -> None: ...
 
         def _flush(self, st: Room) -> None: ...
+
+        def _push_again(self, st: Room, ready: Ready) -> None: ...
 
         def _remove(self, st: Room) -> None: ...
 
@@ -120,9 +124,15 @@ class BootstrapChannel:
             self._ctrl.send(Abort(room=ready.room, session=ready.session, reason=refused), to=peer)
             return
         if st is not None and st.ready is not None:
-            if st.ready.session != ready.session:  # a second decode claims an active room
+            if ready.again_of and ready.again_of == st.ready.session and peer == st.peer:
+                self._push_again(st, ready)  # the decode lost KV on the way
+            elif st.ready.session != ready.session:  # a second decode claims an active room
                 dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
                 self._ctrl.send(dup, to=peer)
+            return  # (the same session: a repeat)
+        if ready.again_of:  # nothing here to push again (the room ended, or never was)
+            gone = Abort(room=ready.room, session=ready.session, reason="prefill has no such room")
+            self._ctrl.send(gone, to=peer)
             return
         why = endpoint_problem(ready.data_endpoint)
         if st is None and not why:

@@ -5,9 +5,11 @@ Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
 
 A connection of the link that breaks loses what it carried (libzmq reconnects and goes on
-with what is queued after it): lost KV makes the decode refuse the KVDone; a lost KVDone,
-or a lost answer to it, is what the repeated KVDone recovers (the decode answers a repeat
-with the Ack or Abort it gave: receiving/ended.py).
+with what is queued after it): lost KV makes the decode send its Ready again under a new
+session (again_of), and all of the room's KV is pushed again (`_push_again`: the pages
+are the room's until it is released); a lost KVDone, or a lost answer to it, is what the
+repeated KVDone recovers (the decode answers a repeat with the Ack or Abort it gave:
+receiving/ended.py).
 
 Every room is tied to a decode from the start: the decode announces a room when the
 request reaches it, and a room no decode announced within `kv_bootstrap_timeout_s` fails
@@ -45,7 +47,7 @@ from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Decoder
+from pdserve.transfer.messages import Abort, Decoder, Ready
 from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.sending.bootstrap import BootstrapChannel
 from pdserve.transfer.sending.peers import (
@@ -109,6 +111,7 @@ class KVSender(BootstrapChannel):
         self._peers = PeerClock(settings.heartbeat_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
+        self.pushed_again = 0  # rooms pushed again for a decode that lost KV (stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
         # an unfinished message's bound (with CURVE, only the cluster's workers connect)
         self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
@@ -165,7 +168,8 @@ class KVSender(BootstrapChannel):
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
-        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms}
+        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms,
+                 "pushed_again": self.pushed_again}  # fmt: skip
         return {**rooms, **self._pusher.pieces, **self._decoder.dropped}
 
     def active_rooms(self) -> set[int]:
@@ -220,6 +224,7 @@ class KVSender(BootstrapChannel):
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return  # failed or foreign: the event was already emitted
+        st.made.append((pool, slots, start, end))
         for s in range(start, end, self._max_tokens):  # one frame-sized piece per entry
             piece = Piece(pool, slots, s, min(end, s + self._max_tokens))
             if st.ready is None:  # nowhere to send yet: hash now, off the transfer's path
@@ -270,6 +275,22 @@ class KVSender(BootstrapChannel):
             now = time.monotonic()
             st.deadline = now + self.settings.kv_timeout_s
             st.resend_at = now + self.settings.heartbeat_interval_s
+
+    def _push_again(self, st: Room, ready: Ready) -> None:
+        """The decode lost some of st's KV on the way and asks for all of it again under
+        `ready`'s new session (bootstrap._on_ready): the pages are still the room's."""
+        assert st.ready is not None
+        if st.req is None or st.done is None or ready.data_endpoint != st.ready.data_endpoint:
+            self._fail(st, "a Ready again for a room not pushed whole, or to another endpoint")
+            return
+        st.ready, st.sent, st.done_sent, st.deadline = ready, [], False, float("inf")
+        st.pending = [
+            Piece(pool, slots, s, min(end, s + self._max_tokens))
+            for pool, slots, start, end in st.made
+            for s in range(start, end, self._max_tokens)
+        ]
+        self.pushed_again += 1
+        self._flush(st)
 
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
