@@ -20,7 +20,7 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
-from pdserve.transfer.messages import Abort, Ack
+from pdserve.transfer.messages import Abort, Ack, Ready
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
 
@@ -151,6 +151,48 @@ def test_lost_answer_to_kv_done_is_given_again(monkeypatch, answer: str) -> None
         assert time.monotonic() - t0 < 5.0
         assert rx.stats()["repeated_done"] >= 1
         assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("lost", ["Ready", "Claim"])
+def test_lost_ready_or_claim_is_sent_again(monkeypatch, lost: str) -> None:
+    """The decode's Ready or the prefill's Claim lost on the way: the decode repeats its
+    Ready while unclaimed, the prefill answers with the Claim again, and the transfer
+    ends well. (Without it: the decode gives up after kv_bootstrap_timeout_s, 1 s here,
+    which the prefill's request outlasts before its first chunk.)"""
+    faults = [Fault("drop", "Claim", nth=0)] if lost == "Claim" else []
+    tx = KVSender(
+        LAYOUT, transfer_settings(heartbeat_interval_s=0.1), fault_hook=FaultInjector(faults)
+    )
+    rx = KVReceiver(LAYOUT, transfer_settings(heartbeat_interval_s=0.1, kv_bootstrap_timeout_s=1))
+    dropped: list[object] = []
+    send = rx._ctl.send
+
+    def lossy(endpoint: str, msg: object) -> bool:
+        if lost == "Ready" and isinstance(msg, Ready) and not dropped:
+            dropped.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lossy)
+    try:
+        pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre, dec = (
+            Side(pre_pool, *reserve(pre_pool, N, 1)),
+            Side(dec_pool, *reserve(dec_pool, N, 2)),
+        )
+        req = make_req("c", 6, N, tx.bootstrap_port)
+        tx.on_queue(req)  # the prefill has the request (it claims once it has the Ready)
+        rx.expect(make_req("c", 6, N, tx.bootstrap_port), dec.pool, dec.slots)
+        time.sleep(1.5)  # queued past the decode's bootstrap timeout, no chunk yet
+        assert rx.poll() == [] and rx.active_rooms() == {6}
+        push_prompt(tx, req, pre, chunk=CHUNK)
+        [dev] = wait_for(rx.poll, 1, 8)
+        [pev] = wait_for(tx.poll, 1, 8)
+        assert dev.ok and pev.ok, (dev, pev)
+        assert lost == "Claim" or dropped
     finally:
         tx.close()
         rx.close()

@@ -71,8 +71,9 @@ class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     num_tokens: int
     decode_id: Name
     model: Name = ""  # scheduler.identity.model_fingerprint(): what the decode serves
-    # A Ready sent again under a new session (the one it replaces; 0: the first): KV was
-    # lost on the way (a broken connection), so the prefill pushes all of it again
+    # A Ready sent again (0: the first). Its own session: a repeat, while no Claim came (a
+    # broken connection may have lost the Ready or the Claim). Another: a new session for
+    # the one it names, KV was lost on the way and the prefill pushes all of it again.
     again_of: Session = 0
 
 

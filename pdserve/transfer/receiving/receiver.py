@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
 import torch
 import zmq
 
@@ -223,6 +224,7 @@ class KVReceiver(DataChannel):
         if not self._ctl.send(x.endpoint, ready):
             self._fail(x, f"cannot reach prefill {x.endpoint}", notify=False)
             return
+        x.ready_sent = time.monotonic()
         # NOTE: off the transfer's path, while the Ready is on its way
         x.arm(*self._writers.of(x.pool))
 
@@ -288,6 +290,11 @@ class KVReceiver(DataChannel):
                           f"{cfg.kv_bootstrap_timeout_s}s (it has no request of that room)")  # fmt: skip
         elif silent > cfg.heartbeat_timeout_s:
             self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
+        elif not x.claimed and x.ready and 0 < x.ready_sent <= now - cfg.heartbeat_interval_s:
+            # NOTE: a broken connection may have lost the Ready or the prefill's Claim: a
+            # repeat gets the Claim again (a prefill still waiting for its request ignores it)
+            x.ready_sent = now
+            self._ctl.send(x.endpoint, msgspec.structs.replace(x.ready, again_of=x.session))
 
     def _heartbeat(self, endpoints: set[str]) -> None:
         """I/O thread: tell each prefill with a live transfer or an announced room that

@@ -57,6 +57,7 @@ class Transfer:
     ready: Ready | None = None  # the Ready sent (again, under a new session: `again`)
     previous: int = 0  # the session `again` replaced (its late KVDone gets the Ready again)
     pushes: int = 1  # times the prefill was asked for the KV
+    ready_sent: float = 0.0  # when the Ready last went (0: not yet)
 
     def again(self, session: int) -> Ready:
         """Start over under `session` (the I/O thread, holding `lock` and the receiver's
