@@ -30,6 +30,7 @@ class Room:
     sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)
     done_sent: bool = False
     resend_at: float = 0.0  # when the KVDone goes again if no Ack or Abort came (sender._tick)
+    resend_gap: float = 0.0  # the wait before that: doubled each time, up to a cap
     deadline: float = 0.0
     # frames sent in place from the pool: its pages are read by libzmq until these are done
     inflight: list[Tracker] = field(default_factory=list)

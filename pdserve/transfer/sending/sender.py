@@ -1,7 +1,7 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
 Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim ─▶ push chunks
-            ─▶ KVDone (again every heartbeat_interval_s until answered) ─▶ Ack ─▶ released ok
+            ─▶ KVDone (again until answered: after 1, 2, 4, 4, ... heartbeats) ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
 
 A connection of the link that breaks loses what it carried (libzmq reconnects and goes on
@@ -274,7 +274,8 @@ class KVSender(BootstrapChannel):
             self._pusher.send_done(sock, st)
             now = time.monotonic()
             st.deadline = now + self.settings.kv_timeout_s
-            st.resend_at = now + self.settings.heartbeat_interval_s
+            st.resend_gap = self.settings.heartbeat_interval_s
+            st.resend_at = now + st.resend_gap
 
     def _push_again(self, st: Room, ready: Ready) -> None:
         """The decode lost some of st's KV on the way and asks for all of it again under
@@ -349,9 +350,16 @@ class KVSender(BootstrapChannel):
     def _resend_done(self, now: float) -> None:
         """Send the KVDone of each room still waiting for its answer again: a connection
         that broke may have lost it, or the decode's Ack (see the top)."""
+        cfg = self.settings
+        # NOTE: the gap doubles, up to 4 heartbeats: a KVDone waiting behind a slow link's
+        # backlog (it carries the prompt's logprobs, if asked for) is not sent every beat
+        cap = max(
+            cfg.heartbeat_interval_s, min(4 * cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
+        )
         for st in [s for s in self._rooms.values() if s.done_sent and s.resend_at <= now]:
             assert st.ready is not None
-            st.resend_at = now + self.settings.heartbeat_interval_s
+            st.resend_gap = min(2 * st.resend_gap, cap)
+            st.resend_at = now + st.resend_gap
             try:
                 self._pusher.send_done(self._data.get(st.ready.data_endpoint), st)
             except (zmq.ZMQError, RuntimeError) as e:  # no pipe now: the next turn tries again
