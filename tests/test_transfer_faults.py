@@ -21,6 +21,7 @@ from pdserve.transfer.loopback import (
     wait_until,
 )
 from pdserve.transfer.messages import Abort, Ack, Ready
+from pdserve.transfer.receiving import data
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
 
@@ -94,6 +95,16 @@ def test_lost_kv_is_pushed_again(fault: Fault) -> None:
     assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
     assert torch.equal(gather(pre.pool, pre.slots)[1], gather(dec.pool, dec.slots)[1])
     assert elapsed < 2.0
+
+
+def test_prefill_pushes_a_room_at_most_max_pushes_times(monkeypatch) -> None:
+    """A decode that keeps asking for the KV again (here: one allowed 10 pushes, every
+    chunk lost) gets the room failed by the prefill after MAX_PUSHES (3)."""
+    monkeypatch.setattr(data, "MAX_PUSHES", 10)
+    dec_events, pre_events, _, _ = run_transfer([Fault("drop", "KVChunk", prob=1.0)], 30.0)
+    assert len(dec_events) == 1 and len(pre_events) == 1
+    assert not dec_events[0].ok and "asked for the KV more than 3 times" in dec_events[0].reason
+    assert not pre_events[0].ok
 
 
 @pytest.mark.parametrize("action", ["drop", "corrupt"])

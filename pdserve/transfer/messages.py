@@ -38,6 +38,9 @@ __all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 MAX_REMOTE_TEXT = 256  # characters of a peer's text kept (a reason, a layout)
+# times a room's KV is pushed: the first, and twice more for a decode that lost some on the
+# way (Ready.again_of); both sides hold to it (a decode asking more often is refused)
+MAX_PUSHES = 3
 
 # Fields whose values go back on the wire, into reasons or into dicts: a header with one
 # out of these bounds is dropped as malformed (counted), so no handler sees it.

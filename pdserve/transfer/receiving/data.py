@@ -6,8 +6,8 @@
               one repeated for a transfer that ended lately gets the same answer again
               (the Ack, or the Abort; ended.py)
     lost KV   a KVDone whose KV did not all arrive (a broken connection lost some) asks
-              the prefill for all of it again, under a new session, up to MAX_PUSHES
-              times in all (Ready.again_of); then the transfer fails
+              the prefill for all of it again, under a new session, up to
+              messages.MAX_PUSHES times in all (Ready.again_of); then the transfer fails
 
 A chunk or KVDone of no live transfer (an unknown room, a stale session) is counted and
 dropped. Mixed into KVReceiver, which owns the state and the failure paths named below.
@@ -29,7 +29,7 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.base import SourceEvent, prefill_stages
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import MAX_HEADER_BYTES, Abort, Ack, KVChunk, KVDone
+from pdserve.transfer.messages import MAX_HEADER_BYTES, MAX_PUSHES, Abort, Ack, KVChunk, KVDone
 from pdserve.transfer.receiving.control import ControlSockets
 from pdserve.transfer.receiving.ended import Ended
 from pdserve.transfer.receiving.payload import received
@@ -37,8 +37,6 @@ from pdserve.transfer.receiving.transfer import Transfer
 from pdserve.transfer.receiving.validate import cells_missing, check_chunk, check_done
 from pdserve.transfer.receiving.writer import write_chunk
 from pdserve.transfer.zmq_io import MAX_WIRE_FRAME_BYTES, MsgSocket
-
-MAX_PUSHES = 3  # times a transfer gets its KV pushed: the first, and twice more after losses
 
 
 def data_limits(layout: KVLayout) -> tuple[int, int]:

@@ -25,6 +25,7 @@ class Room:
     # (pool, slots, start, end) of every on_chunk: what is pushed again if the decode
     # lost some of it (Ready.again_of); the pages stay the room's until it is released
     made: list[tuple[KVPool, torch.Tensor, int, int]] = field(default_factory=list)
+    pushes: int = 1  # times its KV was pushed (at most messages.MAX_PUSHES)
     done: tuple[int, float] | None = None  # (first_token, first_logprob) from on_done
     stages: dict[str, float] = field(default_factory=dict)  # from on_done, for KVDone
     sent: list[tuple[int, int]] = field(default_factory=list)  # (chunk index, checksum)

@@ -47,7 +47,7 @@ from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Decoder, Ready
+from pdserve.transfer.messages import MAX_PUSHES, Abort, Decoder, Ready
 from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.sending.bootstrap import BootstrapChannel
 from pdserve.transfer.sending.peers import (
@@ -281,9 +281,16 @@ class KVSender(BootstrapChannel):
         """The decode lost some of st's KV on the way and asks for all of it again under
         `ready`'s new session (bootstrap._on_ready): the pages are still the room's."""
         assert st.ready is not None
+        why = ""
         if st.req is None or st.done is None or ready.data_endpoint != st.ready.data_endpoint:
-            self._fail(st, "a Ready again for a room not pushed whole, or to another endpoint")
+            why = "a Ready again for a room not pushed whole, or to another endpoint"
+        elif st.pushes >= MAX_PUSHES:  # NOTE: a decode may not make this side push without end
+            why = f"the decode asked for the KV more than {MAX_PUSHES} times"
+        if why:  # (the Abort under the new session: the decode has left the old one)
+            self._ctrl.send(Abort(room=st.room, session=ready.session, reason=why), to=st.peer)
+            self._fail(st, why, notify=False)
             return
+        st.pushes += 1
         st.ready, st.sent, st.done_sent, st.deadline = ready, [], False, float("inf")
         st.pending = [
             Piece(pool, slots, s, min(end, s + self._max_tokens))
