@@ -209,6 +209,34 @@ def test_lost_ready_or_claim_is_sent_again(monkeypatch, lost: str) -> None:
         rx.close()
 
 
+def test_repeated_ready_of_a_room_the_prefill_lacks_opens_nothing(monkeypatch) -> None:
+    """A repeated Ready for a room the prefill has no trace of (it ended there, or its
+    Announce and first Ready were both lost) is refused at once: it must not open a room
+    that waits `kv_ready_timeout_s` for a request that is gone."""
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1))
+    rx = KVReceiver(LAYOUT, transfer_settings(heartbeat_interval_s=0.1, kv_bootstrap_timeout_s=30))
+    send = rx._ctl.send
+    firsts: list[object] = []
+
+    def lose_first(endpoint: str, msg: object) -> bool:
+        if isinstance(msg, Ready) and not msg.again_of:
+            firsts.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lose_first)
+    try:
+        dec_pool = random_pool(LAYOUT, 64, 2)
+        dec = Side(dec_pool, *reserve(dec_pool, N, 2))
+        rx.expect(make_req("g", 7, N, tx.bootstrap_port), dec.pool, dec.slots)
+        [ev] = wait_for(rx.poll, 1, 5)
+        assert not ev.ok and "prefill has no such room" in ev.reason and firsts
+        assert tx.active_rooms() == set() and rx.active_rooms() == set()
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_reordered_chunks_are_harmless() -> None:
     """Chunks 0 and 1 swapped: the KV is still complete and intact, so it is accepted."""
     dec_events, pre_events, _, (pre, dec) = run_transfer([Fault("reorder", "KVChunk", nth=0)])
