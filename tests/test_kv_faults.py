@@ -22,21 +22,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fault_proxy import FaultProxy
 
 from benchmarks.soak import Cluster, server_info, wait_quiet
 from pdserve.server.launch_children import free_port
 from tests.conftest import hf_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fault_proxy import FaultProxy  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -46,8 +42,8 @@ STALL_S = 5.0
 # cut caught is the transfer's own recovery, never a request left to a timeout.
 TIMEOUTS = {"kv_ready_timeout_s": 60.0, "kv_timeout_s": 60.0, "heartbeat_interval_s": 0.25,
             "heartbeat_timeout_s": 20.0}  # fmt: skip
-# HTTP hops, process polls and a loaded 2-core box; and a Ready or Claim the cut lost
-# (kv_bootstrap_timeout_s, 10 s from the request's start) still ends inside the bound
+# HTTP hops, process polls, the repeated KVDone's back-off (1 s at most here) and the
+# push again, on a loaded 2-core box
 SLACK_S = 7.0
 BOUND_S = STALL_S + SLACK_S  # slowest request of a faulted load
 # prompts are prefilled 4 tokens a step and their KV sent as it is made, so a load of
