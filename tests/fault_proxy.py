@@ -1,5 +1,6 @@
 """A loopback TCP proxy for fault tests: it forwards 127.0.0.1:port to a target and can
-stall, cut or slow every connection through it, mid-transfer.
+stall, cut or slow every connection through it, mid-transfer. It relays bytes, so it
+sits on any TCP link: HTTP, or the ZeroMQ sockets of the KV transfer.
 
     pass   bytes flow both ways
     stall  bytes are accepted and held, nothing is forwarded (a paused peer, a black hole)
@@ -17,14 +18,24 @@ import threading
 
 
 class FaultProxy:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        target_port: int,
+        target_host: str = "127.0.0.1",
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+    ) -> None:
+        """Listens on `listen_host:listen_port` (0: a free port, then in `self.port`); any
+        127.0.0.0/8 address works on Linux, so a hop can keep its target's port number."""
         self.target = (target_host, target_port)
+        self.host = listen_host
         self.mode = "pass"  # "pass" | "stall" | "slow"
         self.delay_s = 0.0
+        self.connections = 0  # accepted so far (a test checks its traffic went through)
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((listen_host, listen_port))
         self.port = int(sock.getsockname()[1])
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sock, ready), daemon=True)
@@ -34,7 +45,7 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def cut(self) -> None:
         """Reset every connection open now."""
@@ -60,6 +71,7 @@ class FaultProxy:
             server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:

@@ -20,6 +20,8 @@ from pdserve.transfer.loopback import (
     wait_for,
     wait_until,
 )
+from pdserve.transfer.messages import Abort, Ack, Ready
+from pdserve.transfer.receiving import data
 from pdserve.transfer.receiving.receiver import KVReceiver
 from pdserve.transfer.sending.sender import KVSender
 
@@ -63,13 +65,10 @@ def run_transfer(faults: list[Fault], kv_timeout_s: float = 3.0):
 @pytest.mark.parametrize(
     "fault, reason",
     [
-        (Fault("drop", "KVChunk", nth=1), "never arrived"),
+        (Fault("drop", "KVChunk", prob=1.0), "never arrived"),  # pushed again, lost again
         (Fault("duplicate", "KVChunk", nth=0), "duplicate chunk"),
-        (Fault("reorder", "KVChunk", nth=5), "never arrived"),  # KVDone overtakes the last chunk
         (Fault("truncate", "KVChunk", nth=1), "byte count"),
         (Fault("corrupt", "KVChunk", nth=2), "checksum mismatch"),
-        (Fault("corrupt", "KVDone", nth=0), ""),  # refused or dropped (then timed out)
-        (Fault("drop", "KVDone", nth=0), "timed out"),
         (Fault("delay", "KVChunk", nth=0, delay_s=2.0), "silent"),  # no heartbeats meanwhile
     ],
     ids=lambda v: v.action + "-" + v.kind if isinstance(v, Fault) else None,
@@ -80,6 +79,162 @@ def test_fault_fails_closed_once(fault: Fault, reason: str) -> None:
     assert not dec_events[0].ok and reason in dec_events[0].reason
     assert not pre_events[0].ok
     assert elapsed < 2.0 + 2.0  # the 2 s timeout, not a later one (slack: a loaded machine)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault("drop", "KVChunk", nth=1), Fault("reorder", "KVChunk", nth=5)],  # (KVDone overtakes it)
+    ids=["drop", "reorder"],
+)
+def test_lost_kv_is_pushed_again(fault: Fault) -> None:
+    """A KVDone whose KV did not all arrive (a chunk lost, or still on its way) asks the
+    prefill for all of it again, under a new session: the transfer ends well, with the
+    prefill's KV (a chunk of the old session that comes late is refused as stale)."""
+    dec_events, pre_events, elapsed, (pre, dec) = run_transfer([fault], kv_timeout_s=30.0)
+    assert [e.ok for e in dec_events] == [True] and [e.ok for e in pre_events] == [True]
+    assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
+    assert torch.equal(gather(pre.pool, pre.slots)[1], gather(dec.pool, dec.slots)[1])
+    assert elapsed < 2.0
+
+
+def test_prefill_pushes_a_room_at_most_max_pushes_times(monkeypatch) -> None:
+    """A decode that keeps asking for the KV again (here: one allowed 10 pushes, every
+    chunk lost) gets the room failed by the prefill after MAX_PUSHES (3)."""
+    monkeypatch.setattr(data, "MAX_PUSHES", 10)
+    dec_events, pre_events, _, _ = run_transfer([Fault("drop", "KVChunk", prob=1.0)], 30.0)
+    assert len(dec_events) == 1 and len(pre_events) == 1
+    assert not dec_events[0].ok and "asked for the KV more than 3 times" in dec_events[0].reason
+    assert not pre_events[0].ok
+
+
+@pytest.mark.parametrize("action", ["drop", "corrupt"])
+def test_lost_kv_done_is_sent_again(action: str) -> None:
+    """A KVDone that never arrives (or arrives too mangled to decode) is sent again while
+    unanswered: the transfer ends once, well before its 30 s timeout; intact KV is
+    accepted (a mangled header that still decodes is refused by its digest instead)."""
+    dec_events, pre_events, elapsed, (pre, dec) = run_transfer(
+        [Fault(action, "KVDone", nth=0)], kv_timeout_s=30.0
+    )
+    assert len(dec_events) == 1 and len(pre_events) == 1
+    assert dec_events[0].ok == pre_events[0].ok
+    assert dec_events[0].ok or "KVDone refused" in dec_events[0].reason
+    if action == "drop":
+        assert dec_events[0].ok
+        assert torch.equal(gather(pre.pool, pre.slots)[0], gather(dec.pool, dec.slots)[0])
+    assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("answer", ["ack", "abort"])
+def test_lost_answer_to_kv_done_is_given_again(monkeypatch, answer: str) -> None:
+    """The decode's Ack (or its Abort of a refused KVDone) lost on the way back: the
+    prefill's repeated KVDone gets the same answer again, so the prefill frees the
+    room at once instead of after kv_timeout_s (30 s)."""
+    faults = [Fault("drop", "KVChunk", prob=1.0)] if answer == "abort" else []
+    tx = KVSender(
+        LAYOUT,
+        transfer_settings(kv_timeout_s=30, heartbeat_interval_s=0.1),
+        fault_hook=FaultInjector(faults, seed=1),
+    )
+    rx = KVReceiver(LAYOUT, transfer_settings(kv_timeout_s=30))
+    lost: list[object] = []
+    send = rx._ctl.send
+
+    def lossy(endpoint: str, msg: object) -> bool:
+        if isinstance(msg, Ack | Abort) and not lost:
+            lost.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lossy)
+    try:
+        pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre, dec = (
+            Side(pre_pool, *reserve(pre_pool, N, 1)),
+            Side(dec_pool, *reserve(dec_pool, N, 2)),
+        )
+        rx.expect(make_req("a", 5, N, tx.bootstrap_port), dec.pool, dec.slots)
+        push_prompt(tx, make_req("a", 5, N, tx.bootstrap_port), pre, chunk=CHUNK)
+        [dev] = wait_for(rx.poll, 1, 8)
+        assert dev.ok == (answer == "ack")
+        t0 = time.monotonic()
+        [pev] = wait_for(tx.poll, 1, 8)
+        assert pev.ok == dev.ok and len(lost) == 1
+        assert time.monotonic() - t0 < 5.0
+        assert rx.stats()["repeated_done"] >= 1
+        assert wait_until(lambda: not (tx.active_rooms() or rx.active_rooms()), 2)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("lost", ["Ready", "Claim"])
+def test_lost_ready_or_claim_is_sent_again(monkeypatch, lost: str) -> None:
+    """The decode's Ready or the prefill's Claim lost on the way: the decode repeats its
+    Ready while unclaimed, the prefill answers with the Claim again, and the transfer
+    ends well. (Without it: the decode gives up after kv_bootstrap_timeout_s, 1 s here,
+    which the prefill's request outlasts before its first chunk.)"""
+    faults = [Fault("drop", "Claim", nth=0)] if lost == "Claim" else []
+    tx = KVSender(
+        LAYOUT, transfer_settings(heartbeat_interval_s=0.1), fault_hook=FaultInjector(faults)
+    )
+    rx = KVReceiver(LAYOUT, transfer_settings(heartbeat_interval_s=0.1, kv_bootstrap_timeout_s=1))
+    dropped: list[object] = []
+    send = rx._ctl.send
+
+    def lossy(endpoint: str, msg: object) -> bool:
+        if lost == "Ready" and isinstance(msg, Ready) and not dropped:
+            dropped.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lossy)
+    try:
+        pre_pool, dec_pool = random_pool(LAYOUT, 64, 1), random_pool(LAYOUT, 64, 2)
+        pre, dec = (
+            Side(pre_pool, *reserve(pre_pool, N, 1)),
+            Side(dec_pool, *reserve(dec_pool, N, 2)),
+        )
+        req = make_req("c", 6, N, tx.bootstrap_port)
+        tx.on_queue(req)  # the prefill has the request (it claims once it has the Ready)
+        rx.expect(make_req("c", 6, N, tx.bootstrap_port), dec.pool, dec.slots)
+        time.sleep(1.5)  # queued past the decode's bootstrap timeout, no chunk yet
+        assert rx.poll() == [] and rx.active_rooms() == {6}
+        push_prompt(tx, req, pre, chunk=CHUNK)
+        [dev] = wait_for(rx.poll, 1, 8)
+        [pev] = wait_for(tx.poll, 1, 8)
+        assert dev.ok and pev.ok, (dev, pev)
+        assert lost == "Claim" or dropped
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_repeated_ready_of_a_room_the_prefill_lacks_opens_nothing(monkeypatch) -> None:
+    """A repeated Ready for a room the prefill has no trace of (it ended there, or its
+    Announce and first Ready were both lost) is refused at once: it must not open a room
+    that waits `kv_ready_timeout_s` for a request that is gone."""
+    tx = KVSender(LAYOUT, transfer_settings(heartbeat_interval_s=0.1))
+    rx = KVReceiver(LAYOUT, transfer_settings(heartbeat_interval_s=0.1, kv_bootstrap_timeout_s=30))
+    send = rx._ctl.send
+    firsts: list[object] = []
+
+    def lose_first(endpoint: str, msg: object) -> bool:
+        if isinstance(msg, Ready) and not msg.again_of:
+            firsts.append(msg)
+            return True
+        return send(endpoint, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rx._ctl, "send", lose_first)
+    try:
+        dec_pool = random_pool(LAYOUT, 64, 2)
+        dec = Side(dec_pool, *reserve(dec_pool, N, 2))
+        rx.expect(make_req("g", 7, N, tx.bootstrap_port), dec.pool, dec.slots)
+        [ev] = wait_for(rx.poll, 1, 5)
+        assert not ev.ok and "prefill has no such room" in ev.reason and firsts
+        assert tx.active_rooms() == set() and rx.active_rooms() == set()
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_reordered_chunks_are_harmless() -> None:

@@ -33,11 +33,14 @@ from pdserve.transfer.checksum import block_hashes, chunk_checksum, done_digest
 # re-exported: the checksums of these messages
 __all__ = ["block_hashes", "chunk_checksum", "done_digest"]
 
-# 6: Announce, Claim, bounded fields (5: block hashes, 4: runs packed in one frame, 3: KVChunk.runs,
-# 2: XXH3-64, 1: crc32)
-PROTOCOL_VERSION = 6
+# 7: Ready.again_of (6: Announce, Claim, bounded fields, 5: block hashes, 4: runs packed in one
+# frame, 3: KVChunk.runs, 2: XXH3-64, 1: crc32)
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 64 * 1024  # headers are small; anything larger is dropped unparsed
 MAX_REMOTE_TEXT = 256  # characters of a peer's text kept (a reason, a layout)
+# times a room's KV is pushed: the first, and twice more for a decode that lost some on the
+# way (Ready.again_of); both sides hold to it (a decode asking more often is refused)
+MAX_PUSHES = 3
 
 # Fields whose values go back on the wire, into reasons or into dicts: a header with one
 # out of these bounds is dropped as malformed (counted), so no handler sees it.
@@ -71,6 +74,10 @@ class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     num_tokens: int
     decode_id: Name
     model: Name = ""  # scheduler.identity.model_fingerprint(): what the decode serves
+    # A Ready sent again (0: the first). Its own session: a repeat, while no Claim came (a
+    # broken connection may have lost the Ready or the Claim). Another: a new session for
+    # the one it names, KV was lost on the way and the prefill pushes all of it again.
+    again_of: Session = 0
 
 
 class Claim(_Msg, tag="claim", kw_only=True, frozen=True):

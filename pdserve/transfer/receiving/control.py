@@ -12,6 +12,12 @@ are bounded in number, reused, and closed when idle or failed:
 
 `announced`: the rooms this decode announced to a prefill and holds no transfer for yet
 (waiting for pages); its heartbeats go to their prefills too.
+
+Every DEALER carries the decode's own routing id (`routing_id`), so a connection that
+breaks and reconnects (libzmq does so by itself) is the same peer to the prefill's
+ROUTER: the rooms it holds there, and the heartbeats that keep them, carry on. With a
+fresh id per connection the prefill would take the old one for a silent decode and
+fail every room it held after the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ControlSockets:
         curve: CurveKeys | None,
         on_message: Callable[[str, MsgSocket], None],
         busy: Callable[[], set[str]],
+        routing_id: bytes = b"",
         max_sockets: int = MAX_CONTROL_SOCKETS,
         idle_s: float = CONTROL_IDLE_S,
     ) -> None:
@@ -48,6 +55,7 @@ class ControlSockets:
         some room still needs (never closed for being idle or to make room)."""
         self._io, self._decoder, self._curve = io, decoder, curve
         self._on_message, self._busy = on_message, busy
+        self._routing_id = routing_id
         self.max_sockets, self.idle_s = max_sockets, idle_s
         self._socks: dict[str, MsgSocket] = {}
         self._used: dict[str, float] = {}  # endpoint -> last send or message
@@ -115,6 +123,8 @@ class ControlSockets:
             return None
         curve = None if self._curve is None else self._curve.for_server(self._curve.public)
         raw = make_socket(zmq.DEALER, curve, never_block=True)
+        if self._routing_id:
+            raw.setsockopt(zmq.ROUTING_ID, self._routing_id)
         sock = MsgSocket(raw, self._decoder, guard=self.guard)  # its monitor sees the connect
         try:
             connect(raw, endpoint)

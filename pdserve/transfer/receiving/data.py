@@ -2,7 +2,12 @@
 
     KVChunk   header, then payload frames: cut as the header names them (payload.py),
               checked (validate.py), written into the reserved slots (writer.py)
-    KVDone    checked (validate.check_done): the transfer is reported ok, the Ack goes back
+    KVDone    checked (validate.check_done): the transfer is reported ok, the Ack goes back;
+              one repeated for a transfer that ended lately gets the same answer again
+              (the Ack, or the Abort; ended.py)
+    lost KV   a KVDone whose KV did not all arrive (a broken connection lost some) asks
+              the prefill for all of it again, under a new session, up to
+              messages.MAX_PUSHES times in all (Ready.again_of); then the transfer fails
 
 A chunk or KVDone of no live transfer (an unknown room, a stale session) is counted and
 dropped. Mixed into KVReceiver, which owns the state and the failure paths named below.
@@ -10,6 +15,7 @@ dropped. Mixed into KVReceiver, which owns the state and the failure paths named
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import Counter
@@ -23,11 +29,12 @@ from pdserve.kvcache.pools import KVLayout
 from pdserve.transfer import stages
 from pdserve.transfer.base import SourceEvent, prefill_stages
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import MAX_HEADER_BYTES, Ack, KVChunk, KVDone
+from pdserve.transfer.messages import MAX_HEADER_BYTES, MAX_PUSHES, Abort, Ack, KVChunk, KVDone
 from pdserve.transfer.receiving.control import ControlSockets
+from pdserve.transfer.receiving.ended import Ended
 from pdserve.transfer.receiving.payload import received
 from pdserve.transfer.receiving.transfer import Transfer
-from pdserve.transfer.receiving.validate import check_chunk, check_done
+from pdserve.transfer.receiving.validate import cells_missing, check_chunk, check_done
 from pdserve.transfer.receiving.writer import write_chunk
 from pdserve.transfer.zmq_io import MAX_WIRE_FRAME_BYTES, MsgSocket
 
@@ -50,10 +57,11 @@ class DataChannel:
     _pages: PageIO
     _lock: threading.Lock
     _xfers: dict[int, Transfer]
+    _ended: Ended
 
     if TYPE_CHECKING:
 
-        def _close(self, x: Transfer) -> bool: ...
+        def _close(self, x: Transfer, reason: str = "") -> bool: ...
 
         def _fail(self, x: Transfer, reason: str, notify: bool = True) -> None: ...
 
@@ -109,8 +117,12 @@ class DataChannel:
     def _on_done(self, done: KVDone) -> None:
         x = self._lookup(done.room, done.session)
         if x is None:
+            self._answer_again(done)
             return
         reason = check_done(x, done)
+        if reason and cells_missing(x) and x.pushes < MAX_PUSHES:
+            self._ask_again(x)
+            return
         if reason:
             self._fail(x, f"KVDone refused: {reason}")
             return
@@ -123,3 +135,38 @@ class DataChannel:
             # back to back: the Ready handled 0.35 ms after expect(), 0.25 with the Ack first)
             self._ctl.send(x.endpoint, Ack(room=done.room, session=done.session))
             self._io.emit(ok)
+
+    def _ask_again(self, x: Transfer) -> None:
+        """Some of x's KV was lost on the way: start over under a new session, and ask
+        the prefill (which holds the KV until the room ends) to push all of it again."""
+        # NOTE: `secrets`, as every session (receiver.expect)
+        session = secrets.randbits(62) + 1
+        with self._lock:
+            if self._xfers.get(x.req.room) is not x:
+                return  # cancelled meanwhile
+            with x.lock:
+                ready = x.again(session)
+        self._count("pushed_again")
+        self._ctl.send(x.endpoint, ready)
+
+    def _answer_again(self, done: KVDone) -> None:
+        """A KVDone of no live transfer. The prefill sends it again when it heard no
+        answer (a broken connection lost the first KVDone or our answer): one of a
+        transfer that ended gets the same answer again; one of the session a transfer
+        left (`_ask_again`) gets its Ready again (lost, or still on its way)."""
+        with self._lock:
+            x = self._xfers.get(done.room)
+            again = x.ready if x is not None and x.previous == done.session else None
+            end = self._ended.get(done.room, done.session)
+        if x is not None and again is not None:
+            self._ctl.send(x.endpoint, again)
+            return
+        if end is None:
+            return
+        self._count("repeated_done")
+        if end.reason:
+            self._ctl.send(
+                end.endpoint, Abort(room=done.room, session=done.session, reason=end.reason)
+            )
+        else:
+            self._ctl.send(end.endpoint, Ack(room=done.room, session=done.session))

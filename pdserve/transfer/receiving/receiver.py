@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
 import torch
 import zmq
 
@@ -45,6 +46,7 @@ from pdserve.transfer.messages import Abort, Announce, Claim, Decoder, Heartbeat
 from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.receiving.control import ControlSockets
 from pdserve.transfer.receiving.data import DataChannel, data_limits
+from pdserve.transfer.receiving.ended import End, Ended
 from pdserve.transfer.receiving.transfer import Transfer
 from pdserve.transfer.receiving.writer import PoolWriters
 from pdserve.transfer.zmq_io import CurveKeys, MsgSocket, bind, make_socket
@@ -87,9 +89,12 @@ class KVReceiver(DataChannel):
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards self._xfers (engine thread vs I/O thread)
         self._xfers: dict[int, Transfer] = {}
+        self._ended = Ended()  # guarded by _lock: how the latest transfers ended (ended.py)
         self._io = IOThread("kv-receiver", tick_s=0.05)
         # prefill bootstrap endpoint -> DEALER (I/O thread)
-        self._ctl = ControlSockets(self._io, self._decoder, curve, self._on_control, self._busy)
+        self._ctl = ControlSockets(
+            self._io, self._decoder, curve, self._on_control, self._busy, self.decode_id.encode()
+        )
         # an unfinished message's bound (with CURVE, only the cluster's workers connect)
         self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
         self._ctl.guard = self._guard
@@ -133,9 +138,7 @@ class KVReceiver(DataChannel):
         # so a peer must not predict it from sessions it has seen (random's state is recoverable)
         x = Transfer(req, pool, slots, secrets.randbits(62) + 1, endpoint)
         x.deadline = time.monotonic() + self.settings.kv_timeout_s
-        with self._lock:
-            self._xfers[req.room] = x
-        ready = Ready(
+        ready = x.ready = Ready(
             room=req.room,
             rid=req.rid,
             session=x.session,
@@ -145,6 +148,8 @@ class KVReceiver(DataChannel):
             decode_id=self.decode_id,
             model=self.model,
         )
+        with self._lock:
+            self._xfers[req.room] = x
         self._io.submit(lambda: self._send_ready(x, ready))
 
     def cancel(self, req: Ticket, reason: str) -> None:
@@ -154,9 +159,10 @@ class KVReceiver(DataChannel):
             if x is None or x.req is not req:
                 return
             del self._xfers[req.room]
+            abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
+            self._ended.add(req.room, End(x.session, x.endpoint, abort.reason))
         with x.lock:
             x.open = False
-        abort = Abort(room=req.room, session=x.session, reason=f"decode cancelled: {reason}")
         self._io.submit(lambda: self._ctl.send(x.endpoint, abort))
 
     def reject(self, req: Ticket, reason: str) -> None:
@@ -218,6 +224,7 @@ class KVReceiver(DataChannel):
         if not self._ctl.send(x.endpoint, ready):
             self._fail(x, f"cannot reach prefill {x.endpoint}", notify=False)
             return
+        x.ready_sent = time.monotonic()
         # NOTE: off the transfer's path, while the Ready is on its way
         x.arm(*self._writers.of(x.pool))
 
@@ -238,17 +245,19 @@ class KVReceiver(DataChannel):
         elif not isinstance(msg, Heartbeat):
             self._count("unexpected_message")
 
-    def _close(self, x: Transfer) -> bool:
-        """Make `x` terminal; False if something else (cancel, another failure) did first."""
+    def _close(self, x: Transfer, reason: str = "") -> bool:
+        """Make `x` terminal (`reason`: why it failed, "" if it ended well); False if
+        something else (cancel, another failure) did first."""
         with self._lock:
             if self._xfers.get(x.req.room) is x:
                 del self._xfers[x.req.room]
+                self._ended.add(x.req.room, End(x.session, x.endpoint, reason))
         with x.lock:
             was_open, x.open = x.open, False
         return was_open
 
     def _fail(self, x: Transfer, reason: str, notify: bool = True) -> None:
-        if not self._close(x):
+        if not self._close(x, reason):
             return
         self._io.emit(SourceEvent(x.req.rid, False, reason=reason))
         if notify:
@@ -281,6 +290,11 @@ class KVReceiver(DataChannel):
                           f"{cfg.kv_bootstrap_timeout_s}s (it has no request of that room)")  # fmt: skip
         elif silent > cfg.heartbeat_timeout_s:
             self._fail(x, f"prefill {x.endpoint} silent for {silent:.1f}s (dead?)")
+        elif not x.claimed and x.ready and 0 < x.ready_sent <= now - cfg.heartbeat_interval_s:
+            # NOTE: a broken connection may have lost the Ready or the prefill's Claim: a
+            # repeat gets the Claim again (a prefill still waiting for its request ignores it)
+            x.ready_sent = now
+            self._ctl.send(x.endpoint, msgspec.structs.replace(x.ready, again_of=x.session))
 
     def _heartbeat(self, endpoints: set[str]) -> None:
         """I/O thread: tell each prefill with a live transfer or an announced room that

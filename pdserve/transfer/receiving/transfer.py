@@ -20,13 +20,14 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import msgspec
 import numpy as np
 import torch
 
 from pdserve.kernels.page_io import Writer
 from pdserve.kvcache.pools import KVPool
 from pdserve.transfer.base import Ticket
-from pdserve.transfer.messages import KVChunk
+from pdserve.transfer.messages import KVChunk, Ready
 from pdserve.transfer.pages import PageViews, pool_views, request_pages
 
 
@@ -53,6 +54,22 @@ class Transfer:
     deadline: float = 0.0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (index, checksum) written
     claimed: bool = False  # the prefill claimed the room (its Claim, or a chunk came)
+    ready: Ready | None = None  # the Ready sent (again, under a new session: `again`)
+    previous: int = 0  # the session `again` replaced (its late KVDone gets the Ready again)
+    pushes: int = 1  # times the prefill was asked for the KV
+    ready_sent: float = 0.0  # when the Ready last went (0: not yet)
+
+    def again(self, session: int) -> Ready:
+        """Start over under `session` (the I/O thread, holding `lock` and the receiver's
+        lock): nothing received counts any more, chunks of the old session are stale.
+        Returns the Ready that asks the prefill for all of the KV again."""
+        assert self.ready is not None
+        self.previous, self.session = self.session, session
+        self.cov[:] = 0
+        self.chunks.clear()
+        self.pushes += 1
+        self.ready = msgspec.structs.replace(self.ready, session=session, again_of=self.previous)
+        return self.ready
 
     # NOTE: cached_property: made once (by `arm` on the I/O thread, not in the engine's
     # expect()), then a plain attribute read for every chunk

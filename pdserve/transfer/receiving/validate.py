@@ -72,7 +72,7 @@ def check_done(x: Transfer, d: KVDone) -> str:
         return f"first_token {d.first_token} outside int64"
     if d.prompt_len != x.req.prompt_len:
         return f"prompt_len {d.prompt_len} != reserved {x.req.prompt_len}"
-    missing = x.cov.size - int(np.count_nonzero(x.cov))
+    missing = cells_missing(x)
     if missing:
         return f"{missing} (kind, layer, token) cells of KV never arrived"
     if d.num_chunks != len(x.chunks):
@@ -80,3 +80,8 @@ def check_done(x: Transfer, d: KVDone) -> str:
     if d.digest != done_digest(x.chunks, d.first_token, d.first_logprob, d.prompt_len):
         return "transfer digest mismatch"
     return ""
+
+
+def cells_missing(x: Transfer) -> int:
+    """(kind, layer, token) cells of `x` no chunk has covered yet."""
+    return x.cov.size - int(np.count_nonzero(x.cov))

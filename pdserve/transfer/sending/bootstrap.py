@@ -4,6 +4,10 @@
               heartbeat covers it) before either side holds anything for it
     Ready     the decode reserved pages: its data endpoint (checked: netaddr), layout
               and model (checked: peers.ready_mismatch) -> Claim back, then KV is pushed
+    Ready     again, from the room's decode: a repeat (again_of: its own session) while
+              unclaimed, answered with the Claim again (it may have been lost); or under
+              a new session (again_of: the one it replaces): the decode lost some of the
+              KV on the way, and all of it is pushed again
     Ack       the decode has the KV: the room is released ok
     Abort     the decode gave up: the room fails (session 0: before or without a Ready)
     Heartbeat both ways, every heartbeat_interval_s: a decode silent past
@@ -55,6 +59,8 @@ class BootstrapChannel:
         ) -> None: ...
 
         def _flush(self, st: Room) -> None: ...
+
+        def _push_again(self, st: Room, ready: Ready) -> None: ...
 
         def _remove(self, st: Room) -> None: ...
 
@@ -120,9 +126,20 @@ class BootstrapChannel:
             self._ctrl.send(Abort(room=ready.room, session=ready.session, reason=refused), to=peer)
             return
         if st is not None and st.ready is not None:
-            if st.ready.session != ready.session:  # a second decode claims an active room
+            if ready.session == st.ready.session:  # a repeat: our Claim may have been lost
+                if st.claimed and peer == st.peer:
+                    self._ctrl.send(Claim(room=st.room, session=ready.session), to=peer)
+            elif ready.again_of == st.ready.session and peer == st.peer:
+                self._push_again(st, ready)  # the decode lost KV on the way
+            else:  # a second decode claims an active room
                 dup = Abort(room=ready.room, session=ready.session, reason="duplicate active room")
                 self._ctrl.send(dup, to=peer)
+            return
+        if ready.again_of and (st is None or ready.again_of != ready.session):
+            # a repeat or a push again of a room not here: it ended (a new room would wait
+            # for a request that is gone), or its Announce and Ready were both lost
+            gone = Abort(room=ready.room, session=ready.session, reason="prefill has no such room")
+            self._ctrl.send(gone, to=peer)
             return
         why = endpoint_problem(ready.data_endpoint)
         if st is None and not why:

@@ -1,8 +1,15 @@
 """Prefill side of the KV transfer: a `KVSink` that pushes KV to the decode over ZeroMQ.
 
 Per room:   (on_queue + on_admit, Announce + Ready) in either order ─▶ Claim ─▶ push chunks
-            ─▶ KVDone ─▶ Ack ─▶ released ok
+            ─▶ KVDone (again until answered: after 1, 2, 4, 4, ... heartbeats) ─▶ Ack ─▶ released ok
             any timeout / Abort / layout or model mismatch / silent decode ─▶ released, ok=False
+
+A connection of the link that breaks loses what it carried (libzmq reconnects and goes on
+with what is queued after it): lost KV makes the decode send its Ready again under a new
+session (again_of), and all of the room's KV is pushed again (`_push_again`: the pages
+are the room's until it is released); a lost KVDone, or a lost answer to it, is what the
+repeated KVDone recovers (the decode answers a repeat with the Ack or Abort it gave:
+receiving/ended.py).
 
 Every room is tied to a decode from the start: the decode announces a room when the
 request reaches it, and a room no decode announced within `kv_bootstrap_timeout_s` fails
@@ -40,7 +47,7 @@ from pdserve.kvcache.pools import KVLayout, KVPool
 from pdserve.transfer.base import SinkEvent, Ticket
 from pdserve.transfer.curve import authorize
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.messages import Abort, Decoder
+from pdserve.transfer.messages import MAX_PUSHES, Abort, Decoder, Ready
 from pdserve.transfer.peer_guard import PeerGuard
 from pdserve.transfer.sending.bootstrap import BootstrapChannel
 from pdserve.transfer.sending.peers import (
@@ -104,6 +111,7 @@ class KVSender(BootstrapChannel):
         self._peers = PeerClock(settings.heartbeat_timeout_s)  # decodes heartbeat; silence = dead
         self._peer_rooms = PeerRooms(max_rooms_per_peer)
         self.refused_rooms = 0  # Announce / Ready past a cap (I/O thread; stats)
+        self.pushed_again = 0  # rooms pushed again for a decode that lost KV (stats)
         self._data = DataSockets(self._decoder, curve, fault_hook, send, self._endpoints_in_use)
         # an unfinished message's bound (with CURVE, only the cluster's workers connect)
         self._guard = PeerGuard(self._decoder.dropped) if curve is None else None
@@ -117,6 +125,10 @@ class KVSender(BootstrapChannel):
         if curve is not None:
             authorize(curve)  # ZAP: only holders of the cluster secret may connect
         router = make_socket(zmq.ROUTER, curve, curve_server=curve is not None)
+        # NOTE: a decode keeps its routing id across reconnects (receiving/control.py); the
+        # new connection takes the id over at once, even where this side has not yet seen
+        # the old one break (without it the decode would be refused until it had)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # NOTE: before the bind, so the guard's monitor sees every connection
         self._ctrl = MsgSocket(router, self._decoder, fault_hook, guard=self._guard)
         self.bootstrap_port = bind(router, settings.transfer_host, settings.bootstrap_port)
@@ -156,7 +168,8 @@ class KVSender(BootstrapChannel):
         return self._io.drain()
 
     def stats(self) -> dict[str, int]:
-        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms}
+        rooms = {"active_rooms": len(self._rooms), "refused_rooms": self.refused_rooms,
+                 "pushed_again": self.pushed_again}  # fmt: skip
         return {**rooms, **self._pusher.pieces, **self._decoder.dropped}
 
     def active_rooms(self) -> set[int]:
@@ -211,6 +224,7 @@ class KVSender(BootstrapChannel):
         st = self._rooms.get(req.room)
         if st is None or st.req is not req:
             return  # failed or foreign: the event was already emitted
+        st.made.append((pool, slots, start, end))
         for s in range(start, end, self._max_tokens):  # one frame-sized piece per entry
             piece = Piece(pool, slots, s, min(end, s + self._max_tokens))
             if st.ready is None:  # nowhere to send yet: hash now, off the transfer's path
@@ -258,7 +272,33 @@ class KVSender(BootstrapChannel):
                 return
         if st.done is not None and not st.done_sent:
             self._pusher.send_done(sock, st)
-            st.deadline = time.monotonic() + self.settings.kv_timeout_s
+            now = time.monotonic()
+            st.deadline = now + self.settings.kv_timeout_s
+            st.resend_gap = self.settings.heartbeat_interval_s
+            st.resend_at = now + st.resend_gap
+
+    def _push_again(self, st: Room, ready: Ready) -> None:
+        """The decode lost some of st's KV on the way and asks for all of it again under
+        `ready`'s new session (bootstrap._on_ready): the pages are still the room's."""
+        assert st.ready is not None
+        why = ""
+        if st.req is None or st.done is None or ready.data_endpoint != st.ready.data_endpoint:
+            why = "a Ready again for a room not pushed whole, or to another endpoint"
+        elif st.pushes >= MAX_PUSHES:  # NOTE: a decode may not make this side push without end
+            why = f"the decode asked for the KV more than {MAX_PUSHES} times"
+        if why:  # (the Abort under the new session: the decode has left the old one)
+            self._ctrl.send(Abort(room=st.room, session=ready.session, reason=why), to=st.peer)
+            self._fail(st, why, notify=False)
+            return
+        st.pushes += 1
+        st.ready, st.sent, st.done_sent, st.deadline = ready, [], False, float("inf")
+        st.pending = [
+            Piece(pool, slots, s, min(end, s + self._max_tokens))
+            for pool, slots, start, end in st.made
+            for s in range(start, end, self._max_tokens)
+        ]
+        self.pushed_again += 1
+        self._flush(st)
 
     def _endpoints_in_use(self) -> set[str]:
         return {s.ready.data_endpoint for s in self._rooms.values() if s.ready is not None}
@@ -308,10 +348,29 @@ class KVSender(BootstrapChannel):
                 log.exception("timeout of room %d failed", st.room)
                 self._remove(st)
         self._fail_silent_peers(now)
+        self._resend_done(now)
         self._refused.expire(now)
         if now >= self._next_hb:
             self._next_hb = now + self.settings.heartbeat_interval_s
             self._heartbeat()
+
+    def _resend_done(self, now: float) -> None:
+        """Send the KVDone of each room still waiting for its answer again: a connection
+        that broke may have lost it, or the decode's Ack (see the top)."""
+        cfg = self.settings
+        # NOTE: the gap doubles, up to 4 heartbeats: a KVDone waiting behind a slow link's
+        # backlog (it carries the prompt's logprobs, if asked for) is not sent every beat
+        cap = max(
+            cfg.heartbeat_interval_s, min(4 * cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
+        )
+        for st in [s for s in self._rooms.values() if s.done_sent and s.resend_at <= now]:
+            assert st.ready is not None
+            st.resend_gap = min(2 * st.resend_gap, cap)
+            st.resend_at = now + st.resend_gap
+            try:
+                self._pusher.send_done(self._data.get(st.ready.data_endpoint), st)
+            except (zmq.ZMQError, RuntimeError) as e:  # no pipe now: the next turn tries again
+                log.debug("KVDone of room %d not sent again: %s", st.room, e)
 
     def _on_exit(self, killed: bool) -> None:
         self._ctrl.close()
