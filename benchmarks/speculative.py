@@ -139,7 +139,10 @@ async def one_stream(modes: list[Mode], model: str, text: str, args: argparse.Na
                      name: str) -> None:  # fmt: skip
     """TPOT of each mode, one request at a time, the modes taking turns (their order
     reversed every other round); p50s and ratios printed."""
-    async with httpx.AsyncClient() as client:
+    # a connection per request: llama-server closes one after a streamed answer, and a
+    # pooled connection it closed fails the next request before any byte is sent
+    fresh_conn = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=fresh_conn) as client:
         for r in range(args.rounds):
             for m in modes if r % 2 == 0 else modes[::-1]:
                 before = counters(m.decode) if m.decode else None
@@ -220,8 +223,8 @@ async def run(url: str, llama: dict[bool, str], args: argparse.Namespace) -> Non
     modes = [Mode(PD_ON, url, {"speculative": True}, decode),
              Mode(PD_OFF, url, {"speculative": False})]  # fmt: skip
     modes += [Mode(LL_ON if on else LL_OFF, u) for on, u in llama.items()]
-    async with httpx.AsyncClient() as client:  # warm-up
-        for m in modes:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for m in modes:  # warm-up
             await one(client, m.url, model, CHAT[0], 4, m.extra)
     if "code-edit" in args.workloads:
         src = CODE_FILE.read_text()
