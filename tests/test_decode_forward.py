@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.kernels.native import library
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.native_forward import NativeDecodeForward
@@ -27,7 +27,10 @@ def _runner(preset: str, monkeypatch) -> ModelRunner:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     monkeypatch.delenv("PDSERVE_PER_CALL_DECODE", raising=False)
-    runner = ModelRunner(EngineConfig(model_path=str(model_path(preset))))
+    # a pool of 4096 slots holds every step below (at most 320 tokens) at scattered
+    # slots; _step fills and _both copies the whole pool, so a bigger one only costs time
+    cache = CacheConfig(max_total_tokens=4096)
+    runner = ModelRunner(EngineConfig(model_path=str(model_path(preset)), cache=cache))
     runner.warm_up_decode()
     if runner.native_forward is None:
         pytest.skip("the native decode forward is not built here (needs AVX2 and FMA)")
