@@ -22,11 +22,15 @@ from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy, model_path
 
 
-def _runner(preset: str, monkeypatch) -> ModelRunner:
+def _env(monkeypatch) -> None:
     if library.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     monkeypatch.delenv("PDSERVE_PER_CALL_DECODE", raising=False)
+
+
+def _runner(preset: str, monkeypatch) -> ModelRunner:
+    _env(monkeypatch)
     # a pool of 4096 slots holds every step below (at most 320 tokens) at scattered
     # slots; _step fills and _both copies the whole pool, so a bigger one only costs time
     cache = CacheConfig(max_total_tokens=4096)
@@ -82,11 +86,21 @@ def _both(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch
     return per_call, got
 
 
+@pytest.fixture(scope="module")
+def grid_runners() -> dict[str, ModelRunner]:
+    """One runner per preset for the grid below: each case refills the whole pool and the
+    table rows it uses, so no case reads what an earlier one left."""
+    return {}
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 2], [40] * 8, list(range(1, 18))])
-def test_logits_equal_the_per_call_path(monkeypatch, preset, threads, lens) -> None:
-    runner = _runner(preset, monkeypatch)
+def test_logits_equal_the_per_call_path(monkeypatch, grid_runners, preset, threads, lens) -> None:
+    _env(monkeypatch)
+    if preset not in grid_runners:
+        grid_runners[preset] = _runner(preset, monkeypatch)
+    runner = grid_runners[preset]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
