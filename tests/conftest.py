@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import qwen_stack as qwen
+import smollm2_stack as smol
 import torch
 
 # Every test process uses one model cache beside the repository's test run,
@@ -94,11 +95,25 @@ def qwen_stack(tmp_path_factory: pytest.TempPathFactory):
     yield from qwen.start(tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def smollm2_stack(tmp_path_factory: pytest.TempPathFactory):
+    """One `pdserve up` of SmolLM2 for every test that asks (tests/smollm2_stack.py)."""
+    yield from smol.start(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2_ref():
+    """transformers on SmolLM2's GGUF, loaded once for every test that asks."""
+    yield from smol.reference()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     qwen.note_users(items)
+    smol.note_users(items)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item):
     yield
     qwen.after_test(item.nodeid)
+    smol.after_test(item.nodeid)

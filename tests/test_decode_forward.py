@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.kernels.native import library
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.native_forward import NativeDecodeForward
@@ -22,12 +22,19 @@ from pdserve.sampling_params import SamplingParams
 from tests.conftest import hf_greedy, model_path
 
 
-def _runner(preset: str, monkeypatch) -> ModelRunner:
+def _env(monkeypatch) -> None:
     if library.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
     monkeypatch.delenv("PDSERVE_PER_CALL_DECODE", raising=False)
-    runner = ModelRunner(EngineConfig(model_path=str(model_path(preset))))
+
+
+def _runner(preset: str, monkeypatch) -> ModelRunner:
+    _env(monkeypatch)
+    # a pool of 4096 slots holds every step below (at most 320 tokens) at scattered
+    # slots; _step fills and _both copies the whole pool, so a bigger one only costs time
+    cache = CacheConfig(max_total_tokens=4096)
+    runner = ModelRunner(EngineConfig(model_path=str(model_path(preset)), cache=cache))
     runner.warm_up_decode()
     if runner.native_forward is None:
         pytest.skip("the native decode forward is not built here (needs AVX2 and FMA)")
@@ -79,11 +86,21 @@ def _both(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch
     return per_call, got
 
 
+@pytest.fixture(scope="module")
+def grid_runners() -> dict[str, ModelRunner]:
+    """One runner per preset for the grid below: each case refills the whole pool and the
+    table rows it uses, so no case reads what an earlier one left."""
+    return {}
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 2], [40] * 8, list(range(1, 18))])
-def test_logits_equal_the_per_call_path(monkeypatch, preset, threads, lens) -> None:
-    runner = _runner(preset, monkeypatch)
+def test_logits_equal_the_per_call_path(monkeypatch, grid_runners, preset, threads, lens) -> None:
+    _env(monkeypatch)
+    if preset not in grid_runners:
+        grid_runners[preset] = _runner(preset, monkeypatch)
+    runner = grid_runners[preset]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

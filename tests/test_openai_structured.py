@@ -10,13 +10,10 @@ from __future__ import annotations
 import enum
 import json
 import re
-import sys
-from collections.abc import Iterator
 
 import openai
 import pydantic
 import pytest
-from test_e2e_pd import free_port, spawn, stop, wait_healthy
 
 from pdserve.server.request_fields import FieldRefused
 from pdserve.server.structured import (
@@ -137,29 +134,11 @@ MAX = 120  # schema answers end well before (the grammar then allows only EOS)
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
-        "--port",
-        str(port),
-        "--grace-period",
-        "5",
-        "--max-total-tokens",
-        "4096",
-        "--tool-call-parser",
-        "hermes",
-    ]  # fmt: skip (SmolLM2's template shows no format)
-    proc = spawn(argv, "structured-up")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        stop(proc)
+def client(smollm2_stack) -> openai.OpenAI:
+    """The session's SmolLM2 stack (tests/smollm2_stack.py), with the hermes tool-call
+    parser named (SmolLM2's template shows no format)."""
+    return openai.OpenAI(base_url=smollm2_stack.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)  # fmt: skip
 
 
 def ask(content: str) -> list[dict[str, str]]:

@@ -2,18 +2,16 @@
 whole PD path with --weights quantized: both engines compute every projection and the
 embedding from the GGUF's blocks (their logs say so, with the bytes held, about the file's
 size), and the greedy chat answers equal transformers' on the same GGUF, which
-de-quantizes it (tests/test_real_model.py's reference). Starting `pdserve up` and
-transformers' model takes most of this test's time (~1 min on 2 busy cores)."""
+de-quantizes it (tests/test_real_model.py's reference). The stack and the reference are
+the session's shared ones (tests/smollm2_stack.py)."""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from test_e2e_pd import free_port, spawn, stop, wait_healthy
 from test_real_model import CONVERSATIONS, EOS, MAX_TOKENS, Reference
 
 from pdserve.checkpoints.resolve import smollm2_gguf
@@ -22,23 +20,14 @@ BLOCKS = "in GGUF blocks: Q4_1 x210, Q8_0 x1, Q8_0 (embedding) x1"
 
 
 @pytest.fixture(scope="module")
-def ref() -> Reference:
-    return Reference()
+def ref(smollm2_ref: Reference) -> Reference:
+    return smollm2_ref
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    port, logs = free_port(), tmp_path_factory.mktemp("logs")
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
-            "--grace-period", "5", "--log-dir", str(logs), "--max-total-tokens", "4096",
-            "--weights", "quantized"]  # fmt: skip
-    proc = spawn(argv, "quant-real-up")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
-        yield url, logs
-    finally:
-        stop(proc)
+def server(smollm2_stack) -> tuple[str, Path]:
+    """The session's SmolLM2 stack (tests/smollm2_stack.py), started with --weights quantized."""
+    return smollm2_stack.url, smollm2_stack.logs
 
 
 def test_both_engines_hold_the_gguf_blocks(server):

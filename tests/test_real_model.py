@@ -12,6 +12,7 @@ A near-tie in transformers' logits is the only divergence accepted, and it is sh
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import warnings
@@ -78,6 +79,11 @@ class Reference:
             self._answers[key] = out[0, len(prompt) :].tolist()
         return self._answers[key]
 
+    def drop(self) -> None:
+        """Free the model once its last user is done (tests/smollm2_stack.py)."""
+        del self.model
+        gc.collect()
+
     def logit_gap(self, context: list[int], a: int, b: int) -> float:
         with torch.no_grad():
             logits = self.model(torch.tensor([context])).logits[0, -1]
@@ -96,8 +102,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref() -> Reference:
-    return Reference()
+def ref(smollm2_ref: Reference) -> Reference:
+    return smollm2_ref  # one load for every module that checks SmolLM2 (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -139,29 +145,10 @@ def test_offline_greedy_answers_equal_transformers_and_stop_at_eos(ref, ours):
 
 
 @pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
-        "--port",
-        str(port),
-        "--grace-period",
-        "5",
-        "--max-total-tokens",
-        "4096",
-        "--speculative",  # every answer through it must still equal transformers'
-        "ngram",
-    ]  # fmt: skip — no --model: the default
-    proc = spawn(argv, "real-model-up")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, [proc], timeout_s=300.0)
-        yield url
-    finally:
-        stop(proc)
+def server(smollm2_stack) -> str:
+    """The session's SmolLM2 stack (tests/smollm2_stack.py): the default model, n-gram
+    speculation on (every answer through it must still equal transformers')."""
+    return smollm2_stack.url
 
 
 def test_pd_chat_completions_equal_transformers(ref, ours, server):

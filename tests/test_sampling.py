@@ -144,13 +144,13 @@ def test_seeded_penalized_sampling_is_reproducible() -> None:
     assert runs[0] == runs[1]
 
 
-def test_penalized_greedy_equals_transformers_on_smollm2() -> None:
+def test_penalized_greedy_equals_transformers_on_smollm2(smollm2_ref) -> None:
     """SmolLM2 offline (prefill -> KV -> decode): greedy tokens under penalties and bias
     equal transformers' generate with its repetition-penalty and sequence-bias processors
     (vLLM's definitions coincide with those) and frequency/presence written out. Slow
-    (loading both models): one prompt, short answers."""
+    (loading the engines): one prompt, short answers."""
     import transformers
-    from test_real_model import CONVERSATIONS, Reference, prompt_ids
+    from test_real_model import CONVERSATIONS, prompt_ids
 
     from pdserve.server.tokenizer import Tokenizer
 
@@ -164,7 +164,7 @@ def test_penalized_greedy_equals_transformers_on_smollm2() -> None:
                 scores - self.p.frequency_penalty * counts - self.p.presence_penalty * (counts > 0)
             )
 
-    ref = Reference()
+    ref = smollm2_ref  # transformers on the same GGUF, loaded once (tests/smollm2_stack.py)
     tok = Tokenizer(resolve_model("smollm2").path)
     prompts = [prompt_ids(tok, CONVERSATIONS[0])]
     cases = [
