@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.checkpoints.gguf.arch import ARCHES, GGUFArch
+from pdserve.checkpoints.gguf.index import read_index
 from pdserve.checkpoints.gguf.tensors import hf_name, hf_shape, unpermute
 from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, QuantTensor
 
@@ -67,20 +68,17 @@ class QuantSource:
 
     def __init__(self, path: Path, heads: dict[str, int]) -> None:
         """`heads`: query and key heads ({"attn_q": H, "attn_k": KH}), for Llama's rows."""
-        import gguf
-
-        # copy-on-write mapping: writable views (no torch warning), pages shared with
-        # every other process mapping the file until written, which nothing does
-        reader = gguf.GGUFReader(str(path), "c")
+        # the tensors only (index.py steps over the metadata: a vocabulary's strings cost
+        # gguf's reader seconds per engine), views of a copy-on-write mapping: writable (no
+        # torch warning), pages shared with every other process mapping the file
+        index = read_index(path)
         self.path = path
-        arch_name = str(reader.fields["general.architecture"].contents())
+        arch_name = index.architecture
         self.arch: GGUFArch = ARCHES[arch_name]
         self.heads = heads
         self.tensors: dict[str, gguf.ReaderTensor] = {
-            hf_name(t.name, arch_name, self.arch): t for t in reader.tensors
+            hf_name(t.name, arch_name, self.arch): t for t in index.tensors
         }
-        # NOTE: the reader is not kept: its metadata (a vocabulary's strings, as numpy
-        # parts) would hold ~100 MB; the tensors' views keep the mapping alive
         self.fallback: dict[str, str] = {}  # HF name -> why it stays float32
 
     def servable(self, name: str) -> bool:
