@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import time
@@ -60,15 +61,16 @@ def llamacpp_round(binary: Path, gguf: Path, p: int, n: int, threads: int) -> di
 
 
 def find_llama_bench(args: argparse.Namespace) -> Path:
+    """--llama-bench, else the one built beside llama-server under --setup-llamacpp's DIR,
+    else `llama-bench` on PATH."""
     if args.llama_bench:
         return Path(args.llama_bench)
-    root = Path(args.setup_llamacpp or "/work/llamacpp")
-    server = llamacpp_peer.built_binary(root)
-    if server is None:
-        raise SystemExit(
-            "llama-bench not found: pass --llama-bench PATH (make bench-llamacpp builds it)"
-        )
-    return server.parent / "llama-bench"
+    server = llamacpp_peer.built_binary(Path(args.setup_llamacpp)) if args.setup_llamacpp else None
+    found = server.parent / "llama-bench" if server else shutil.which("llama-bench")
+    if not found:
+        raise SystemExit("llama-bench not found: pass --llama-bench PATH or --setup-llamacpp DIR "
+                         "(make bench-llamacpp builds it)")  # fmt: skip
+    return Path(found)
 
 
 def main() -> None:
