@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from up_stack import pdserve_up  # noqa: E402
+from up_stack import pdserve_up, stream_timed, timed_gather  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The history of Rome", "A recipe for bread", "Dear diary,"]
 MODES = ("plain", "top", "mixed")
@@ -48,28 +46,18 @@ async def run_batch(
                 "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         if asks:
             body["logprobs"] = top
-        first, usage = 0.0, 0
-        async with sem, client.stream("POST", url + "/v1/completions", json=body,
-                                      timeout=600) as r:  # fmt: skip
-            t0 = time.perf_counter()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    usage = ev["usage"]["completion_tokens"]
-                for c in ev["choices"]:
-                    assert not asks or c["logprobs"] is not None
-                    first = first or time.perf_counter()
-            end = time.perf_counter()
-        tokens += usage
-        if usage > 1:
-            tpots[asks].append((end - (first or t0)) / (usage - 1))
 
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient() as client:
-        await asyncio.gather(*(one(client, i) for i in range(n)))
-    return tokens, time.perf_counter() - t0, tpots
+        def check(c: dict) -> None:
+            assert not asks or c["logprobs"] is not None
+
+        async with sem:
+            got = await stream_timed(client, url + "/v1/completions", body, check)
+        tokens += got.tokens
+        if got.tpot is not None:
+            tpots[asks].append(got.tpot)
+
+    secs = await timed_gather(n, one)
+    return tokens, secs, tpots
 
 
 def main() -> int:

@@ -19,13 +19,12 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from up_stack import pdserve_up  # noqa: E402
+from up_stack import pdserve_up, stream_timed, timed_gather  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -60,30 +59,19 @@ async def run_batch(
         if schema:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "city", "schema": SCHEMA}}  # fmt: skip
-        text, first, usage = "", 0.0, 0
-        async with sem, client.stream("POST", url + "/v1/chat/completions", json=body,
-                                      timeout=600) as r:  # fmt: skip
-            t0 = time.perf_counter()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    usage = ev["usage"]["completion_tokens"]
-                for c in ev["choices"]:
-                    text += c["delta"].get("content") or ""
-                    first = first or time.perf_counter()
-            end = time.perf_counter()
-        tokens += usage
-        if usage > 1:
-            tpots.append((end - (first or t0)) / (usage - 1))
+        parts: list[str] = []
+        async with sem:
+            got = await stream_timed(client, url + "/v1/chat/completions", body,
+                                     lambda c: parts.append(c["delta"].get("content") or ""))  # fmt: skip
+        tokens += got.tokens
+        if got.tpot is not None:
+            tpots.append(got.tpot)
+        text = "".join(parts)
         if schema:
             json.loads(text)  # the grammar held
 
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient() as client:
-        await asyncio.gather(*(one(client, i) for i in range(n)))
-    return tokens, time.perf_counter() - t0, tpots
+    secs = await timed_gather(n, one)
+    return tokens, secs, tpots
 
 
 def main() -> int:
