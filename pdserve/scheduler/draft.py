@@ -114,13 +114,14 @@ class DraftProposer:
         return greedy if q is None else draw_draft(q, req.seed, index)
 
     def _catch_up(self, reqs: list[Req]) -> list[Head]:
-        """Extend each request's draft KV over all its tokens (re-reading at least the
-        last); the draft's choice after them. A long catch-up runs its head alone first,
+        """Extend each request's draft KV over all its tokens; the draft's choice after
+        them. A long catch-up runs its head alone first,
         CATCH_UP_CHUNK tokens a forward, whose logits nobody reads."""
         tails = []
         for r in reqs:
             seq, ids = self.seqs[r.rid], r.prompt_ids + r.output_ids
-            seq.kv_len = min(seq.kv_len, len(ids) - 1)
+            # settle() left only the request's own tokens' KV, never its last token's
+            assert seq.kv_len < len(ids), (r.rid, seq.kv_len, len(ids))
             self.catch_up_tokens += len(ids) - seq.kv_len
             while len(ids) - seq.kv_len > CATCH_UP_CHUNK:
                 chunk = ids[seq.kv_len : seq.kv_len + CATCH_UP_CHUNK]

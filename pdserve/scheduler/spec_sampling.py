@@ -12,7 +12,9 @@ the bonus token is drawn from p at the next position.
 
 An n-gram draft is a deterministic proposal, q one-hot at d: d is kept with
 probability p(d), a rejection draws from p with d removed. The draft model
-(scheduler/draft.py) draws d from its own q (the same filters on its logits).
+(scheduler/draft.py) draws d from its own q (the same filters on its logits), and its
+q is used as such: the one-hot rule would be exact for its drafts too, but would keep
+them with probability sum p(d) q(d) instead of sum min(p(d), q(d)).
 
 The draws are seeded by (request seed, output index) like the ordinary sampler's
 (model/sampling.py), but they are other draws: a request gets other tokens with
