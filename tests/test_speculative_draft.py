@@ -192,6 +192,21 @@ def test_model_drafting_for_itself_accepts_every_token(llms):
     assert llm.decode.stats()["spec_acceptance_rate"] == 1.0 or llm.decode.spec is not spec
 
 
+def test_long_catch_ups_run_in_chunks_and_as_extends(llms, monkeypatch):
+    """A prompt longer than a catch-up chunk: its head in chunks, its tail in an extend
+    forward, the drafting steps in decode batches; the model drafting for itself still
+    has every draft token accepted (its KV is right on every path)."""
+    monkeypatch.setattr(draft_mod, "CATCH_UP_CHUNK", 8)
+    monkeypatch.setattr(draft_mod, "ONE_TOKEN_ENTRIES", 4)
+    llm = llms[16, False]
+    prompts = [list(range(100, 130)), list(range(200, 213))]
+    spec = speculator(llm, 4)
+    on = run(llm, prompts, [GREEDY] * 2, spec)
+    assert on == run(llm, prompts, [GREEDY] * 2, None)
+    assert spec.drafted > 0 and spec.accepted == spec.drafted
+    assert spec.draft is not None and spec.draft.catch_up_tokens >= 43
+
+
 def _alternate(monkeypatch) -> None:
     """Speculating steps take turns with ordinary ones, so outputs that the draft model
     never saw come between its drafts (its catch-up reads them)."""

@@ -28,6 +28,7 @@ when it ends (any terminal state: `release`), with no event to wait for.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -41,6 +42,9 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.spec_sampling import draw_draft, target_probs
 
+# a draft forward of at most this many tokens runs as a decode batch (_batch); the
+# verifying step's k + 1 positions per request are of the same order
+ONE_TOKEN_ENTRIES = 32
 CATCH_UP_CHUNK = 512  # tokens of one catch-up forward, at most (a long prompt's first)
 RunNow = Callable[[Callable[[], None]], None]  # run on the forward stream and wait
 
@@ -135,11 +139,11 @@ class DraftProposer:
         """One draft forward appending each part's tokens to its request's draft KV; per
         part the argmax after its last token, and the draft's proposal q there where its
         request samples."""
-        fb = self._batch(parts)
+        fb, last = self._batch(parts)
         runner, heads = self.runner, []
 
         def forward() -> None:
-            logits = runner.forward(fb)
+            logits = runner.forward(fb)[last]
             greedy = runner.model.ops.argmax(logits).tolist()
             for x, p in enumerate(params):
                 q = None if p is None or p.greedy else target_probs(logits[x : x + 1], p)[0]
@@ -151,31 +155,42 @@ class DraftProposer:
             seq.kv_len += len(ids)
         return heads
 
-    def _batch(self, parts: list[tuple[DraftSeq, list[int]]]) -> ForwardBatch:
-        """Each part's tokens at its request's next draft positions (an extend batch;
-        a decode batch when every part is one token)."""
+    def _batch(self, parts: list[tuple[DraftSeq, list[int]]]) -> tuple[ForwardBatch, list[int]]:
+        """Each part's tokens at its request's next draft positions, and the logits row
+        of each part's last token. Up to ONE_TOKEN_ENTRIES tokens in all (the drafting
+        steps, a catch-up after a verification) form a decode batch of one token per
+        position, a part's tokens sharing its row as the verifying step's do (the native
+        one-call forward takes it; each token sees the KV of those before it, written in
+        the same forward); more (a prompt) form an extend batch."""
         ps, dev = self.runner.layout.page_size, self.runner.device
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         for seq, toks in parts:
             ids += toks
-            positions += range(seq.kv_len, seq.kv_len + len(toks))
-        slots, at = [], 0
-        for seq, toks in parts:
-            slots += [seq.pages[p // ps] * ps + p % ps for p in positions[at : at + len(toks)]]
-            at += len(toks)
-        rows = [seq.row for seq, _ in parts]
+            pos = range(seq.kv_len, seq.kv_len + len(toks))
+            positions += pos
+            slots += [seq.pages[p // ps] * ps + p % ps for p in pos]
+        ends = list(itertools.accumulate(len(toks) for _, toks in parts))
+        if len(ids) <= ONE_TOKEN_ENTRIES:  # a decode batch: one entry per token
+            rows = [seq.row for seq, toks in parts for _ in toks]
+            seq_lens, extend = [p + 1 for p in positions], [1] * len(ids)
+            last = [e - 1 for e in ends]
+        else:
+            rows = [seq.row for seq, _ in parts]
+            seq_lens = [seq.kv_len + len(toks) for seq, toks in parts]
+            extend, last = [len(toks) for _, toks in parts], list(range(len(parts)))
         fb = ForwardBatch(
             input_ids=device_tensor(ids, torch.int64, dev),
             positions=device_tensor(positions, torch.int64, dev),
             out_cache_loc=device_tensor(slots, torch.int64, dev),
             rows=device_tensor(rows, torch.int64, dev),
-            seq_lens=[seq.kv_len + len(toks) for seq, toks in parts],
-            extend_lens=[len(toks) for _, toks in parts],
+            seq_lens=seq_lens,
+            extend_lens=extend,
             host_rows=rows,
         )
         self.runner.prepare(fb)
-        return fb
+        return fb, last
 
     # ---- the draft pools -------------------------------------------------------------
     def _reserve(self, req: Req, k: int) -> int:
