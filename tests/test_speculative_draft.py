@@ -386,11 +386,12 @@ def test_draft_flags(tiny_model):
     name without --speculative draft (and --speculative draft without it)."""
     import argparse
 
-    from pdserve.server.launch import split_decode_flags
+    from pdserve.server.launch import flag_value, split_decode_flags
     from pdserve.server.serve_cli import add_cli, configs_from_args
 
     args = ["--speculative", "draft", "--draft-model", "tiny", "--page-size", "4"]
     assert split_decode_flags(args) == (["--page-size", "4"], args[:4])
+    assert flag_value(args[:4], "--draft-model") == "tiny"  # `pdserve up` resolves it first
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(["decode", "--model", "tiny", *args[:4]])

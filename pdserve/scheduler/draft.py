@@ -8,7 +8,7 @@ A request's draft KV, in its draft row:
     tokens  S = prompt + outputs  (n of them)          then the draft's own d1 .. dk
     KV      positions 0 .. kv_len-1 hold S's tokens    (kv_len <= n - 1 between steps)
 
-    drafting:  catch-up   S[kv_len:n] in one extend forward    -> logits -> d1
+    drafting:  catch-up   S[kv_len:n] in one forward            -> logits -> d1
                then       d1 .. d(k-1), one decode forward each -> d2 .. dk
                KV now     S, d1 .. d(k-1)                       (kv_len = n + k - 1)
     verified:  S' = S, d1 .. da, t   (a accepted, t the target's token)
@@ -66,6 +66,8 @@ class Head(NamedTuple):
 
 
 class Proposal(NamedTuple):
+    """A drafting step's drafts, one per request of the batch."""
+
     tokens: list[list[int]]  # per request: its draft ([] for none)
     q: list[torch.Tensor | None]  # per request that samples: [k, V] the draft's proposal
 
@@ -119,8 +121,8 @@ class DraftProposer:
 
     def _catch_up(self, reqs: list[Req]) -> list[Head]:
         """Extend each request's draft KV over all its tokens; the draft's choice after
-        them. A long catch-up runs its head alone first,
-        CATCH_UP_CHUNK tokens a forward, whose logits nobody reads."""
+        them. A long catch-up (a prompt) runs its head alone first, CATCH_UP_CHUNK tokens
+        a forward, whose logits nobody reads."""
         tails = []
         for r in reqs:
             seq, ids = self.seqs[r.rid], r.prompt_ids + r.output_ids
