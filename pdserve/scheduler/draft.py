@@ -29,6 +29,7 @@ when it ends (any terminal state: `release`), with no event to wait for.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -88,6 +89,7 @@ class DraftProposer:
         self.run_now = run_now
         self.seqs: dict[str, DraftSeq] = {}
         self.forwards = 0
+        self.seconds = 0.0  # the draft forwards' wall time, waits included
         self.catch_up_tokens = 0
 
     # ---- drafting -------------------------------------------------------------------
@@ -151,7 +153,9 @@ class DraftProposer:
                 q = None if p is None or p.greedy else target_probs(logits[x : x + 1], p)[0]
                 heads.append(Head(greedy[x], None if q is None else q.cpu()))
 
+        start = time.perf_counter()
         self.run_now(forward)
+        self.seconds += time.perf_counter() - start
         self.forwards += 1
         for seq, ids in parts:
             seq.kv_len += len(ids)
@@ -254,6 +258,7 @@ class DraftProposer:
         rows, pages = self.runner.req_pool, self.runner.kv_pool.allocator
         return {
             "spec_draft_forwards": self.forwards,
+            "spec_draft_seconds": self.seconds,
             "spec_draft_catch_up_tokens": self.catch_up_tokens,
             "spec_draft_free_rows": rows.free_rows,
             "spec_draft_total_rows": rows.total_rows,
