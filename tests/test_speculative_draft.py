@@ -300,10 +300,20 @@ def test_aborted_requests_free_their_draft_rows_and_pages(llms):
     assert_draft_free(spec)
 
 
-def test_sampled_requests_draft_and_end_cleanly(llms, pair_draft):
-    """Requests that sample draw their draft tokens from the draft model's q and are
-    verified by min(1, p/q) with the residual max(0, p - q): each ends at max_tokens
+def test_sampled_requests_draft_and_end_cleanly(llms, pair_draft, monkeypatch):
+    """Requests that sample draw their draft tokens from the draft model's q, which the
+    verification gets (min(1, p/q), the residual max(0, p - q)): each ends at max_tokens
     with every page of both pools back."""
+    from pdserve.scheduler import spec_step
+
+    seen = []
+    right = spec_step.verify_sampled
+
+    def verify(draft, probs, seed, index, q=None):
+        seen.append((list(draft), q))
+        return right(draft, probs, seed, index, q)
+
+    monkeypatch.setattr(spec_step, "verify_sampled", verify)
     llm = llms[16, False]
     spec = speculator(llm, 3, pair_draft)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, ignore_eos=True)
@@ -311,6 +321,12 @@ def test_sampled_requests_draft_and_end_cleanly(llms, pair_draft):
     assert [len(t) for t, _ in on] == [12, 12]
     assert all(r == "length" for _, r in on)
     assert spec.steps > 0 and spec.drafted > 0
+    drafted = [(d, q) for d, q in seen if d]
+    assert drafted
+    for draft, q in drafted:  # each draft token was drawn from the q verified against
+        assert q is not None and q.shape[0] >= len(draft)
+        assert all(q[j, t] > 0 for j, t in enumerate(draft))
+        assert all(int((q[j] > 0).sum()) <= 50 for j in range(len(draft)))  # top_k applied
 
 
 CHI2_DF4_P001 = 18.47  # chi-square with 4 degrees of freedom: exceeded with probability 0.001
