@@ -1,14 +1,22 @@
-"""Speculative decoding (n-gram lookup) on and off, side by side, taking turns.
+"""Speculative decoding (n-gram lookup or a draft model) on and off, side by side,
+taking turns.
 
     python benchmarks/speculative.py [--model qwen2.5-coder-0.5b] [--rounds R]
         [--max-tokens N] [--chat-streams 16] [--chat-tokens N] [--spec-k K]
+        [--speculative ngram|draft [--draft-model MODEL]]
         [--llama-server PATH [--llama-spec-type T] [--llama-ngram-n N]]
 
-One `pdserve up --speculative ngram` serves both modes: "on" requests speculate, "off"
-requests opt out (`speculative: false`), which takes exactly the ordinary decode step
-(the speculator declines such a batch before it looks anything up). The modes alternate
-request by request (one stream) or batch by batch (many streams), the first mode
-swapping each round, so a slow minute of a shared machine hits both.
+One `pdserve up --speculative ngram` (or `--speculative draft --draft-model MODEL`)
+serves both modes: "on" requests speculate, "off" requests opt out (`speculative:
+false`), which takes exactly the ordinary decode step (the speculator declines such a
+batch before it drafts anything). The modes alternate request by request (one stream)
+or batch by batch (many streams), the first mode swapping each round, so a slow minute
+of a shared machine hits both.
+
+A draft model drafting for itself (`--speculative draft`, --draft-model the served
+model, the default) is the trivial check of the draft path: its drafts are the model's
+own tokens, so nearly all are accepted; it cannot be faster than off (each drafted
+token costs the draft a forward as large as the one it saves the target).
 
 With --llama-server, llama.cpp's `llama-server` serves the same GGUF twice, with its own
 n-gram speculation and without (speculative_peer.py says which kind and why), and the
@@ -252,10 +260,20 @@ def main() -> int:
     ap.add_argument("--workloads", default="code-edit,summarize,chat")
     ap.add_argument("--spec-k", type=int, default=8)
     ap.add_argument("--spec-max-batch", type=int, default=None)
+    ap.add_argument("--speculative", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-model", default=None,
+                    help="--speculative draft: the drafting model (default: --model itself)")  # fmt: skip
     ap.add_argument("--up-args", default="", help="more `pdserve up` flags, space-separated")
     speculative_peer.add_args(ap)
     args = ap.parse_args()
-    flags = ["--speculative", "ngram", "--spec-k", str(args.spec_k), *args.up_args.split()]
+    flags = ["--speculative", args.speculative, "--spec-k", str(args.spec_k),
+             *args.up_args.split()]  # fmt: skip
+    if args.speculative == "draft":
+        flags += ["--draft-model", args.draft_model or args.model]
+        if speculative_peer.wanted(args):
+            ap.error("--llama-server compares n-gram speculation only (--speculative ngram)")
+    elif args.draft_model:
+        ap.error("--draft-model is only for --speculative draft")
     if args.spec_max_batch is not None:
         flags += ["--spec-max-batch", str(args.spec_max_batch)]
     print(f"model {args.model}, pdserve up {' '.join(flags)}", flush=True)

@@ -143,20 +143,27 @@ PREFILL_FIRST_MODES = ("burst", "always")
 PREFILL_ORDERS = ("shortest", "arrival")
 
 
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding on the decode engine (scheduler/speculation.py,
     docs/architecture.md §13). "ngram": drafts looked up in the request's own prompt and
-    output, verified k + 1 positions in one forward; greedy requests only."""
+    output; "draft": drafts from a second, small model of the same vocabulary
+    (scheduler/draft.py); either verified k + 1 positions in one forward."""
 
     mode: str = "off"
     k: int = 8  # draft tokens proposed per request and step, at most (benchmarks/speculative.py)
     # a batch of more running requests than this does not speculate (the overlap loop's
     # one-token steps win there); 0: never. The measured rule is in scheduler/speculation.py
     max_batch: int = 1
+    # "draft": the draft model's folder or GGUF file, resolved like --model (the CLI
+    # resolves a short name to its folder before it gets here)
+    draft_model: str = ""
+    # "draft": KV capacity of the draft model's own pool in tokens; 0: the decode's
+    # --max-total-tokens (a request whose draft KV does not fit drafts nothing)
+    draft_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         _one_of(self, "mode", SPECULATIVE_MODES)
@@ -164,6 +171,17 @@ class SpeculativeConfig:
             raise ValueError(f"k (--spec-k) must be in [1, 16], got {self.k}")
         if self.max_batch < 0:
             raise ValueError(f"max_batch (--spec-max-batch) must be >= 0, got {self.max_batch}")
+        _at_least(self, 0, "draft_max_tokens")
+        if self.mode == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model (the drafting model)")
+        if self.mode != "draft" and self.draft_model:
+            raise ValueError(
+                f"--draft-model is only for --speculative draft, not --speculative {self.mode}"
+            )
+        if self.mode != "draft" and self.draft_max_tokens:
+            raise ValueError(
+                f"--draft-max-tokens is only for --speculative draft, not --speculative {self.mode}"
+            )
 
     @property
     def on(self) -> bool:

@@ -114,8 +114,11 @@ def pool_args() -> list[str]:
 def stack():
     model = model_path("tiny")
     port = free_port()
+    # the decode drafts with the model itself (--speculative draft): every greedy answer
+    # below is verified draft by draft, and still equals transformers'
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
-            "--grace-period", "5", "--model", str(model), *pool_args()]  # fmt: skip
+            "--grace-period", "5", "--model", str(model), *pool_args(),
+            "--speculative", "draft", "--draft-model", str(model)]  # fmt: skip
     proc = spawn(argv, "up")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -244,6 +247,19 @@ def test_n2_seeded_samples(stack):
     assert [ch.text for ch in greedy.choices] == [stack.text(stack.ref(ids))] * 2
 
 
+def test_draft_model_drafts_through_pd(stack):
+    """A greedy request alone on the decode is drafted by the draft model (here the model
+    itself: every draft token accepted), and its tokens are transformers'."""
+    before = server_info(stack.decode)
+    ids = prompt(stack.tok, 3)
+    assert generate(stack.url, ids)["output_ids"] == stack.ref(ids)
+    after = server_info(stack.decode)
+    drafted = after["spec_drafted_tokens"] - before["spec_drafted_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 0 and accepted == drafted, (before, after)
+    assert_all_free_soon(stack)
+
+
 def test_concurrent_requests_match_transformers(stack):
     check_concurrent(stack, 8)
 
@@ -325,10 +341,13 @@ def server_info(url: str) -> dict:
 
 
 def all_free(info: dict) -> bool:
+    """No row or page held (the draft model's pools too, on a decode that drafts)."""
     return (
         info["free_rows"] == info["total_rows"]
         and info["free_kv_pages"] == info["total_kv_pages"]
         and info["running"] == 0
+        and info.get("spec_draft_free_rows") == info.get("spec_draft_total_rows")
+        and info.get("spec_draft_free_kv_pages") == info.get("spec_draft_total_kv_pages")
     )
 
 

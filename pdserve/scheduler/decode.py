@@ -46,6 +46,8 @@ from pdserve.scheduler.admission import (
     request_seed,
 )
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step, step_tops
+from pdserve.scheduler.draft import DraftProposer
+from pdserve.scheduler.draft_load import load_draft
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req, State
@@ -69,8 +71,8 @@ class DecodeEngine:
         self.source = source
         self.overlap = not cfg.scheduler.disable_overlap
         self.future = FutureMap(cfg.max_rows, runner.device, cfg.kernel_backend)
-        self.spec = Speculator(cfg.speculative) if cfg.speculative.on else None
         self.schedule_stream, self.forward_stream = make_streams(runner.device)
+        self.spec = self._speculator() if cfg.speculative.on else None
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[str, Req] = {}
         self.prebuilt: deque[Req] = deque()
@@ -101,6 +103,22 @@ class DecodeEngine:
         self._host = (
             runner.cores.host_core if self.overlap and runner.device.startswith("cpu") else None
         )
+
+    def _speculator(self) -> Speculator:
+        """--speculative: n-gram lookups, or the draft model with its own pools."""
+        cfg = self.cfg
+        if cfg.speculative.mode != "draft":
+            return Speculator(cfg.speculative)
+        draft = DraftProposer(load_draft(cfg, self.runner), self._forward_now)
+        return Speculator(cfg.speculative, draft)
+
+    def _forward_now(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the forward stream and wait for it (the draft model's forwards;
+        landing KV has its first token sent meanwhile)."""
+        # NOTE: the inputs were written on the schedule stream
+        self.forward_stream.wait_stream(self.schedule_stream)
+        self.forward_stream.run(fn)
+        self._wait_publishing_arrivals(self.forward_stream.record())
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -327,10 +345,10 @@ class DecodeEngine:
             done, self.in_flight = self.in_flight, None
             self._process(done)
         batch = [r for r in batch if not r.finished]
-        drafts = self.spec.drafts(batch)
-        if not any(drafts):
+        proposal = self.spec.drafts(batch)
+        if not any(proposal.tokens):
             return self._launch(batch) if batch else None
-        speculate(self, batch, drafts)
+        speculate(self, batch, proposal)
         return None
 
     # ---- 4. process the previous step ------------------------------------------------

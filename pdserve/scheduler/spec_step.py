@@ -32,6 +32,7 @@ from pdserve.model.sampling.pick import logprobs_of
 from pdserve.protocol import TopLogprobs
 from pdserve.scheduler import speculation
 from pdserve.scheduler.decode_step import slot_of
+from pdserve.scheduler.draft import Proposal
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.grow import _attach
 from pdserve.scheduler.request import Req
@@ -57,11 +58,11 @@ class DecodeEngine(Protocol):
     def _blocked(self) -> AbstractContextManager[None]: ...
 
 
-def speculate(eng: DecodeEngine, batch: list[Req], drafts: list[list[int]]) -> None:
-    """Verify `drafts` (one per request of `batch`, [] for none) in one forward and
-    append each request's accepted tokens and its bonus token."""
+def speculate(eng: DecodeEngine, batch: list[Req], proposal: Proposal) -> None:
+    """Verify the proposal's drafts (one per request of `batch`, [] for none) in one
+    forward and append each request's accepted tokens and its bonus token."""
     assert eng.spec is not None
-    drafts = [d[: _room(eng, r, len(d))] for r, d in zip(batch, drafts)]
+    drafts = [d[: _room(eng, r, len(d))] for r, d in zip(batch, proposal.tokens)]
     fb = _build(eng.runner, batch, drafts)
     out = _run(eng, batch, drafts, fb)
     eng.steps += 1
@@ -70,7 +71,7 @@ def speculate(eng: DecodeEngine, batch: list[Req], drafts: list[list[int]]) -> N
     at = 0
     for i, (req, draft) in enumerate(zip(batch, drafts)):
         n = len(draft) + 1
-        emitted = _emitted(req, draft, out.tokens[at : at + n], out.probs.get(i))
+        emitted = _emitted(req, draft, out.tokens[at : at + n], out.probs.get(i), proposal.q[i])
         if draft:
             eng.spec.record(req, len(draft), len(emitted) - 1)
         req.launched_steps += len(emitted)  # the KV of inputs last, d1..da is now its own
@@ -80,17 +81,24 @@ def speculate(eng: DecodeEngine, batch: list[Req], drafts: list[list[int]]) -> N
             eng._append(req, token, out.lps[at + j], out.tops[at + j] if out.tops else None)
         at += n
         if not req.finished:
+            eng.spec.settle(req)  # the draft model's KV of rejected tokens goes too
             _trim(eng, req)
             eng.future.stash(req.row, req.output_ids[-1])  # forward stream idle: no race
 
 
 def _emitted(
-    req: Req, draft: list[int], targets: list[int], probs: torch.Tensor | None
+    req: Req,
+    draft: list[int],
+    targets: list[int],
+    probs: torch.Tensor | None,
+    q: torch.Tensor | None,
 ) -> list[int]:
-    """The tokens a verified request emits: the accepted draft prefix and one more."""
+    """The tokens a verified request emits: the accepted draft prefix and one more.
+    `probs`: the target at each position of a request that samples; `q`: the draft
+    model's proposal for each draft token (None: one-hot, an n-gram draft)."""
     if probs is None:  # greedy: the model's own token after each accepted input
         return targets[: speculation.accept_greedy(draft, targets) + 1]
-    return verify_sampled(draft, probs, req.seed, req.launched_steps + 1)
+    return verify_sampled(draft, probs, req.seed, req.launched_steps + 1, q)
 
 
 def _room(eng: DecodeEngine, req: Req, want: int) -> int:

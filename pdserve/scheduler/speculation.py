@@ -11,7 +11,8 @@ Which steps speculate:
       grammar, or samples with a
       seed or with logprobs ....... none (below)
     otherwise ..................... requests that opted in and are not backing off look
-                                    up a draft; if any found one, the step verifies
+                                    up a draft (n-gram) or have the draft model draft
+                                    (scheduler/draft.py); if any got one, the step verifies
 
 Greedy: a greedy request's tokens are the argmax at each position, so a draft token is
 accepted exactly when it equals that argmax, and the verified output is the output
@@ -54,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import SpeculativeConfig
+from pdserve.scheduler.draft import DraftProposer, Proposal
 from pdserve.scheduler.ngram import NgramProposer
 from pdserve.scheduler.request import Req
 
@@ -76,7 +78,7 @@ def accept_greedy(draft: list[int], targets: list[int]) -> int:
 class SpecState:
     """A request's proposer and back-off, made at its first speculative look."""
 
-    proposer: NgramProposer
+    proposer: NgramProposer | None  # None: the draft model drafts (Speculator.draft)
     fed: int = 0  # outputs handed to the proposer so far
     rate: float = 0.5  # moving acceptance: one failed lookup from backing off
     cooldown: int = 0  # lookups still to skip
@@ -87,6 +89,7 @@ class SpecState:
 @dataclass
 class Speculator:
     cfg: SpeculativeConfig
+    draft: DraftProposer | None = None  # --speculative draft; else n-gram lookups
     states: dict[str, SpecState] = field(default_factory=dict)
     drafted: int = 0
     accepted: int = 0
@@ -106,26 +109,39 @@ class Speculator:
                 wants = True
         return wants
 
-    def drafts(self, batch: list[Req]) -> list[list[int]]:
+    def drafts(self, batch: list[Req]) -> Proposal:
         """Each request's draft ([] for none): at most k tokens, and fewer than it still
         has to produce (a verification yields accepted + 1 tokens)."""
-        out: list[list[int]] = []
-        for r in batch:
-            st = self.states.get(r.rid)
-            left = r.params.max_tokens - len(r.output_ids) - 1
-            if not r.params.speculative or left < 1 or (st is not None and st.cooldown > 0):
-                out.append([])
-                continue
-            if st is None:
-                cap = r.prompt_len + r.params.max_tokens
-                st = self.states[r.rid] = SpecState(NgramProposer(r.prompt_ids, cap))
-            st.proposer.extend(r.output_ids[st.fed :])
-            st.fed = len(r.output_ids)
-            draft = st.proposer.propose(min(st.k, self.cfg.k, left))
-            if not draft:  # a lookup that finds nothing still cost the step its overlap
-                self._judge(st, 0.0)
-            out.append(draft)
+        wants = [self._want(r) for r in batch]
+        if self.draft is not None:
+            out = self.draft.propose(batch, wants)
+        else:
+            out = Proposal([self._lookup(r, k) for r, k in zip(batch, wants)], [None] * len(batch))
+        for r, k, draft in zip(batch, wants, out.tokens):
+            if k and not draft:  # a lookup that finds nothing still cost the step its overlap
+                self._judge(self.states[r.rid], 0.0)
         return out
+
+    def _want(self, r: Req) -> int:
+        """How many draft tokens `r` asks for now (0: none)."""
+        st = self.states.get(r.rid)
+        left = r.params.max_tokens - len(r.output_ids) - 1
+        if not r.params.speculative or left < 1 or (st is not None and st.cooldown > 0):
+            return 0
+        if st is None:
+            cap = r.prompt_len + r.params.max_tokens
+            ngram = None if self.draft is not None else NgramProposer(r.prompt_ids, cap)
+            st = self.states[r.rid] = SpecState(ngram)
+        return min(st.k, self.cfg.k, left)
+
+    def _lookup(self, r: Req, k: int) -> list[int]:
+        """Up to k n-gram draft tokens for `r`."""
+        st = self.states.get(r.rid)
+        if not k or st is None or st.proposer is None:
+            return []
+        st.proposer.extend(r.output_ids[st.fed :])
+        st.fed = len(r.output_ids)
+        return st.proposer.propose(k)
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """One verification's outcome for `req` (drafted > 0)."""
@@ -146,8 +162,16 @@ class Speculator:
         st.cooldown, st.backoff = st.backoff, min(2 * st.backoff, MAX_COOLDOWN)
         st.rate = LOW_ACCEPT  # one good draft after the cooldown lifts it again
 
+    def settle(self, req: Req) -> None:
+        """After `req`'s verification: its draft KV cut back to its tokens."""
+        if self.draft is not None:
+            self.draft.settle(req)
+
     def forget(self, rid: str) -> None:
+        """The request ended (any terminal state): its state and draft KV go."""
         self.states.pop(rid, None)
+        if self.draft is not None:
+            self.draft.release(rid)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -155,6 +179,7 @@ class Speculator:
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "spec_steps": self.steps,
+            **(self.draft.stats() if self.draft is not None else {}),
         }
 
 

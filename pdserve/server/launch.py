@@ -147,6 +147,12 @@ def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
     """Children in start order: prefills, decodes, router (stopped in reverse)."""
     model = _prepare_model(args.model)
     shared, decode_only = split_decode_flags(args.engine_args)
+    draft = flag_value(decode_only, "--draft-model")
+    if draft:  # resolved (converted, built) once here, as --model is, before any server
+        try:
+            _prepare_model(draft)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"--draft-model {draft}: {e}") from None
     per_engine = _thread_plan(shared, args.num_prefill + args.num_decode, state_dir)
     prefills, decodes = [], []
     for i in range(args.num_prefill):
@@ -160,6 +166,17 @@ def plan(args: argparse.Namespace, state_dir: str) -> list[Child]:
         decodes.append(Child(f"decode{j}", argv, args.host, port))
     router = Child("router", router_argv(args, prefills, decodes), args.host, args.port)
     return [*prefills, *decodes, router]
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value `argv` gives `flag` (`--flag V` or `--flag=V`; the last one wins)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _prepare_model(spec: str | None) -> str:

@@ -7,6 +7,7 @@ until it is stopped or its engine dies.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -70,7 +71,18 @@ def configs_from_args(role: str, args: argparse.Namespace) -> tuple[ServerConfig
 def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
     if not hasattr(args, "speculative"):  # a prefill: it samples the first token only
         return SpeculativeConfig()
-    return SpeculativeConfig(mode=args.speculative, k=args.spec_k, max_batch=args.spec_max_batch)
+    spec = SpeculativeConfig(mode=args.speculative, k=args.spec_k, max_batch=args.spec_max_batch,
+                             draft_model=args.draft_model,
+                             draft_max_tokens=args.draft_max_tokens)  # fmt: skip
+    if not spec.draft_model:
+        return spec
+    from pdserve.checkpoints.resolve import resolve_model  # may convert or build the model
+
+    try:  # resolved like --model: a short name or a GGUF file becomes its folder
+        draft = resolve_model(spec.draft_model)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--draft-model {spec.draft_model}: {e}") from None
+    return dataclasses.replace(spec, draft_model=str(draft.path))
 
 
 def run_server(role: str, args: argparse.Namespace) -> int:

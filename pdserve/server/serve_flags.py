@@ -157,18 +157,30 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 # Flags only `pdserve decode` takes; `pdserve up` gives them to its decodes alone.
-DECODE_ONLY_FLAGS = ("--speculative", "--spec-k", "--spec-max-batch")
+DECODE_ONLY_FLAGS = (
+    "--speculative", "--spec-k", "--spec-max-batch", "--draft-model", "--draft-max-tokens"
+)  # fmt: skip
 
 
 def add_decode_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (decode only)")
     g.add_argument("--speculative", choices=SPECULATIVE_MODES, default=SpeculativeConfig.mode,
                    help="draft tokens and verify them in one forward: 'ngram' looks drafts up "
-                        "in the request's prompt and output (greedy requests only; the tokens "
-                        "are those without it; default %(default)s)")  # fmt: skip
+                        "in the request's prompt and output, 'draft' has --draft-model draft "
+                        "them (greedy tokens are those without it; requests that sample keep "
+                        "the model's distribution; default %(default)s)")  # fmt: skip
     _flag(g, SpeculativeConfig, "k", "draft tokens per request and step, at most", "--spec-k")
     _flag(g, SpeculativeConfig, "max_batch",
           "no speculation while more requests than this run (0: never)", "--spec-max-batch")  # fmt: skip
+    g.add_argument("--draft-model", default=SpeculativeConfig.draft_model, metavar="MODEL",
+                   help="--speculative draft: the drafting model, a small one sharing the "
+                        "served model's tokenizer (the same vocabulary size and special "
+                        "tokens, else refused), taken like --model (a folder, a GGUF file or "
+                        "a short name); it runs on the decode with its own KV pool and "
+                        "computes each request's prompt KV there at its first draft")  # fmt: skip
+    _flag(g, SpeculativeConfig, "draft_max_tokens",
+          "--speculative draft: KV capacity of the draft model's pool in tokens (0: as many "
+          "as --max-total-tokens)")  # fmt: skip
 
 
 def _add_transfer_flags(p: argparse.ArgumentParser, role: str) -> None:
