@@ -1,0 +1,327 @@
+/* --quant-activations int8: x quantized to 8 bits per block, integer dot products
+ * against the weights' codes, the blocks' scales applied to the integer sums.
+ *
+ * Why: de-quantizing to float costs a convert (or a look-up) and an FMA per 16 weights;
+ * an integer dot (AVX-512 VNNI vpdpbusd / vpdpwssd, AVX2 vpmaddubsw + vpmaddwd) takes
+ * 32 at once, with one float multiply-add per block, as llama.cpp computes.
+ *
+ * What it computes (tests/test_quant_int8.py holds the same in numpy), x quantized as
+ * kernel_args.h's pd_xq_bytes layout says; a weight block's codes c (integers) and
+ * scales as gguf's de-quantize forms them (d, m: the block's halves; sc, mn: 6-bit):
+ *
+ *   block of 32 (x: q32, d32, s32)         y += (d32 * d) * sum(c * q32) [+ m * s32]
+ *     Q8_0 c = q   Q4_0 c = q - 8   Q5_0 c = q - 16   IQ4_NL c = KVALUES[q]
+ *     Q4_1, Q5_1 c = q and the min term
+ *   super-block of 256 (x: q256, d256, bsum)
+ *     Q4_K, Q5_K  y += (d256 * d) * sum_j sc_j * sum(c * q256 over sub-block j of 32)
+ *                    - (d256 * dmin) * sum_j mn_j * (bsum of sub-block j)
+ *     Q6_K        y += (d256 * d) * sum_s sc_s * (sum(c * q256 over 16) - 32 * bsum_s)
+ *     IQ4_XS      y += (d256 * d) * sum_j (ls_j - 32) * sum(KVALUES[c] * q256 over 32)
+ *
+ * Every sum of integers is exact; the float steps differ from the reference only in the
+ * order blocks are added (and the conversion of an integer sum past 2^24 to float).
+ * It is not "de-quantize, then the float matmul": x itself is rounded to 8 bits.
+ * AVX2 (and VNNI where the CPU has it) only; without AVX2 every type takes the float
+ * kernels (int8_dot_of is NULL). */
+#ifndef PD_QUANT_INT8_H
+#define PD_QUANT_INT8_H
+
+#include <math.h>
+
+#include "kernel_args.h"
+#include "quant_blocks.h"
+
+/* q[0, n) = x / d rounded to nearest (even: the rounding mode), d = max |x| / 127, n a
+ * multiple of 32; returns d */
+static float quant_block(const float *x, int n, int8_t *q) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, mx);
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+#endif
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+#if defined(__AVX2__)
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lanes */
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vid));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+#else
+    for (int i = 0; i < n; i++) q[i] = (int8_t)lrintf(x[i] * id);
+#endif
+    return d;
+}
+
+/* rows [m][k] of x -> m rows of pd_xq_bytes(k) (kernel_args.h's layout) */
+void pd_quant_x8(const float *x, int64_t m, int64_t k, uint8_t *out) {
+    for (int64_t r = 0; r < m; r++, x += k, out += pd_xq_bytes(k)) {
+        int8_t *q = (int8_t *)out;
+        float *d = (float *)(out + k), *s = d + k / 32;
+        for (int64_t b = 0; b < k / 32; b++) {
+            d[b] = quant_block(x + 32 * b, 32, q + 32 * b);
+            int sum = 0;
+            for (int i = 0; i < 32; i++) sum += q[32 * b + i];
+            s[b] = d[b] * (float)sum;
+        }
+        if (k % 256) continue;
+        int8_t *q2 = (int8_t *)(s + k / 32);
+        float *d2 = (float *)(q2 + k);
+        int16_t *bsum = (int16_t *)(d2 + k / 256);
+        for (int64_t b = 0; b < k / 256; b++) d2[b] = quant_block(x + 256 * b, 256, q2 + 256 * b);
+        for (int64_t g = 0; g < k / 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q2[16 * g + i];
+            bsum[g] = (int16_t)sum;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+typedef float (*idot_fn)(const uint8_t *w, const uint8_t *xq, int64_t k);
+
+/* acc + the sums of 4 adjacent products u8 * s8 (|u| <= 128, |s| <= 127: no overflow) */
+static inline __m256i dpb(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else /* vpmaddubsw saturates past 32767: 2 * 128 * 127 stays below */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* acc + the sums of 2 adjacent products i16 * i16 */
+static inline __m256i dpw(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 32 bytes: byte i is 0xff where bit i of `bits` is set */
+static inline __m256i bit_bytes(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_movm_epi8((__mmask32)bits);
+#else
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)); /* all but bit i */
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+#endif
+}
+
+/* a block of 32's 4-bit codes: elements 0-15 the low nibbles of 16 bytes, 16-31 the high */
+static inline __m256i nib32(const uint8_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0xf);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+/* 5-bit codes: nib32 plus 16 where bit i of qh is set */
+static inline __m256i nib32h(const uint8_t *p, const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return _mm256_or_si256(nib32(p), _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
+}
+
+/* the 8 lane sums of signed codes c against x's signed q (|c| sign moved onto x) */
+static inline __m256i dot_signed(__m256i c, const int8_t *xq) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    return dpb(_mm256_setzero_si256(), _mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+}
+
+/* One weight row of blocks of 32 against one row of x (q32, d32, s32). */
+#define DOT32(name, size, ...)                                                             \
+    static float idot_##name(const uint8_t *b, const uint8_t *xq, int64_t k) {               \
+        const int8_t *q = (const int8_t *)xq;                                               \
+        const float *dx = (const float *)(xq + k), *sx = dx + k / 32;                       \
+        __m256 acc = _mm256_setzero_ps();                                                   \
+        float mins = 0.0f;                                                                  \
+        (void)sx;                                                                           \
+        for (int64_t i = 0; i < k / 32; i++, b += (size), q += 32) {                         \
+            __VA_ARGS__                                                                     \
+        }                                                                                   \
+        return hsum8(acc) + mins;                                                           \
+    }
+#define ADD(lanes, scale) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(scale), acc)
+
+DOT32(q8_0, 34, {
+    __m256i c = _mm256_loadu_si256((const __m256i *)(b + 2));
+    ADD(dot_signed(c, q), dx[i] * half(b));
+})
+DOT32(q4_0, 18, {
+    __m256i c = _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
+    ADD(dot_signed(c, q), dx[i] * half(b));
+})
+DOT32(q5_0, 22, {
+    __m256i c = _mm256_sub_epi8(nib32h(b + 6, b + 2), _mm256_set1_epi8(16));
+    ADD(dot_signed(c, q), dx[i] * half(b));
+})
+DOT32(iq4_nl, 18, {
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    ADD(dot_signed(_mm256_shuffle_epi8(kv, nib32(b + 2)), q), dx[i] * half(b));
+})
+DOT32(q4_1, 20, {
+    __m256i x = _mm256_loadu_si256((const __m256i *)q);
+    ADD(dpb(_mm256_setzero_si256(), nib32(b + 4), x), dx[i] * half(b));
+    mins += half(b + 2) * sx[i];
+})
+DOT32(q5_1, 24, {
+    __m256i x = _mm256_loadu_si256((const __m256i *)q);
+    ADD(dpb(_mm256_setzero_si256(), nib32h(b + 8, b + 4), x), dx[i] * half(b));
+    mins += half(b + 2) * sx[i];
+})
+
+/* the q256 rows' parts (kernel_args.h) */
+#define XQ256                                                                               \
+    const int8_t *q = (const int8_t *)(xq + k + k / 4);                                     \
+    const float *dx = (const float *)(q + k);                                               \
+    const int16_t *bsum = (const int16_t *)(dx + k / 256)
+
+/* Q4_K / Q5_K's 8 scales and 8 mins (6 bits each) from the 12 packed bytes */
+static inline void k_scales8(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t w[3], u[4];
+    memcpy(w, s, 12);
+    u[0] = w[0] & 0x3f3f3f3f;
+    u[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030);
+    u[2] = w[1] & 0x3f3f3f3f;
+    u[3] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030);
+    memcpy(sc, u, 8);
+    memcpy(mn, u + 2, 8);
+}
+
+/* sum_j mn_j * (bsum of sub-block j of 32) */
+static inline int k_mins(const uint8_t mn[8], const int16_t *bs) {
+    int t = 0;
+    for (int j = 0; j < 8; j++) t += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+    return t;
+}
+
+/* Q4_K and Q5_K (`five`): codes 0-15 / 0-31, unsigned, against q256 */
+static inline float idot_qk(const uint8_t *b, const uint8_t *xq, int64_t k, int size, int five) {
+    XQ256;
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    for (int64_t i = 0; i < k / 256; i++, b += size, q += 256, bsum += 16) {
+        uint8_t sc[8], mn[8];
+        k_scales8(b + 4, sc, mn);
+        const uint8_t *qs = b + 16 + (five ? 32 : 0);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i sums = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i c0 = _mm256_and_si256(v, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (five) {
+                c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+                c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)(q + 64 * j)));
+            __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32)));
+            sums = dpw(sums, p0, _mm256_set1_epi16(sc[2 * j]));
+            sums = dpw(sums, p1, _mm256_set1_epi16(sc[2 * j + 1]));
+        }
+        ADD(sums, dx[i] * half(b));
+        mins += (dx[i] * half(b + 2)) * (float)k_mins(mn, bsum);
+    }
+    return hsum8(acc) - mins;
+}
+
+static float idot_q4_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
+    return idot_qk(b, xq, k, 144, 0);
+}
+static float idot_q5_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
+    return idot_qk(b, xq, k, 176, 1);
+}
+
+/* Q6_K: codes 0-63 (the -32 taken off through bsum), 16 signed scales of 16 */
+static float idot_q6_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
+    XQ256;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
+    for (int64_t i = 0; i < k / 256; i++, b += 210, q += 256, bsum += 16) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsum), sc16);
+        __m256i sums = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+        for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i c[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two)),
+                _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(qh, two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
+            };
+            for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
+                int s = 8 * h + 2 * g;
+                __m256i x = _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g));
+                __m256i scs = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                sums = dpw(sums, _mm256_maddubs_epi16(c[g], x), scs);
+            }
+        }
+        ADD(sums, dx[i] * half(b + 208));
+    }
+    return hsum8(acc);
+}
+
+/* IQ4_XS: 8 sub-blocks of 32, signed codes KVALUES[q], scale ls - 32 */
+static float idot_iq4_xs(const uint8_t *b, const uint8_t *xq, int64_t k) {
+    XQ256;
+    (void)bsum;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    for (int64_t i = 0; i < k / 256; i++, b += 136, q += 256) {
+        __m256i sums = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i c = _mm256_shuffle_epi8(kv, nib32(b + 8 + 16 * j));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+            sums = dpw(sums, p, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, j)));
+        }
+        ADD(sums, dx[i] * half(b));
+    }
+    return hsum8(acc);
+}
+
+static idot_fn int8_dot_of(int32_t type) {
+    switch (type) {
+    case Q8_0: return idot_q8_0;
+    case Q4_0: return idot_q4_0;
+    case Q4_1: return idot_q4_1;
+    case Q5_0: return idot_q5_0;
+    case Q5_1: return idot_q5_1;
+    case Q4_K: return idot_q4_k;
+    case Q5_K: return idot_q5_k;
+    case Q6_K: return idot_q6_k;
+    case IQ4_NL: return idot_iq4_nl;
+    case IQ4_XS: return idot_iq4_xs;
+    default: return 0;
+    }
+}
+#else
+typedef float (*idot_fn)(const uint8_t *w, const uint8_t *xq, int64_t k);
+static idot_fn int8_dot_of(int32_t type) {
+    (void)type;
+    return 0;
+}
+#endif
+
+#endif
