@@ -204,25 +204,30 @@ static inline void k_scales8(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     memcpy(mn, u + 2, 8);
 }
 
-/* sum_j mn_j * (bsum of sub-block j of 32) */
-static inline int k_mins(const uint8_t mn[8], const int16_t *bs) {
-    int t = 0;
-    for (int j = 0; j < 8; j++) t += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-    return t;
+/* int16 lane l of v (both 128-bit halves alike) in every lane: vpshufb of bytes 2l, 2l + 1 */
+static inline __m256i lane16(__m256i v, int l) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * l)));
+}
+
+/* 8 lanes: mn_j * (the two bsums of sub-block j of 32) */
+static inline __m256i k_mins(const uint8_t mn[8], const int16_t *bs) {
+    __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+    __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), pairs);
 }
 
 /* Q4_K and Q5_K (`five`): codes 0-15 / 0-31, unsigned, against q256 */
 static inline float idot_qk(const uint8_t *b, const uint8_t *xq, int64_t k, int size, int five) {
     XQ256;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
     for (int64_t i = 0; i < k / 256; i++, b += size, q += 256, bsum += 16) {
         uint8_t sc[8], mn[8];
         k_scales8(b + 4, sc, mn);
+        __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
         const uint8_t *qs = b + 16 + (five ? 32 : 0);
         __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums = _mm256_setzero_si256(), sums1 = sums; /* two chains of dpw */
         for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             __m256i c0 = _mm256_and_si256(v, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -233,13 +238,14 @@ static inline float idot_qk(const uint8_t *b, const uint8_t *xq, int64_t k, int 
             }
             __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)(q + 64 * j)));
             __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32)));
-            sums = dpw(sums, p0, _mm256_set1_epi16(sc[2 * j]));
-            sums = dpw(sums, p1, _mm256_set1_epi16(sc[2 * j + 1]));
+            sums = dpw(sums, p0, lane16(sc16, 2 * j));
+            sums1 = dpw(sums1, p1, lane16(sc16, 2 * j + 1));
         }
-        ADD(sums, dx[i] * half(b));
-        mins += (dx[i] * half(b + 2)) * (float)k_mins(mn, bsum);
+        ADD(_mm256_add_epi32(sums, sums1), dx[i] * half(b));
+        __m256 dm = _mm256_set1_ps(dx[i] * half(b + 2));
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k_mins(mn, bsum)), dm, mins);
     }
-    return hsum8(acc) - mins;
+    return hsum8(acc) - hsum8(mins);
 }
 
 static float idot_q4_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
@@ -255,11 +261,13 @@ static float idot_q6_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < k / 256; i++, b += 210, q += 256, bsum += 16) {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsum), sc16);
         __m256i sums = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+        __m256i sums1 = _mm256_setzero_si256(); /* odd g: a second chain of dpw */
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
+            /* scales 8h .. 8h + 7 in both halves, so a vpshufb picks s low and s + 1 high */
+            __m256i sch = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
             __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
@@ -271,13 +279,17 @@ static float idot_q6_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
             };
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
-                int s = 8 * h + 2 * g;
                 __m256i x = _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g));
-                __m256i scs = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
-                sums = dpw(sums, _mm256_maddubs_epi16(c[g], x), scs);
+                short lo = (short)(0x0100 + 0x0202 * (2 * g)), hi = (short)(lo + 0x0202);
+                __m256i scs = _mm256_shuffle_epi8(sch, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
+                __m256i p = _mm256_maddubs_epi16(c[g], x);
+                if (g & 1)
+                    sums1 = dpw(sums1, p, scs);
+                else
+                    sums = dpw(sums, p, scs);
             }
         }
-        ADD(sums, dx[i] * half(b + 208));
+        ADD(_mm256_add_epi32(sums, sums1), dx[i] * half(b + 208));
     }
     return hsum8(acc);
 }
@@ -289,14 +301,14 @@ static float idot_iq4_xs(const uint8_t *b, const uint8_t *xq, int64_t k) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
     for (int64_t i = 0; i < k / 256; i++, b += 136, q += 256) {
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains */
         for (int j = 0; j < 8; j++) {
             __m256i c = _mm256_shuffle_epi8(kv, nib32(b + 8 + 16 * j));
             __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
             __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
-            sums = dpw(sums, p, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, j)));
+            sums[j & 1] = dpw(sums[j & 1], p, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, j)));
         }
-        ADD(sums, dx[i] * half(b));
+        ADD(_mm256_add_epi32(sums[0], sums[1]), dx[i] * half(b));
     }
     return hsum8(acc);
 }
