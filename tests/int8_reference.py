@@ -97,13 +97,29 @@ def codes256(b: np.ndarray, type_id: int) -> tuple[np.ndarray, ...]:
                 (lq[:, 32:] >> 4) | (((hq >> 6) & 3) << 4),
             ]
         sc = b[:, 192:208].view(np.int8).astype(np.int64)
-        return np.concatenate(parts, 1) - 32, sc, np.zeros((nb, 8), np.int64), _half(b, 208), np.zeros(nb, f32)
+        return (
+            np.concatenate(parts, 1) - 32,
+            sc,
+            np.zeros((nb, 8), np.int64),
+            _half(b, 208),
+            np.zeros(nb, f32),
+        )
     if type_id == 23:  # IQ4_XS
         sh = b[:, 2:4].copy().view(np.uint16)[:, 0].astype(np.int64)
         sl = b[:, 4:8].astype(np.int64)
-        ls = [((sl[:, j // 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4) for j in range(8)]
-        codes = np.concatenate([KVALUES[_nibbles(b[:, 8 + 16 * j : 24 + 16 * j])] for j in range(8)], 1)
-        return codes, np.stack(ls, 1) - 32, np.zeros((nb, 8), np.int64), _half(b, 0), np.zeros(nb, f32)
+        ls = [
+            ((sl[:, j // 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4) for j in range(8)
+        ]
+        codes = np.concatenate(
+            [KVALUES[_nibbles(b[:, 8 + 16 * j : 24 + 16 * j])] for j in range(8)], 1
+        )
+        return (
+            codes,
+            np.stack(ls, 1) - 32,
+            np.zeros((nb, 8), np.int64),
+            _half(b, 0),
+            np.zeros(nb, f32),
+        )
     raise ValueError(type_id)
 
 
