@@ -78,7 +78,7 @@ def test_quantize_equals_reference(kernel: LinearQuant, k: int) -> None:
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
-@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
 def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
     assert kernel.int8_supported(type_id)
     _, block, size = TYPES[type_id]

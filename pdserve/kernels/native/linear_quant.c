@@ -216,7 +216,8 @@ static void few_rows(QuantArgs *a, int64_t lo, int64_t hi, row_fn f, int elems, 
 }
 
 /* The rows [lo, hi) x TILE of W against every row of x quantized (a->xq): integer dots,
- * each weight row read once from memory and from L1 by the rows of x after the first.
+ * XR8 rows of x a pass over a weight row (its codes formed once for them), the row read
+ * from memory once and from L1 by the passes after the first.
  * No software prefetch: the rows are one sequential stream, which the hardware's
  * prefetcher follows; asking for lines ahead (as few_rows does) measured slower here. */
 static void int8_rows(QuantArgs *a, int64_t lo, int64_t hi, idot_fn dot) {
@@ -225,7 +226,12 @@ static void int8_rows(QuantArgs *a, int64_t lo, int64_t hi, idot_fn dot) {
     for (int64_t n = first; n < end; n++) {
         const uint8_t *w = a->w + n * rb;
         float bias = a->bias ? a->bias[n] : 0.0f;
-        for (int64_t r = 0; r < a->m; r++) a->y[r * a->ldy + n] = bias + dot(w, a->xq + r * xb, k);
+        for (int64_t r = 0; r < a->m; r += XR8) {
+            float out[XR8];
+            int rows = a->m - r < XR8 ? (int)(a->m - r) : XR8;
+            dot(w, a->xq + r * xb, xb, k, out, rows);
+            for (int i = 0; i < rows; i++) a->y[(r + i) * a->ldy + n] = bias + out[i];
+        }
     }
 }
 

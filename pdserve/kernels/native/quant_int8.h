@@ -86,8 +86,6 @@ void pd_quant_x8(const float *x, int64_t m, int64_t k, uint8_t *out) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-typedef float (*idot_fn)(const uint8_t *w, const uint8_t *xq, int64_t k);
-
 /* acc + the sums of 4 adjacent products u8 * s8 (|u| <= 128, |s| <= 127: no overflow) */
 static inline __m256i dpb(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -138,59 +136,59 @@ static inline __m256i nib32h(const uint8_t *p, const uint8_t *qh) {
     return _mm256_or_si256(nib32(p), _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
 }
 
-/* the 8 lane sums of signed codes c against x's signed q (|c| sign moved onto x) */
-static inline __m256i dot_signed(__m256i c, const int8_t *xq) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    return dpb(_mm256_setzero_si256(), _mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+#define XR8 4 /* rows of x one pass over a weight row serves (each block's codes formed once) */
+#define AI static inline __attribute__((always_inline))
+
+/* out[r] = weight row b . row r of x quantized (rows < XR8, each xb bytes apart) */
+typedef void (*idot_fn)(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+                        int rows);
+
+#define ADD(acc, lanes, scale)                                                              \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(scale), acc)
+
+/* a block of 32's codes (integers: signed, or unsigned for the types with a min) */
+AI __m256i codes32(const uint8_t *b, const int type) {
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    switch (type) {
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case Q4_0: return _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
+    case Q4_1: return nib32(b + 4);
+    case Q5_0: return _mm256_sub_epi8(nib32h(b + 6, b + 2), _mm256_set1_epi8(16));
+    case Q5_1: return nib32h(b + 8, b + 4);
+    default: return _mm256_shuffle_epi8(kv, nib32(b + 2)); /* IQ4_NL */
+    }
 }
 
-/* One weight row of blocks of 32 against one row of x (q32, d32, s32). */
-#define DOT32(name, size, ...)                                                             \
-    static float idot_##name(const uint8_t *b, const uint8_t *xq, int64_t k) {               \
-        const int8_t *q = (const int8_t *)xq;                                               \
-        const float *dx = (const float *)(xq + k), *sx = dx + k / 32;                       \
-        __m256 acc = _mm256_setzero_ps();                                                   \
-        float mins = 0.0f;                                                                  \
-        (void)sx;                                                                           \
-        for (int64_t i = 0; i < k / 32; i++, b += (size), q += 32) {                         \
-            __VA_ARGS__                                                                     \
-        }                                                                                   \
-        return hsum8(acc) + mins;                                                           \
+/* One weight row of blocks of 32 against rows of x (q32, d32, s32): signed codes meet x
+ * through |c| and x with c's sign; unsigned codes (Q4_1, Q5_1) meet x as it is, and
+ * their min meets s32. */
+AI void dot32(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+              const int rows, const int type) {
+    const int size = type == Q8_0 ? 34 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 18;
+    const int min = type == Q4_1 || type == Q5_1;
+    __m256 acc[XR8];
+    float mins[XR8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
+    for (int64_t i = 0; i < k / 32; i++, b += size) {
+        __m256i c = codes32(b, type), u = min ? c : _mm256_sign_epi8(c, c);
+        float d = half(b), m = min ? half(b + 2) : 0.0f;
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *x = xq + r * xb;
+            const float *dx = (const float *)(x + k);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+            ADD(acc[r], dpb(_mm256_setzero_si256(), u, min ? v : _mm256_sign_epi8(v, c)), dx[i] * d);
+            if (min) mins[r] += m * dx[k / 32 + i]; /* s32 */
+        }
     }
-#define ADD(lanes, scale) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(scale), acc)
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) + mins[r];
+}
 
-DOT32(q8_0, 34, {
-    __m256i c = _mm256_loadu_si256((const __m256i *)(b + 2));
-    ADD(dot_signed(c, q), dx[i] * half(b));
-})
-DOT32(q4_0, 18, {
-    __m256i c = _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
-    ADD(dot_signed(c, q), dx[i] * half(b));
-})
-DOT32(q5_0, 22, {
-    __m256i c = _mm256_sub_epi8(nib32h(b + 6, b + 2), _mm256_set1_epi8(16));
-    ADD(dot_signed(c, q), dx[i] * half(b));
-})
-DOT32(iq4_nl, 18, {
-    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
-    ADD(dot_signed(_mm256_shuffle_epi8(kv, nib32(b + 2)), q), dx[i] * half(b));
-})
-DOT32(q4_1, 20, {
-    __m256i x = _mm256_loadu_si256((const __m256i *)q);
-    ADD(dpb(_mm256_setzero_si256(), nib32(b + 4), x), dx[i] * half(b));
-    mins += half(b + 2) * sx[i];
-})
-DOT32(q5_1, 24, {
-    __m256i x = _mm256_loadu_si256((const __m256i *)q);
-    ADD(dpb(_mm256_setzero_si256(), nib32h(b + 8, b + 4), x), dx[i] * half(b));
-    mins += half(b + 2) * sx[i];
-})
-
-/* the q256 rows' parts (kernel_args.h) */
-#define XQ256                                                                               \
-    const int8_t *q = (const int8_t *)(xq + k + k / 4);                                     \
+/* row r of x's q256 parts (kernel_args.h) */
+#define XQ256(r)                                                                            \
+    const int8_t *q = (const int8_t *)(xq + (r) * xb + k + k / 4);                          \
     const float *dx = (const float *)(q + k);                                               \
-    const int16_t *bsum = (const int16_t *)(dx + k / 256)
+    const int16_t *bsum = (const int16_t *)(dx + k / 256);                                  \
+    (void)bsum
 
 /* Q4_K / Q5_K's 8 scales and 8 mins (6 bits each) from the 12 packed bytes */
 static inline void k_scales8(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -216,18 +214,22 @@ static inline __m256i k_mins(const uint8_t mn[8], const int16_t *bs) {
     return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), pairs);
 }
 
-/* Q4_K and Q5_K (`five`): codes 0-15 / 0-31, unsigned, against q256 */
-static inline float idot_qk(const uint8_t *b, const uint8_t *xq, int64_t k, int size, int five) {
-    XQ256;
-    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+/* Q4_K and Q5_K (`five`): codes 0-15 / 0-31, unsigned, against q256; two chains of dpw
+ * per row (sub-blocks 2j and 2j + 1) */
+AI void dot_qk(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+               const int rows, const int five) {
+    const int size = five ? 176 : 144;
+    __m256 acc[XR8], mins[XR8];
+    for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
-    for (int64_t i = 0; i < k / 256; i++, b += size, q += 256, bsum += 16) {
+    for (int64_t i = 0; i < k / 256; i++, b += size) {
         uint8_t sc[8], mn[8];
         k_scales8(b + 4, sc, mn);
         __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
         const uint8_t *qs = b + 16 + (five ? 32 : 0);
         __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        __m256i sums = _mm256_setzero_si256(), sums1 = sums; /* two chains of dpw */
+        __m256i sums[XR8][2];
+        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             __m256i c0 = _mm256_and_si256(v, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -236,35 +238,41 @@ static inline float idot_qk(const uint8_t *b, const uint8_t *xq, int64_t k, int 
                 c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
                 qh = _mm256_srli_epi16(qh, 2);
             }
-            __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)(q + 64 * j)));
-            __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32)));
-            sums = dpw(sums, p0, lane16(sc16, 2 * j));
-            sums1 = dpw(sums1, p1, lane16(sc16, 2 * j + 1));
+            __m256i s0 = lane16(sc16, 2 * j), s1 = lane16(sc16, 2 * j + 1);
+            for (int r = 0; r < rows; r++) {
+                XQ256(r);
+                const int8_t *x = q + 256 * i + 64 * j;
+                __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+                __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 32)));
+                sums[r][0] = dpw(sums[r][0], p0, s0);
+                sums[r][1] = dpw(sums[r][1], p1, s1);
+            }
         }
-        ADD(_mm256_add_epi32(sums, sums1), dx[i] * half(b));
-        __m256 dm = _mm256_set1_ps(dx[i] * half(b + 2));
-        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k_mins(mn, bsum)), dm, mins);
+        float d = half(b), dmin = half(b + 2);
+        for (int r = 0; r < rows; r++) {
+            XQ256(r);
+            ADD(acc[r], _mm256_add_epi32(sums[r][0], sums[r][1]), dx[i] * d);
+            ADD(mins[r], k_mins(mn, bsum + 16 * i), dx[i] * dmin);
+        }
     }
-    return hsum8(acc) - hsum8(mins);
-}
-
-static float idot_q4_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
-    return idot_qk(b, xq, k, 144, 0);
-}
-static float idot_q5_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
-    return idot_qk(b, xq, k, 176, 1);
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) - hsum8(mins[r]);
 }
 
 /* Q6_K: codes 0-63 (the -32 taken off through bsum), 16 signed scales of 16 */
-static float idot_q6_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
-    XQ256;
-    __m256 acc = _mm256_setzero_ps();
+AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+                const int rows) {
+    __m256 acc[XR8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
-    for (int64_t i = 0; i < k / 256; i++, b += 210, q += 256, bsum += 16) {
+    for (int64_t i = 0; i < k / 256; i++, b += 210) {
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-        __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsum), sc16);
-        __m256i sums = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
-        __m256i sums1 = _mm256_setzero_si256(); /* odd g: a second chain of dpw */
+        __m256i sums[XR8][2];
+        for (int r = 0; r < rows; r++) { /* - 32 * sum_s sc_s * bsum_s, then the codes' dots */
+            XQ256(r);
+            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + 16 * i)), sc16);
+            sums[r][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+            sums[r][1] = _mm256_setzero_si256();
+        }
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
             /* scales 8h .. 8h + 7 in both halves, so a vpshufb picks s low and s + 1 high */
             __m256i sch = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
@@ -279,39 +287,83 @@ static float idot_q6_k(const uint8_t *b, const uint8_t *xq, int64_t k) {
                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
             };
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
-                __m256i x = _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * g));
                 short lo = (short)(0x0100 + 0x0202 * (2 * g)), hi = (short)(lo + 0x0202);
                 __m256i scs = _mm256_shuffle_epi8(sch, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
-                __m256i p = _mm256_maddubs_epi16(c[g], x);
-                if (g & 1)
-                    sums1 = dpw(sums1, p, scs);
-                else
-                    sums = dpw(sums, p, scs);
+                for (int r = 0; r < rows; r++) {
+                    XQ256(r);
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(q + 256 * i + 128 * h + 32 * g));
+                    sums[r][g & 1] = dpw(sums[r][g & 1], _mm256_maddubs_epi16(c[g], x), scs);
+                }
             }
         }
-        ADD(_mm256_add_epi32(sums, sums1), dx[i] * half(b + 208));
+        float d = half(b + 208);
+        for (int r = 0; r < rows; r++) {
+            XQ256(r);
+            ADD(acc[r], _mm256_add_epi32(sums[r][0], sums[r][1]), dx[i] * d);
+        }
     }
-    return hsum8(acc);
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
 }
 
 /* IQ4_XS: 8 sub-blocks of 32, signed codes KVALUES[q], scale ls - 32 */
-static float idot_iq4_xs(const uint8_t *b, const uint8_t *xq, int64_t k) {
-    XQ256;
-    (void)bsum;
-    __m256 acc = _mm256_setzero_ps();
+AI void dot_iq4xs(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+                  const int rows) {
+    __m256 acc[XR8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
-    for (int64_t i = 0; i < k / 256; i++, b += 136, q += 256) {
-        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains */
+    for (int64_t i = 0; i < k / 256; i++, b += 136) {
+        __m256i sums[XR8][2];
+        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            __m256i c = _mm256_shuffle_epi8(kv, nib32(b + 8 + 16 * j));
-            __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
-            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
-            sums[j & 1] = dpw(sums[j & 1], p, _mm256_set1_epi16((int16_t)iq4_xs_scale(b, j)));
+            __m256i c = _mm256_shuffle_epi8(kv, nib32(b + 8 + 16 * j)), u = _mm256_sign_epi8(c, c);
+            __m256i ls = _mm256_set1_epi16((int16_t)iq4_xs_scale(b, j));
+            for (int r = 0; r < rows; r++) {
+                XQ256(r);
+                __m256i x = _mm256_loadu_si256((const __m256i *)(q + 256 * i + 32 * j));
+                __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(x, c));
+                sums[r][j & 1] = dpw(sums[r][j & 1], p, ls);
+            }
         }
-        ADD(_mm256_add_epi32(sums[0], sums[1]), dx[i] * half(b));
+        float d = half(b);
+        for (int r = 0; r < rows; r++) {
+            XQ256(r);
+            ADD(acc[r], _mm256_add_epi32(sums[r][0], sums[r][1]), dx[i] * d);
+        }
     }
-    return hsum8(acc);
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
 }
+
+/* idot_<type>: the kernel at each constant row count (1 .. XR8) */
+#define IDOT(name, call)                                                                    \
+    static void idot_##name(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k,      \
+                            float *out, int rows) {                                         \
+        switch (rows) {                                                                     \
+        case 1: call(1); return;                                                            \
+        case 2: call(2); return;                                                            \
+        case 3: call(3); return;                                                            \
+        default: call(XR8); return;                                                         \
+        }                                                                                   \
+    }
+#define C_Q8_0(R) dot32(b, xq, xb, k, out, R, Q8_0)
+#define C_Q4_0(R) dot32(b, xq, xb, k, out, R, Q4_0)
+#define C_Q4_1(R) dot32(b, xq, xb, k, out, R, Q4_1)
+#define C_Q5_0(R) dot32(b, xq, xb, k, out, R, Q5_0)
+#define C_Q5_1(R) dot32(b, xq, xb, k, out, R, Q5_1)
+#define C_IQ4_NL(R) dot32(b, xq, xb, k, out, R, IQ4_NL)
+#define C_Q4_K(R) dot_qk(b, xq, xb, k, out, R, 0)
+#define C_Q5_K(R) dot_qk(b, xq, xb, k, out, R, 1)
+#define C_Q6_K(R) dot_q6k(b, xq, xb, k, out, R)
+#define C_IQ4_XS(R) dot_iq4xs(b, xq, xb, k, out, R)
+IDOT(q8_0, C_Q8_0)
+IDOT(q4_0, C_Q4_0)
+IDOT(q4_1, C_Q4_1)
+IDOT(q5_0, C_Q5_0)
+IDOT(q5_1, C_Q5_1)
+IDOT(iq4_nl, C_IQ4_NL)
+IDOT(q4_k, C_Q4_K)
+IDOT(q5_k, C_Q5_K)
+IDOT(q6_k, C_Q6_K)
+IDOT(iq4_xs, C_IQ4_XS)
 
 static idot_fn int8_dot_of(int32_t type) {
     switch (type) {
@@ -329,7 +381,9 @@ static idot_fn int8_dot_of(int32_t type) {
     }
 }
 #else
-typedef float (*idot_fn)(const uint8_t *w, const uint8_t *xq, int64_t k);
+#define XR8 1
+typedef void (*idot_fn)(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+                        int rows);
 static idot_fn int8_dot_of(int32_t type) {
     (void)type;
     return 0;
