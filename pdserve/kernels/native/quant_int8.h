@@ -171,12 +171,15 @@ AI void dot32(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float 
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int64_t i = 0; i < k / 32; i++, b += size) {
         __m256i c = codes32(b, type), u = min ? c : _mm256_sign_epi8(c, c);
-        float d = half(b), m = min ? half(b + 2) : 0.0f;
+        float m = min ? half(b + 2) : 0.0f;
+        __m256 d = _mm256_set1_ps(half(b));
         for (int r = 0; r < rows; r++) {
             const uint8_t *x = xq + r * xb;
             const float *dx = (const float *)(x + k);
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-            ADD(acc[r], dpb(_mm256_setzero_si256(), u, min ? v : _mm256_sign_epi8(v, c)), dx[i] * d);
+            __m256i lanes = dpb(_mm256_setzero_si256(), u, min ? v : _mm256_sign_epi8(v, c));
+            __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(dx + i), d); /* d32 * d */
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), scale, acc[r]);
             if (min) mins[r] += m * dx[k / 32 + i]; /* s32 */
         }
     }
