@@ -159,6 +159,37 @@ AI __m256i codes32(const uint8_t *b, const int type) {
     }
 }
 
+/* 4 rows of x against one weight row of blocks of 32 with a min (Q4_1, Q5_1; as dot32
+ * below): the 4 rows' lanes added pairwise (vphaddd) into one vector [r0 r1 r2 r3 | r0 r1
+ * r2 r3] (each row's lanes 0-3 and 4-7), so one convert, one multiply-add and one
+ * min step serve 4 rows where dot32 takes 4 of each */
+AI void dot32x4(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
+                const int type) {
+    const int size = type == Q8_0 ? 34 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 18;
+    const int min = type == Q4_1 || type == Q5_1;
+    const float *dx[4];
+    for (int r = 0; r < 4; r++) dx[r] = (const float *)(xq + r * xb + k);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 mins = _mm_setzero_ps();
+    for (int64_t i = 0; i < k / 32; i++, b += size) {
+        __m256i c = codes32(b, type), u = min ? c : _mm256_sign_epi8(c, c), l[4];
+        for (int r = 0; r < 4; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(xq + r * xb + 32 * i));
+            l[r] = dpb(_mm256_setzero_si256(), u, min ? v : _mm256_sign_epi8(v, c));
+        }
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(l[0], l[1]), _mm256_hadd_epi32(l[2], l[3]));
+        __m128 d4 = _mm_mul_ps(_mm_setr_ps(dx[0][i], dx[1][i], dx[2][i], dx[3][i]), _mm_set1_ps(half(b)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_set_m128(d4, d4), acc);
+        if (min) { /* s32 of the 4 rows */
+            int64_t j = k / 32 + i;
+            __m128 s4 = _mm_setr_ps(dx[0][j], dx[1][j], dx[2][j], dx[3][j]);
+            mins = _mm_fmadd_ps(_mm_set1_ps(half(b + 2)), s4, mins);
+        }
+    }
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    _mm_storeu_ps(out, _mm_add_ps(sum, mins));
+}
+
 /* One weight row of blocks of 32 against rows of x (q32, d32, s32): signed codes meet x
  * through |c| and x with c's sign; unsigned codes (Q4_1, Q5_1) meet x as it is, and
  * their min meets s32. */
@@ -166,6 +197,10 @@ AI void dot32(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float 
               const int rows, const int type) {
     const int size = type == Q8_0 ? 34 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 18;
     const int min = type == Q4_1 || type == Q5_1;
+    if (rows == 4 && min) { /* measured: the types without a min run faster below */
+        dot32x4(b, xq, xb, k, out, type);
+        return;
+    }
     __m256 acc[XR8];
     float mins[XR8];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
