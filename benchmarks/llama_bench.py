@@ -92,8 +92,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant-activations", nargs="+", default=["float"],
-                    choices=["float", "int8"], help="pdserve's modes, each its own engines")
+    ap.add_argument(
+        "--quant-activations",
+        nargs="+",
+        default=["float"],
+        choices=["float", "int8"],
+        help="pdserve's modes, each its own engines",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()  # fmt: skip
 
