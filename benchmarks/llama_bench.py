@@ -1,14 +1,16 @@
 """llama-bench's two figures for pdserve's engines and llama.cpp's `llama-bench`, one GGUF.
 
     python benchmarks/llama_bench.py [--model gemma3-270m] [--llama-bench PATH]
-        [-p 512] [-n 128] [--rounds 3] [--threads 2] [--json]
+        [-p 512] [-n 128] [--rounds 3] [--threads 2] [--quant-activations float int8] [--json]
 
 pp (prompt processing): tokens/s of one prompt of `-p` random token ids through the
 prefill engine (the time to its first token). tg (text generation): tokens/s of `-n`
 tokens generated one at a time at batch 1 after a one-token prompt, the time of the
 first token taken off. pdserve runs both engines in one process (pdserve.LLM: the
 engines the servers run, the KV handed over in memory, no HTTP), its weights read from
-the GGUF's blocks (`--weights quantized`). llama-bench runs the same file with the same
+the GGUF's blocks (`--weights quantized`), once per `--quant-activations` mode asked for
+(float: de-quantize in registers; int8: x quantized to 8 bits, integer dots, as
+llama.cpp computes), each mode its own engines. llama-bench runs the same file with the same
 number of threads (`-t`), `-r 1` per round. The two take turns, `--rounds` times, and
 the ratios are per round (pdserve / llama.cpp: over 1 means pdserve is faster).
 """
@@ -90,38 +92,54 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--quant-activations",
+        nargs="+",
+        default=["float"],
+        choices=["float", "int8"],
+        help="pdserve's modes, each its own engines",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()  # fmt: skip
 
     binary = find_llama_bench(args)
-    llm = LLM(args.model, weights="quantized", max_prefill_tokens=max(args.p, 512))
-    gguf = source_gguf(llm.cfg.model_path)
+    llms = {f"pdserve {mode}": LLM(args.model, weights="quantized", quant_activations=mode,
+                                   max_prefill_tokens=max(args.p, 512))
+            for mode in args.quant_activations}  # fmt: skip
+    first = next(iter(llms.values()))
+    gguf = source_gguf(first.cfg.model_path)
     if gguf is None:
         raise SystemExit(f"{args.model} did not come from a GGUF: llama-bench needs one")
-    vocab = llm.tokenizer.get_vocab_size() if llm.tokenizer else 1000
+    vocab = first.tokenizer.get_vocab_size() if first.tokenizer else 1000
     rng = random.Random(args.seed)
-    pdserve_round(llm, vocab, min(args.p, 64), 4, rng)  # warm-up: kernels, pages
+    for llm in llms.values():
+        pdserve_round(llm, vocab, min(args.p, 64), 4, rng)  # warm-up: kernels, pages
     rounds = []
     for r in range(args.rounds):
-        order = ("pdserve", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "pdserve")
+        who_all = [*llms, "llama.cpp"]
+        order = who_all if r % 2 == 0 else who_all[::-1]
         row: dict[str, dict[str, float]] = {}
         for who in order:
-            if who == "pdserve":
-                row[who] = pdserve_round(llm, vocab, args.p, args.n, rng)
+            if who in llms:
+                row[who] = pdserve_round(llms[who], vocab, args.p, args.n, rng)
             else:
                 row[who] = llamacpp_round(binary, gguf, args.p, args.n, args.threads)
         rounds.append(row)
-        print(f"round {r + 1}: " + "  ".join(
-            f"{k}{args.p if k == 'pp' else args.n} pdserve {row['pdserve'][k]:.1f} / llama.cpp "
-            f"{row['llama.cpp'][k]:.1f} tok/s ({row['pdserve'][k] / row['llama.cpp'][k]:.2f}x)"
-            for k in ("pp", "tg")), flush=True)  # fmt: skip
-    llm.close()
-    summary = {k: statistics.median(r["pdserve"][k] / r["llama.cpp"][k] for r in rounds)
-               for k in ("pp", "tg")}  # fmt: skip
-    print(
-        f"median pdserve / llama.cpp: pp{args.p} {summary['pp']:.2f}x, tg{args.n} {summary['tg']:.2f}x"
-        f"  ({gguf.name}, {args.threads} threads, {platform.processor() or platform.machine()})"
-    )
+        for who in llms:
+            print(f"round {r + 1}: " + "  ".join(
+                f"{k}{args.p if k == 'pp' else args.n} {who} {row[who][k]:.1f} / llama.cpp "
+                f"{row['llama.cpp'][k]:.1f} tok/s ({row[who][k] / row['llama.cpp'][k]:.2f}x)"
+                for k in ("pp", "tg")), flush=True)  # fmt: skip
+    for llm in llms.values():
+        llm.close()
+    summary = {who: {k: statistics.median(r[who][k] / r["llama.cpp"][k] for r in rounds)
+                     for k in ("pp", "tg")} for who in llms}  # fmt: skip
+    for who, ratio in summary.items():
+        print(
+            f"median {who} / llama.cpp: pp{args.p} {ratio['pp']:.2f}x, tg{args.n} "
+            f"{ratio['tg']:.2f}x  ({gguf.name}, {args.threads} threads, "
+            f"{platform.processor() or platform.machine()})"
+        )
     if args.json:
         print(json.dumps({"gguf": str(gguf), "threads": args.threads, "rounds": rounds,
                           "median_ratio": summary}))  # fmt: skip

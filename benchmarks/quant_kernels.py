@@ -11,9 +11,12 @@ step of a model larger than the cache does). Reported, per type:
     b1 %read     that against the plain read (the roofline: 100% reads as fast as memory)
     bM ms / f32  time of a batch-M call (M = each --batch), and the float32 matmul's time
                  for the same shapes over that (>1: quantized is faster)
+    i8 ...       the same for --quant-activations int8 (x quantized to 8 bits, integer
+                 dots: quant_int8.h), the quantizing of x included; bM q/i8 the float-
+                 activation call's time over the int8 one's (>1: int8 is faster)
 
-Taking turns: each repetition times the read, every quantized batch and every float32
-batch once, so a busy machine's noisy stretches fall on all; the medians are reported.
+Taking turns: each repetition times the read, every quantized batch (float and int8
+activations) and every float32 batch once, so a busy machine's noisy stretches fall on all; the medians are reported.
 Clock: with one thread (the default) each call's CPU time on the calling thread
 (time.thread_time), so time the thread spends preempted by other work on a shared machine
 is not counted; with --threads N > 1 (the kernels' workers) the wall clock.
@@ -74,7 +77,8 @@ def bench_type(
 ) -> dict[str, Any]:
     threads = torch.get_num_threads()
     kernel, f32 = linear_quant(cache), linear_f32(cache)
-    assert kernel is not None and f32 is not None, "no C compiler"
+    kernel8 = linear_quant(cache, int8=True)
+    assert kernel is not None and f32 is not None and kernel8 is not None, "no C compiler"
     n, k = args.n, args.k
     rng = np.random.default_rng(type_id)
     first = random_blocks(type_id, n, k, rng)
@@ -94,6 +98,11 @@ def bench_type(
         turn[0] += 1
         kernel(xs[m], w, type_id, None, ys[m])
 
+    def int8(m: int) -> None:
+        w = copies[turn[0] % len(copies)]
+        turn[0] += 1
+        kernel8(xs[m], w, type_id, None, ys[m], xq=kernel8.quantize(xs[m]))
+
     def read_all(parts: list[np.ndarray]) -> None:  # on this thread where it is the only one
         list(
             map(np.bitwise_or.reduce, parts)
@@ -104,13 +113,16 @@ def bench_type(
     read_s: list[float] = []
     q_s: dict[int, list[float]] = {m: [] for m in args.batch}
     f_s: dict[int, list[float]] = {m: [] for m in args.batch}
+    i_s: dict[int, list[float]] = {m: [] for m in args.batch}
     for m in args.batch:  # warm: pages touched, workers started
         quant(m)
+        int8(m)
         f32(xs[m], packed, None, n)
     for _ in range(args.reps * len(copies)):
         read_s.append(timed(read_all, parts) / len(copies))
         for m in args.batch:
             q_s[m].append(timed(quant, m))
+            i_s[m].append(timed(int8, m))
             f_s[m].append(timed(f32, xs[m], packed, None, n))
     nbytes = first.numel()
     read = statistics.median(read_s)
@@ -119,10 +131,14 @@ def bench_type(
     b1 = statistics.median(q_s[args.batch[0]])
     row[f"b{args.batch[0]} GB/s"] = round(nbytes / b1 / 1e9, 1)
     row[f"b{args.batch[0]} %read"] = round(100 * read / b1)
+    i1 = statistics.median(i_s[args.batch[0]])
+    row[f"b{args.batch[0]} i8 GB/s"] = round(nbytes / i1 / 1e9, 1)
     for m in args.batch:
-        q, f = statistics.median(q_s[m]), statistics.median(f_s[m])
+        q, f, i = statistics.median(q_s[m]), statistics.median(f_s[m]), statistics.median(i_s[m])
         row[f"b{m} ms"] = round(q * 1e3, 2)
         row[f"b{m} f32/q"] = round(f / q, 2)
+        row[f"b{m} i8 ms"] = round(i * 1e3, 2)
+        row[f"b{m} q/i8"] = round(q / i, 2)
     return row
 
 

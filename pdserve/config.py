@@ -190,6 +190,7 @@ class SpeculativeConfig:
 
 DTYPES = ("float32", "bfloat16", "float16")  # weights and KV; model/runner.py maps them
 WEIGHTS = ("quantized", "float32")  # a GGUF's projections on the CPU (model/weights.py)
+QUANT_ACTIVATIONS = ("float", "int8")  # what --weights quantized's blocks meet (model/weights.py)
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,11 @@ class EngineConfig:
     # (model/quant_weights.py), "float32" from the converted folder's float32 weights; a
     # Hugging Face folder and CUDA always take the folder's weights
     weights: str = "quantized"
+    # with --weights quantized: "float" computes "de-quantize, then the float32 matmul";
+    # "int8" quantizes each projection's input to 8 bits per block and takes integer dot
+    # products (kernels/native/quant_int8.h), as llama.cpp does: faster, and not equal to
+    # the float path (docs/models.md states what it equals)
+    quant_activations: str = "float"
     device: str = "cpu"  # cpu | cuda
     kernel_backend: str = "torch"  # torch | triton (FutureMap kernels)
     attention_backend: str = "auto"  # auto | torch | triton
@@ -227,6 +233,7 @@ class EngineConfig:
         # model/attention/registry.py); dtype is checked here because DTYPES is the list
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "weights", WEIGHTS)
+        _one_of(self, "quant_activations", QUANT_ACTIVATIONS)
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

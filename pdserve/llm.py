@@ -46,6 +46,7 @@ class LLM:
         disable_overlap: bool = False,
         dtype: str = "float32",
         weights: str = EngineConfig.weights,
+        quant_activations: str = EngineConfig.quant_activations,
         device: str = EngineConfig.device,
         kernel_backend: str = "torch",
         speculative: SpeculativeConfig | None = None,
@@ -56,6 +57,7 @@ class LLM:
             model_path=str(resolved.path),
             dtype=dtype,
             weights=weights,
+            quant_activations=quant_activations,
             device=device,
             kernel_backend=kernel_backend,
             cache=CacheConfig(

@@ -21,7 +21,12 @@ CONFIGS = (TransferConfig, EngineConfig, CacheConfig, SchedulerConfig, ServerCon
 NOT_FLAGS = {"role", "model_path", "cache", "scheduler", "speculative","engine_heartbeat_timeout_s",
              "health_generate_timeout_s", "default_max_new_tokens"}  # fmt: skip
 # strings the configs check: a value they accept other than the default
-ACCEPTED = {"dtype": "bfloat16", "weights": "float32", "device": "cuda"}
+ACCEPTED = {
+    "dtype": "bfloat16",
+    "weights": "float32",
+    "device": "cuda",
+    "quant_activations": "int8",
+}
 ROLES = ("prefill", "decode")
 
 

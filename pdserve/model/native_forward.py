@@ -113,6 +113,8 @@ class NativeDecodeForward:
             p.embed_row_bytes, p.embed_type = blocks.data.shape[1], blocks.type_id
         p.cos, p.sin = float_ptr(model.rope.cos), float_ptr(model.rope.sin_signed)
         p.head, p.layer = _proj(model.lm_head, keep), layers
+        if any(lin.quant is not None and lin.quant[0].int8 for lin in model.linears()):
+            p.quant_x8 = kernel.quant_x8  # --quant-activations int8
         if share is not None:
             p.share, p.share_engines, p.share_slot, p.share_own = share.records()
         self.host = host  # NOTE: the plan points into it: kept alive with the plan

@@ -119,5 +119,6 @@ class NativeKernels:
             log.info("decode steps call their kernels one by one: %s", why)
         return forward
 
-    def linear_quant(self) -> LinearQuant | None:
-        return linear_quant.linear_quant(self.cache_dir)
+    def linear_quant(self, int8: bool = False) -> LinearQuant | None:
+        """`int8`: --quant-activations int8 (LinearQuant's)."""
+        return linear_quant.linear_quant(self.cache_dir, int8=int8)

@@ -4,6 +4,9 @@
                                    built: projections (and the embedding) from the GGUF's
                                    blocks (model/quant_weights.py); the rest from the folder
     otherwise                      every tensor from the folder, in --dtype
+    --quant-activations int8       the blocks meet x quantized to 8 bits per block
+                                   (kernels/native/quant_int8.h); refused by name where
+                                   no blocks serve (a folder, --weights float32, CUDA)
 
 Either way the engine logs the bytes its weights hold (`resident_bytes`), so the memory
 a process needs is known before it serves.
@@ -37,8 +40,14 @@ def _quant_source(
     cfg: EngineConfig, arch: ModelArch, dtype: torch.dtype, native: NativeKernels | None
 ) -> tuple[quant_weights.QuantSource, LinearQuant] | None:
     """The GGUF and the kernel to serve its blocks with, or None (said why when it was
-    asked for and cannot be)."""
+    asked for and cannot be). ValueError: --quant-activations int8 where no blocks serve."""
     path = quant_weights.source_gguf(cfg.model_path)
+    int8 = cfg.quant_activations == "int8"
+    if int8 and (cfg.weights != "quantized" or path is None):
+        raise ValueError(
+            "--quant-activations int8 applies to a GGUF model's blocks (--weights quantized); "
+            f"this engine serves {'a folder' if path is None else '--weights ' + cfg.weights}"
+        )
     if cfg.weights != "quantized" or path is None:
         return None
     why = ""
@@ -48,7 +57,11 @@ def _quant_source(
         why = "a mixture-of-experts model's weights are served in float32"
     elif native is None:
         why = "native kernels are off (--disable-compile or PDSERVE_DISABLE_COMPILE)"
-    kernel = None if why or native is None else native.linear_quant()
+    kernel = None if why or native is None else native.linear_quant(int8)
+    if kernel is None and int8:
+        raise ValueError(
+            f"--quant-activations int8 cannot apply: {why or 'linear_quant not built'}"
+        )
     if kernel is None:
         log.info("weights from the folder in %s: %s", dtype, why or "linear_quant not built")
         return None
@@ -77,8 +90,21 @@ def load_model(
     model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
     if quant is not None:
         quant_weights.apply(model, quant[0], groups, quant[1])
+        if quant[1].int8:
+            _say_float_types(model, quant[1])
     log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
     return model
+
+
+def _say_float_types(model: LlamaModel, kernel: LinearQuant) -> None:
+    """--quant-activations int8: logs once per GGUF type that has no integer kernel on
+    this build (its projections keep float activations)."""
+    types = {p.type_id: p.type_name for lin in model.linears() if lin.quant for p in lin.quant[1]}
+    for type_id, name in sorted(types.items()):
+        if not kernel.int8_supported(type_id):
+            log.info("--quant-activations int8: %s has no integer kernel here: float x", name)
+    log.info("--quant-activations int8: integer dots for %s",
+             ", ".join(n for t, n in sorted(types.items()) if kernel.int8_supported(t)) or "none")  # fmt: skip
 
 
 def resident_bytes(model: LlamaModel) -> int:

@@ -269,7 +269,14 @@ def _keep_unknown(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_up(sub: Any, name: str, help_: str, func: Any) -> None:
-    p = sub.add_parser(name, help=help_)
+    p = sub.add_parser(
+        name,
+        help=help_,
+        epilog="Any other flag goes to every prefill and decode server (`pdserve decode "
+        "--help` lists them), e.g. --weights quantized|float32, --quant-activations "
+        "float|int8 (int8: 8-bit activations and integer dots on a GGUF's blocks, not "
+        "equal to the float path; docs/models.md).",
+    )
     p.add_argument("--model", default=None,
                    help="Hugging Face folder, FILE.gguf, or a short name: smollm2 (default), "
                    "tiny, bench, ... (random presets)")  # fmt: skip

@@ -74,6 +74,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "weights",
         "a GGUF on the CPU: quantized (the file's blocks) | float32 (de-quantized at load)",
     )
+    _flag(
+        g,
+        EngineConfig,
+        "quant_activations",
+        "with --weights quantized: float (de-quantize, then the float32 matmul: exact) | "
+        "int8 (each projection's input quantized to 8 bits per block, integer dot products "
+        "as llama.cpp computes: faster, equal to its own reference, not to the float path; "
+        "greedy tokens may differ; docs/models.md)",
+    )
     _flag(g, EngineConfig, "device", "cpu | cuda")
     _flag(g, EngineConfig, "kernel_backend", "FutureMap kernels: torch | triton")
     _flag(g, EngineConfig, "attention_backend", "auto | torch | triton")

@@ -41,7 +41,7 @@ class LinearArgs(ctypes.Structure):
 
 
 class QuantArgs(ctypes.Structure):
-    _fields_ = [("x", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
+    _fields_ = [("x", _ptr), ("xq", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
                 ("n", _i64), ("k_dim", _i64), ("ldy", _i64), ("row_bytes", _i64),
                 ("type", _i32), ("status", _i32)]  # fmt: skip
 
@@ -89,7 +89,7 @@ class DecodeLayer(ctypes.Structure):
 class DecodePlan(ctypes.Structure):
     _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
                 ("head_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
-                ("quant_linear", _ptr), ("quant_rows", _ptr),
+                ("quant_linear", _ptr), ("quant_rows", _ptr), ("quant_x8", _ptr),
                 ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
                 ("max_pos", _i64), ("eps", _f32), ("scale", _f32),

@@ -45,6 +45,7 @@ typedef void (*silu_fn)(const float *, float *, int64_t, int64_t);
 typedef void (*heads_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, float);
 typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t, int64_t,
                         int64_t);
+typedef void (*x8_fn)(const float *, int64_t, int64_t, uint8_t *);
 typedef int (*kv_fn)(float *, float *, int64_t, const int64_t *, const float *, int64_t,
                      const float *, int64_t, int64_t, int64_t);
 
@@ -82,6 +83,7 @@ typedef struct {
     kv_fn kv_write;
     pd_range_fn quant_linear; /* NULL where no projection is in blocks */
     pd_rows_fn quant_rows;    /* NULL where the embedding is not in blocks */
+    x8_fn quant_x8;           /* NULL: float x; else pd_quant_x8 (--quant-activations int8) */
     /* the model */
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, num_slots, max_pos;
     float eps, scale;
@@ -138,12 +140,22 @@ static void split(const DecodePlan *p, pd_range_fn fn, const void *args, int64_t
         p->par_run(fn, args, n, (int)parts);
 }
 
+static int64_t qkv_width(const DecodePlan *p);
+static int64_t float_scratch(const DecodePlan *p, int64_t b);
+
 static void project(const DecodePlan *p, const Proj *w, const float *x, float *y) {
     const QuantProj *q = w->quant;
+    const uint8_t *xq = NULL;
+    if (q && p->quant_x8) { /* x quantized once for every part (past the float scratch) */
+        uint8_t *buf = (uint8_t *)(p->scratch + float_scratch(p, p->b));
+        p->quant_x8(x, p->b, w->k_dim, buf);
+        xq = buf;
+    }
     if (q) { /* each part into its columns of y, as model/linear.py's per-call path */
         for (int32_t i = 0, col = 0; i < q->parts; col += (int32_t)q->rows[i], i++) {
-            QuantArgs a = {x, q->w[i], w->bias ? w->bias + col : NULL, y + col, p->b, q->rows[i],
-                           w->k_dim, w->n, q->row_bytes[i], q->type[i], 0};
+            QuantArgs a = {.x = x, .xq = xq, .w = q->w[i], .bias = w->bias ? w->bias + col : NULL,
+                           .y = y + col, .m = p->b, .n = q->rows[i], .k_dim = w->k_dim,
+                           .ldy = w->n, .row_bytes = q->row_bytes[i], .type = q->type[i]};
             split(p, p->quant_linear, &a, (q->rows[i] + 3) / 4); /* linear_quant.c TILE */
         }
         return;
@@ -156,9 +168,16 @@ static int64_t qkv_width(const DecodePlan *p) {
     return (p->heads + 2 * p->kv_heads) * p->head_dim;
 }
 
-/* Floats of scratch a step of b requests needs (the caller allocates them). */
-int64_t pd_decode_scratch_floats(const DecodePlan *p, int64_t b) {
+static int64_t float_scratch(const DecodePlan *p, int64_t b) {
     return b * (3 * p->hidden + qkv_width(p) + p->heads * p->head_dim + 3 * p->inter);
+}
+
+/* Floats of scratch a step of b requests needs (the caller allocates them): the float
+ * buffers, then with quant_x8 the widest projection input's quantized rows */
+int64_t pd_decode_scratch_floats(const DecodePlan *p, int64_t b) {
+    int64_t k = p->hidden > p->inter ? p->hidden : p->inter;
+    k = k > p->heads * p->head_dim ? k : p->heads * p->head_dim;
+    return float_scratch(p, b) + (p->quant_x8 ? (b * pd_xq_bytes(k) + 3) / 4 : 0);
 }
 
 static int32_t check_inputs(const DecodePlan *p) {
@@ -245,6 +264,7 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, silu_mul),
     PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
     PD_ABI_FIELD(DecodePlan, quant_linear), PD_ABI_FIELD(DecodePlan, quant_rows),
+    PD_ABI_FIELD(DecodePlan, quant_x8),
     PD_ABI_FIELD(DecodePlan, layers), PD_ABI_FIELD(DecodePlan, hidden),
     PD_ABI_FIELD(DecodePlan, heads), PD_ABI_FIELD(DecodePlan, kv_heads),
     PD_ABI_FIELD(DecodePlan, head_dim), PD_ABI_FIELD(DecodePlan, inter),

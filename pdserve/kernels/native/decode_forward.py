@@ -62,6 +62,8 @@ class DecodeForward:
             "quant_rows": 0 if quant is None else _address(quant, "pd_quant_rows"),
         }
         self._quant = quant  # stays loaded while used
+        # pd_quant_x8, which a plan takes only with --quant-activations int8 (plan.quant_x8)
+        self.quant_x8 = 0 if quant is None else _address(quant, "pd_quant_x8")
 
     def plan(self) -> DecodePlan:
         """A zeroed plan with the kernel pointers filled in."""

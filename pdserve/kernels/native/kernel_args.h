@@ -21,6 +21,7 @@ typedef struct {
  * of 4 rows of W, W in GGUF blocks (linear_quant.c) */
 typedef struct {
     const float *x;     /* [m][k_dim] */
+    const uint8_t *xq;  /* NULL, or x's rows quantized (pd_xq_bytes(k_dim) apart): int8 dots */
     const uint8_t *w;   /* [n] rows of row_bytes */
     const float *bias;  /* [n] or NULL */
     float *y;           /* [m][ldy], columns [0, n) written */
@@ -28,6 +29,19 @@ typedef struct {
     int32_t type;       /* a GGML type number (the enum above) */
     int32_t status;     /* 1: a type without a kernel (nothing written) */
 } QuantArgs;
+
+/* --quant-activations int8: one row of x (k_dim a multiple of 32) quantized two ways,
+ * pd_xq_bytes(k) bytes (quant_int8.h writes and reads it):
+ *     q32   int8 [k]        per block b of 32: round-to-nearest-even(x / d32[b])
+ *     d32   float [k / 32]  max |x| of the block / 127
+ *     s32   float [k / 32]  d32[b] * (the sum of the block's q32)
+ *   then only where k % 256 == 0 (the K types' super-blocks, as llama.cpp's q8_K):
+ *     q256  int8 [k]        per block of 256, as q32
+ *     d256  float [k / 256]
+ *     bsum  int16 [k / 16]  the sum of each 16 q256 */
+static inline int64_t pd_xq_bytes(int64_t k) {
+    return k + k / 4 + (k % 256 ? 0 : k + k / 64 + k / 8);
+}
 
 /* pd_quant_rows: out [count][k] = the de-quantized rows ids of W (embedding look-ups) */
 typedef int (*pd_rows_fn)(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,

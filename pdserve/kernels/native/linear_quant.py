@@ -57,12 +57,37 @@ def row_bytes(type_id: int, k: int) -> int:
 class LinearQuant:
     """kernels/native/linear_quant.c: projections and row look-ups over GGUF blocks."""
 
-    def __init__(self, lib: ctypes.CDLL, split: Split) -> None:
+    def __init__(self, lib: ctypes.CDLL, split: Split, int8: bool = False) -> None:
+        """`int8`: --quant-activations int8, x quantized to 8 bits per block and integer
+        dots (quant_int8.h) for each type int8_supported; the others stay float."""
         self._fn = range_fn(lib, "pd_quant_linear_range")
         self._rows = lib.pd_quant_rows
         self._rows.restype = ctypes.c_int
         self._rows.argtypes = [_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr]
+        self._x8 = lib.pd_quant_x8
+        self._x8.restype, self._x8.argtypes = None, [_ptr, _i64, _i64, _ptr]
+        self._xq_bytes = lib.pd_quant_xq_bytes
+        self._xq_bytes.restype, self._xq_bytes.argtypes = _i64, [_i64]
+        self._int8_ok = lib.pd_quant_int8_supported
+        self._int8_ok.restype, self._int8_ok.argtypes = ctypes.c_int, [_i32]
         self._split = split
+        self.int8 = int8
+
+    def int8_supported(self, type_id: int) -> bool:
+        """Whether `type_id` has an integer kernel on this build (AVX2 and up)."""
+        return bool(self._int8_ok(type_id))
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] float32 quantized for the integer kernels (kernel_args.h's layout,
+        uint8 [M, row bytes]); None in float mode."""
+        if not self.int8:
+            return None
+        m, k = x.shape
+        if k % 32 or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"linear_quant quantize: x {x.dtype} {tuple(x.shape)}")
+        out = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
+        self._x8(x.data_ptr(), m, k, out.data_ptr())
+        return out
 
     def __call__(
         self,
@@ -72,9 +97,11 @@ class LinearQuant:
         bias: torch.Tensor | None,
         y: torch.Tensor,
         col: int = 0,
+        xq: torch.Tensor | None = None,
     ) -> None:
         """y[:, col : col + N] = x [M, K] @ W.T (+ bias [N]), W = `w` uint8 [N, row bytes]
-        of type `type_id`; y [M, ldy] float32, contiguous."""
+        of type `type_id`; y [M, ldy] float32, contiguous. `xq`: quantize(x), for the
+        integer kernels (a type without one reads x)."""
         m, k = x.shape
         n = w.shape[0]
         # NOTE: the kernel trusts these (it reads M * K floats of x, N rows of W)
@@ -83,6 +110,8 @@ class LinearQuant:
         ok = ok and type_id in TYPES and w.shape[1] == row_bytes(type_id, k)
         ok = ok and y.shape[0] == m and col + n <= y.shape[1]
         ok = ok and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)))
+        xq_ok = xq.dtype == torch.uint8 and xq.is_contiguous() if xq is not None else True
+        ok = ok and xq_ok and (xq is None or tuple(xq.shape) == (m, self._xq_bytes(k)))
         if not ok:
             raise ValueError(
                 f"linear_quant: x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)} "
@@ -92,8 +121,9 @@ class LinearQuant:
             return
         b = 0 if bias is None else bias.data_ptr()
         y_ptr = y.data_ptr() + col * 4
-        args = QuantArgs(x.data_ptr(), w.data_ptr(), b, y_ptr, m, n, k, y.shape[1], w.shape[1],
-                          type_id, 0)  # fmt: skip
+        xq_ptr = 0 if xq is None else xq.data_ptr()
+        args = QuantArgs(x.data_ptr(), xq_ptr, w.data_ptr(), b, y_ptr, m, n, k, y.shape[1],
+                          w.shape[1], type_id, 0)  # fmt: skip
         tiles = -(-n // TILE)
         self._split(self._fn, args, tiles, self.grain(m, tiles))
         if args.status:
@@ -121,7 +151,10 @@ class LinearQuant:
         return 0 if m < LinearQuant.CHUNK_ROWS else max(1, tiles // 16)
 
 
-def linear_quant(cache_dir: Path, lib: ctypes.CDLL | None = None) -> LinearQuant | None:
-    """The kernel (`lib`: a library built otherwise, as tests build each vector path)."""
+def linear_quant(
+    cache_dir: Path, lib: ctypes.CDLL | None = None, int8: bool = False
+) -> LinearQuant | None:
+    """The kernel (`lib`: a library built otherwise, as tests build each vector path;
+    `int8`: LinearQuant's)."""
     lib = load("linear_quant", cache_dir) if lib is None else lib
-    return None if lib is None else LinearQuant(lib, Split(cache_dir))
+    return None if lib is None else LinearQuant(lib, Split(cache_dir), int8)

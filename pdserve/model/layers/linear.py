@@ -92,11 +92,12 @@ class Linear:
         kernel, parts = self.quant
         x = x.contiguous()  # NOTE: the kernel reads rows K floats apart
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        xq = kernel.quantize(x)  # once for every part (None: float activations)
         col = 0
         for p in parts:
             n = p.data.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            kernel(x, p.data, p.type_id, bias, y, col)
+            kernel(x, p.data, p.type_id, bias, y, col, xq)
             col += n
         return y
 

@@ -1,0 +1,113 @@
+"""--quant-activations int8 (kernels/native/quant_int8.h) against its numpy reference
+(tests/int8_reference.py: the same arithmetic written from the GGUF formats): per type,
+batches 1 to 64, on the AVX-512 (VNNI) and AVX2 builds; the error bound is float32
+summation noise. The reference's codes and scales are checked against gguf's
+de-quantize, and the portable build (no AVX2) falls back to the float kernels."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels.native import abi, library
+from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, linear_quant
+from tests import int8_reference as ref
+from tests.test_quant_kernels import _cpu_flags, random_blocks
+
+gguf_quants = pytest.importorskip("gguf.quants")
+
+PATHS = {  # name -> (extra build flags, /proc/cpuinfo flags it needs)
+    "vnni": ((), ("avx512f", "avx512_vnni", "avx512vl", "avx512bw")),
+    "avx2": (("-mno-avx512f",), ("avx2", "fma")),
+}
+IDS = [TYPES[t][0] for t in sorted(TYPES)]
+
+
+def _build(flags: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> LinearQuant:
+    if library.compiler() is None:
+        pytest.skip("no C compiler")
+    path = library.build("linear_quant", tmp_path_factory.mktemp("native"), extra_flags=flags)
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
+    abi.check(lib, "linear_quant", abi.STRUCTS["linear_quant"])
+    k = linear_quant(path.parent.parent, lib, int8=True)
+    assert k is not None
+    return k
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LinearQuant:
+    flags, needs = PATHS[request.param]
+    if not set(needs) <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {needs}")
+    return _build(flags, tmp_path_factory)
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
+def test_reference_codes_are_gguf_values(type_id: int) -> None:
+    """The reference's codes and scales give gguf's de-quantized values: it reads the
+    formats as gguf does."""
+    _, block, size = TYPES[type_id]
+    w = random_blocks(type_id, 3, 512, seed=type_id)
+    want = np.asarray(gguf_quants.dequantize(w, type_id), np.float32)
+    got = ref.dequantized(w, type_id, block, size)
+    np.testing.assert_allclose(got, want, rtol=2**-22, atol=1e-30)
+
+
+@pytest.mark.parametrize("k", [96, 512])
+def test_quantize_equals_reference(kernel: LinearQuant, k: int) -> None:
+    """x's 8-bit codes and scales equal the reference's bit for bit (both layouts)."""
+    m = 5
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[1] = 0  # an all-zero row: scale 0, codes 0
+    xq = kernel.quantize(x)
+    assert xq is not None
+    raw = xq.numpy()
+    q32, d32 = ref.quantize(x.numpy(), 32)
+    assert np.array_equal(raw[:, :k].view(np.int8), q32)
+    assert np.array_equal(raw[:, k : k + k // 8].copy().view(np.float32), d32)
+    if k % 256 == 0:
+        q256, d256 = ref.quantize(x.numpy(), 256)
+        at = k + k // 4
+        assert np.array_equal(raw[:, at : at + k].view(np.int8), q256)
+        d_at = at + k
+        assert np.array_equal(raw[:, d_at : d_at + k // 64].copy().view(np.float32), d256)
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
+@pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
+def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
+    assert kernel.int8_supported(type_id)
+    _, block, size = TYPES[type_id]
+    ks = [512] if block == 256 else [96, 512]  # 96: a row with no q256 part
+    for k in ks:
+        n = 11  # ends in a short tile
+        w = random_blocks(type_id, n, k, seed=type_id * 100 + m)
+        g = torch.Generator().manual_seed(m + k)
+        x = torch.randn(m, k, generator=g)
+        bias = torch.randn(n, generator=g)
+        y = torch.full((m, n + 4), float("nan"))
+        kernel(x, torch.from_numpy(w), type_id, bias, y, col=2, xq=kernel.quantize(x))
+        want, scale = ref.matmul(x.numpy(), w, type_id, block, size)
+        want = want + bias.double().numpy()
+        got = y[:, 2 : 2 + n].double().numpy()
+        assert np.isnan(y[:, :2]).all() and np.isnan(y[:, 2 + n :]).all()
+        bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
+        err = np.abs(got - want)
+        assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+
+
+def test_portable_build_falls_back_to_float(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without AVX2 no type has an integer kernel: given x's codes, y is the float one."""
+    flags = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx")
+    kernel = _build(flags, tmp_path_factory)
+    assert not any(kernel.int8_supported(t) for t in TYPES)
+    w = torch.from_numpy(random_blocks(12, 4, 256, seed=3))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
+    y8, y32 = torch.empty(2, 4), torch.empty(2, 4)
+    kernel(x, w, 12, None, y8, xq=kernel.quantize(x))
+    kernel(x, w, 12, None, y32)
+    assert torch.equal(y8, y32)
