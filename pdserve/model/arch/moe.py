@@ -28,6 +28,7 @@ from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.ops import rms_norm
+from pdserve.model.layers.quant_experts import ExpertNames, QuantExperts
 from pdserve.model.state_reader import StateReader
 
 
@@ -41,6 +42,12 @@ class Experts:
     shared_gate_up: Linear | None  # Qwen2-MoE's shared expert, and its [1, H] gate
     shared_down: Linear | None
     shared_gate: Linear | None
+    # the experts in a GGUF's blocks (model/quant_experts.py; gate_up and down then unread)
+    quant: QuantExperts | None = None
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the experts' weights are held in (the Linears hold their own)."""
+        return self.quant.held() if self.quant else [self.gate_up, self.down]
 
 
 @dataclass
@@ -124,10 +131,16 @@ class MoeModel(LlamaModel):
             pairs = order[start : start + n]
             start += n
             tokens = pairs // k
-            h = self.ops.act_mul(self.act, x[tokens] @ e.gate_up[expert].t())
-            y = (h @ e.down[expert].t()) * flat_w[pairs, None]
+            y = self._expert(e, expert, x[tokens]) * flat_w[pairs, None]
             out.index_add_(0, tokens, y)
         return out
+
+    def _expert(self, e: Experts, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` of its tokens' rows x [n, H]."""
+        if e.quant is not None:
+            return e.quant(expert, x, lambda h: self.ops.act_mul(self.act, h))
+        h = self.ops.act_mul(self.act, x @ e.gate_up[expert].t())
+        return h @ e.down[expert].t()
 
 
 def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +200,33 @@ def _experts(w: StateReader, a: ModelArch, i: int) -> Experts:
         fused = torch.cat([w.take(s + "gate_proj.weight"), w.take(s + "up_proj.weight")])
         shared = [Linear(fused), Linear(w.take(s + "down_proj.weight"))]
         shared.append(Linear(w.take(p + "shared_expert_gate.weight")))
-    return Experts(Linear(w.take(router)), gate_up, downs, *shared)
+    return Experts(Linear(w.take(router)), gate_up, downs, shared[0], shared[1], shared[2])
+
+
+def linear_groups(a: ModelArch) -> list[list[str]]:
+    """The weight names of each Linear, in MoeModel.linears() order (less lm_head)."""
+    spec, groups = _spec(a), []
+    for i in range(a.num_layers):
+        att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        groups += [[att + f"{x}_proj.weight" for x in "qkv"], [att + "o_proj.weight"]]
+        if not spec.sparse[i]:
+            groups += [
+                [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                [mlp + "down_proj.weight"],
+            ]
+            continue
+        p, router, _ = _names(a, i)
+        groups.append([router])
+        if spec.shared_size:
+            s = p + "shared_expert."
+            groups += [[s + "gate_proj.weight", s + "up_proj.weight"], [s + "down_proj.weight"]]
+            groups.append([p + "shared_expert_gate.weight"])
+    return groups
+
+
+def expert_names(a: ModelArch) -> list[ExpertNames | None]:
+    """Per layer: (gate, up, down) names of expert {j}, or None for a dense layer."""
+    return [_names(a, i)[2] if _spec(a).sparse[i] else None for i in range(a.num_layers)]
 
 
 def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:

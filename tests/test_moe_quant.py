@@ -1,0 +1,104 @@
+"""A mixture-of-experts GGUF's experts served from the file's blocks (`--weights quantized`).
+
+Each expert is its contiguous slice of the [E, rows, row bytes] tensor: computed alone it
+equals its de-quantized float32 matrix; served, a Q8_0 Qwen3-MoE file (written here with
+the `gguf` package, as tests/test_moe_gguf.py writes Q4_K and Q6_K ones) gives the float32
+path's tokens and log-probabilities to float rounding, and transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.native.linear_quant import LinearQuant, QuantTensor, linear_quant
+from pdserve.model.arch.moe import MoeModel
+from pdserve.model.layers.quant_experts import QuantExperts
+from pdserve.model.weights import resident_bytes
+from tests.test_moe_gguf import NEW, PROMPTS, _hf_greedy, write_moe_gguf
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+E, HIDDEN, INTER = 4, 256, 512
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def kernel(cache: Path) -> LinearQuant:
+    k = linear_quant(cache / "native")
+    if k is None:
+        pytest.skip("linear_quant not built (no C compiler)")
+    return k
+
+
+def _quantized(shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> QuantTensor:
+    """Random float32 weights of `shape` [E, rows, cols] quantized by gguf."""
+    w = (rng.standard_normal(shape) / shape[-1] ** 0.5).astype(np.float32)
+    q = GGMLQuantizationType[qtype]
+    blocks = gguf_quants.quantize(w.reshape(-1, shape[-1]), q).reshape(*shape[:2], -1)
+    return QuantTensor(qtype, torch.from_numpy(blocks), int(q), shape[-1])
+
+
+def _floats(t: QuantTensor) -> torch.Tensor:
+    q = GGMLQuantizationType(t.type_id)
+    return torch.from_numpy(np.asarray(gguf_quants.dequantize(t.data.numpy(), q), np.float32))
+
+
+def _act_mul(h: torch.Tensor) -> torch.Tensor:
+    return F.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2 :]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_each_expert_computes_its_own_slice(kernel: LinearQuant, qtype: str) -> None:
+    rng = np.random.default_rng(0)
+    gate, up = (_quantized((E, INTER, HIDDEN), qtype, rng) for _ in range(2))
+    down = _quantized((E, HIDDEN, INTER), qtype, rng)
+    experts = QuantExperts(gate, up, down, kernel)
+    g, u, d = _floats(gate), _floats(up), _floats(down)
+    for rows in (1, 3, 40):  # a decode's token, the register kernels' few, a prompt's
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+        for e in range(E):
+            want = _act_mul(torch.cat([x @ g[e].t(), x @ u[e].t()], 1)) @ d[e].t()
+            got = experts(e, x, _act_mul)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _run(path: Path, weights: str) -> tuple[list[tuple[list[int], object]], int, bool]:
+    llm = LLM(str(path), page_size=4, max_total_tokens=512, max_context=128, weights=weights)
+    try:
+        model = llm.decode.runner.model
+        assert isinstance(model, MoeModel)
+        on_blocks = all(x.experts.quant is not None for x in model.layers if x.experts)
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=True)
+        outs = [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, params)]
+        return outs, resident_bytes(model), on_blocks
+    finally:
+        llm.close()
+
+
+def test_quantized_experts_equal_float32_experts_and_transformers(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
+    path = write_moe_gguf(tmp_path / "qwen3moe-Q8_0.gguf", "qwen3moe", "Q8_0")
+    quant, quant_bytes, on_blocks = _run(path, "quantized")
+    floats, float_bytes, float_on_blocks = _run(path, "float32")
+    assert on_blocks and not float_on_blocks
+    # the experts are most of the weights: float32 holds about 32 / 8.5 of the blocks
+    assert quant_bytes <= 1.2 * path.stat().st_size < float_bytes / 2.5
+    for (q_ids, q_lp), (f_ids, f_lp) in zip(quant, floats, strict=True):
+        assert q_ids == f_ids
+        np.testing.assert_allclose(np.asarray(q_lp), np.asarray(f_lp), atol=1e-3)
+    want = _hf_greedy(path)
+    assert [ids for ids, _ in quant] == want
+    assert any(len(set(w)) > 2 for w in want), want
