@@ -65,12 +65,17 @@ def test_each_expert_computes_its_own_slice(kernel: LinearQuant, qtype: str) -> 
     down = _quantized((E, HIDDEN, INTER), qtype, rng)
     experts = QuantExperts(gate, up, down, kernel)
     g, u, d = _floats(gate), _floats(up), _floats(down)
-    for rows in (1, 3, 40):  # a decode's token, the register kernels' few, a prompt's
-        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
-        for e in range(E):
-            want = _act_mul(torch.cat([x @ g[e].t(), x @ u[e].t()], 1)) @ d[e].t()
-            got = experts(e, x, _act_mul)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # a decode's token per expert, the register kernels' few, a prompt's; expert 1 unrouted
+    for rows in (1, 3, 40):
+        counts = [0 if e == 1 else rows + e for e in range(E)]
+        x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(rows))
+        got = experts(x, counts, _act_mul)
+        start = 0
+        for e, n in enumerate(counts):
+            xe = x[start : start + n]
+            want = _act_mul(torch.cat([xe @ g[e].t(), xe @ u[e].t()], 1)) @ d[e].t()
+            torch.testing.assert_close(got[start : start + n], want, rtol=1e-4, atol=1e-4)
+            start += n
 
 
 def _run(path: Path, weights: str) -> tuple[list[tuple[list[int], object]], int, bool]:

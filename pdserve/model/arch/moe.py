@@ -118,29 +118,24 @@ class MoeModel(LlamaModel):
     def _routed(self, e: Experts, x: torch.Tensor) -> torch.Tensor:
         """The top-k experts' outputs of each token, weighted and summed."""
         weights, chosen = route(e.router(x), _spec(self.arch))
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        k = chosen.shape[1]
+        flat_w, k = weights.to(x.dtype).flatten(), chosen.shape[1]
         # (token, slot) pairs sorted by expert: each expert's tokens are one run
         order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=e.gate_up.shape[0]).tolist()
-        flat_w, start = weights.flatten(), 0
-        for expert, n in enumerate(counts):
+        counts = torch.bincount(chosen.flatten(), minlength=_spec(self.arch).num_experts)
+        tokens = order // k
+        if e.quant is not None:  # every routed expert in two kernel calls
+            y = e.quant(x[tokens], counts.tolist(), lambda h: self.ops.act_mul(self.act, h))
+            return torch.zeros_like(x).index_add_(0, tokens, y * flat_w[order, None])
+        out, start = torch.zeros_like(x), 0
+        for expert, n in enumerate(counts.tolist()):
             if n == 0:
                 continue  # never read: its weights stay where they lie
             pairs = order[start : start + n]
             start += n
-            tokens = pairs // k
-            y = self._expert(e, expert, x[tokens]) * flat_w[pairs, None]
-            out.index_add_(0, tokens, y)
+            h = self.ops.act_mul(self.act, x[pairs // k] @ e.gate_up[expert].t())
+            y = (h @ e.down[expert].t()) * flat_w[pairs, None]
+            out.index_add_(0, pairs // k, y)
         return out
-
-    def _expert(self, e: Experts, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` of its tokens' rows x [n, H]."""
-        if e.quant is not None:
-            return e.quant(expert, x, lambda h: self.ops.act_mul(self.act, h))
-        h = self.ops.act_mul(self.act, x @ e.gate_up[expert].t())
-        return h @ e.down[expert].t()
 
 
 def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:

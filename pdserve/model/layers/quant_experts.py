@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.kernels.native.linear_quant import Group
+
 if TYPE_CHECKING:
     from pdserve.kernels.native.linear_quant import LinearQuant, QuantTensor
 
@@ -34,17 +36,26 @@ class QuantExperts:
     kernel: LinearQuant
 
     def __call__(
-        self, e: int, x: torch.Tensor, act_mul: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        x: torch.Tensor,
+        counts: list[int],
+        act_mul: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Expert e of x [n, H] float32 -> [n, H]."""
+        """x [P, H] float32, its rows grouped by expert (counts[e] rows of expert e, in
+        expert order) -> each row through its expert, [P, H]. Two kernel calls: every
+        routed expert's gate and up, then every one's down."""
         x = x.contiguous()  # NOTE: the kernel reads rows H floats apart
-        inter = self.gate.data.shape[1]
+        inter, hidden = self.gate.data.shape[1], self.down.data.shape[1]
         h = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32)
-        self.kernel(x, self.gate.data[e], self.gate.type_id, None, h, 0)
-        self.kernel(x, self.up.data[e], self.up.type_id, None, h, inter)
-        a = act_mul(h).contiguous()
-        y = torch.empty(x.shape[0], self.down.data.shape[1], dtype=torch.float32)
-        self.kernel(a, self.down.data[e], self.down.type_id, None, y)
+        spans = _spans(counts)
+        g, u, d = self.gate, self.up, self.down
+        self.kernel.groups(
+            [Group(x[a:b], t.data[e], t.type_id, h[a:b], col)
+             for e, a, b in spans for t, col in ((g, 0), (u, inter))]
+        )  # fmt: skip
+        act = act_mul(h).contiguous()
+        y = torch.empty(x.shape[0], hidden, dtype=torch.float32)
+        self.kernel.groups([Group(act[a:b], d.data[e], d.type_id, y[a:b]) for e, a, b in spans])
         return y
 
     def held(self) -> list[torch.Tensor]:
@@ -53,3 +64,13 @@ class QuantExperts:
     @property
     def num_experts(self) -> int:
         return self.gate.data.shape[0]
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each expert with rows."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, start + n))
+            start += n
+    return out
