@@ -179,7 +179,7 @@ def bytes_per_step(a: argparse.Namespace) -> None:
     for streams in a.streams:
         decode, wall = _routed(a.file, streams, a.tokens, max(a.streams) + 8)
         mean = sum(decode) / max(1, len(decode))
-        routed = mean * sum(expert.values()) / len(expert)
+        routed = mean * sum(expert.values())  # each layer's mean routed experts' bytes
         rows.append({"streams": streams, "tok_per_s": streams * a.tokens / wall,
                      "experts_per_layer": mean, "read_mb_per_step": (routed + dense) / 1e6,
                      "weights_mb": total / 1e6})  # fmt: skip
