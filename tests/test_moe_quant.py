@@ -3,7 +3,9 @@
 Each expert is its contiguous slice of the [E, rows, row bytes] tensor: computed alone it
 equals its de-quantized float32 matrix; served, a Q8_0 Qwen3-MoE file (written here with
 the `gguf` package, as tests/test_moe_gguf.py writes Q4_K and Q6_K ones) gives the float32
-path's tokens and log-probabilities to float rounding, and transformers' greedy tokens.
+path's tokens and log-probabilities to float rounding, and transformers' greedy tokens;
+a Mixtral written as llama.cpp writes one (a `llama` file with experts) gives transformers'
+Mixtral's tokens on the floats of its blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,19 @@ from pdserve.kernels.native.linear_quant import LinearQuant, QuantTensor, linear
 from pdserve.model.arch.moe import MoeModel
 from pdserve.model.layers.quant_experts import QuantExperts
 from pdserve.model.weights import resident_bytes
-from tests.test_moe_gguf import NEW, PROMPTS, _hf_greedy, write_moe_gguf
+from tests.conftest import greedy_of
+from tests.gguf_files import _tokenizer_metadata, llama_cpp_permute
+from tests.test_moe_gguf import (
+    _ATTN,
+    _GLOBAL,
+    NEW,
+    PROMPTS,
+    VOCAB,
+    _hf_greedy,
+    _put,
+    _reinit,
+    write_moe_gguf,
+)
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -107,3 +121,80 @@ def test_quantized_experts_equal_float32_experts_and_transformers(
     want = _hf_greedy(path)
     assert [ids for ids, _ in quant] == want
     assert any(len(set(w)) > 2 for w in want), want
+
+
+def write_mixtral_gguf(path: Path, qtype: str) -> torch.nn.Module:
+    """A Mixtral made by transformers, as llama.cpp's converter writes one: a `llama` file
+    with `expert_count`, Q/K rows permuted, the router F32."""
+    import gguf
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _reinit(model)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_vocab_size(VOCAB)
+    _tokenizer_metadata(w, VOCAB)
+    rng = np.random.default_rng(0)
+    heads = {"self_attn.q_proj.weight": 4, "self_attn.k_proj.weight": 2}
+    for hf, t in model.state_dict().items():
+        a = t.numpy()
+        if hf in _GLOBAL:
+            _put(w, _GLOBAL[hf], a, qtype, rng)
+            continue
+        _, _, layer, rest = hf.split(".", 3)
+        blk = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: w1 rows, then w3 rows
+            half = a.shape[1] // 2
+            _put(w, blk + "ffn_gate_exps.weight", np.ascontiguousarray(a[:, :half]), qtype, rng)
+            _put(w, blk + "ffn_up_exps.weight", np.ascontiguousarray(a[:, half:]), qtype, rng)
+        elif rest == "mlp.experts.down_proj":
+            _put(w, blk + "ffn_down_exps.weight", a, qtype, rng)
+        elif rest == "mlp.gate.weight":
+            _put(w, blk + "ffn_gate_inp.weight", a, "F32", rng)
+        else:
+            a = llama_cpp_permute(a, heads[rest]) if rest in heads else a
+            _put(w, blk + _ATTN[rest], a, qtype, rng)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def test_mixtral_gguf_experts_in_blocks_equal_transformers(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' GGUF loader reads no `llama` file with experts: the reference is its
+    Mixtral on the folder the file converts to (the blocks' floats), and the model the file
+    was written from gives the same tokens (the names and row order map back)."""
+    import transformers
+
+    from pdserve.checkpoints.resolve import resolve_model
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
+    path = tmp_path / "mixtral-Q8_0.gguf"
+    original = write_mixtral_gguf(path, "Q8_0")
+    ours, _, on_blocks = _run(path, "quantized")
+    assert on_blocks
+    folder = resolve_model(str(path)).path
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    want = [greedy_of(hf, p, NEW) for p in PROMPTS]
+    assert [ids for ids, _ in ours] == want
+    assert any(len(set(w)) > 2 for w in want), want
+    assert [greedy_of(original, p, NEW) for p in PROMPTS] == want

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.checkpoints.gguf.arch import ARCHES, GGUFArch
+from pdserve.checkpoints.gguf.arch import GGUFArch, arch_entry
 from pdserve.checkpoints.gguf.index import read_index
 from pdserve.checkpoints.gguf.tensors import hf_name, hf_shape, unpermute
 from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, QuantTensor
@@ -76,7 +76,8 @@ class QuantSource:
         index = read_index(path)
         self.path = path
         arch_name = index.architecture
-        self.arch: GGUFArch = ARCHES[arch_name]
+        experts = any("_exps." in t.name for t in index.tensors)
+        self.arch: GGUFArch = arch_entry(arch_name, experts)
         self.heads = heads
         self.tensors: dict[str, gguf.ReaderTensor] = {
             hf_name(t.name, arch_name, self.arch): t for t in index.tensors
