@@ -6,7 +6,8 @@ Checkpoints are made by transformers itself. The longrope preset's original cont
 factors), a prompt of 40 runs past it (long factors on every position, as transformers
 turns a sequence longer than the original context). Phi3ForCausalLM.generate recomputes
 its whole cache with the long factors when a generation crosses the original context;
-pdserve keeps the keys it has (docs/models.md), so no test here crosses it while decoding.
+the decode rebuilds the request's keys at that step as well (scheduler/grow.py rekey):
+prompts of 20 and 32 tokens cross it while decoding.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def test_served_like_transformers(root: Path, case: str) -> None:
     want = [hf_greedy(path, p, 16) for p in prompts]
     assert any(len(set(w)) > 2 for w in want), want
     assert _serve(path, prompts, 16) == want
+
+
+def test_generation_crossing_the_original_context_equals_transformers(root: Path) -> None:
+    """transformers' generate runs the whole sequence again with the long factors at the
+    step that first passes the original context; without the decode's rekey the tokens
+    after that step differ."""
+    path = _make(root, "longrope-partial-window-tied")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 31, 32)]
+    prompts = [prompts[0], prompts[2]]  # 20: crosses at its 14th step; 32: at its first
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    assert all(len(set(w)) > 2 for w in want), want
+    assert _serve(path, prompts, 24) == want
 
 
 def test_longrope_switches_at_the_original_context() -> None:

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.kvcache.pools import slots_of
+from pdserve.model.arch.phi3_config import rekey_length
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import (
@@ -84,6 +85,7 @@ class DecodeEngine:
         self.preemptions = 0
         self.recomputed_tokens = 0
         self.running_peak = 0  # the largest batch launched
+        self.rekey_at = rekey_length(runner.arch)  # Phi-3's longrope switch, or None
         self.events: list[TokenEvent] = []
         # Set by the engine process: sends events now, from inside step(), on the thread
         # that calls step(). Without it events wait for step() to return.
@@ -257,6 +259,7 @@ class DecodeEngine:
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
+        self._outputs_for_rekey()
         self.running = [r for r in self.running if not r.finished]
         room = self.cfg.scheduler.max_running_requests - len(self.running)
         new = self.get_new_prebuilt_batch(room)
@@ -273,7 +276,32 @@ class DecodeEngine:
         # return to the pool only behind a forward-stream event (_free, grow.preempt).
         batch = grow.grow(self, batch)
         self.running_peak = max(self.running_peak, len(batch))
+        self._rekey(batch)
         return batch
+
+    def _rekey(self, batch: list[Req]) -> None:
+        """Phi-3's longrope switch (arch/phi3_config.rekey_length): a request whose step
+        is at the original context gets its earlier keys rebuilt first, on the forward
+        stream ahead of the step."""
+        at = self.rekey_at
+        if at is None:
+            return
+        for req in batch:
+            if req.prompt_len <= at == req.prompt_len + req.launched_steps:
+                grow.rekey(self, req)
+
+    def _outputs_for_rekey(self) -> None:
+        """Process the in-flight step first where a request about to be rekeyed lacks
+        an output it needs on the host (with one step in flight it never does)."""
+        at = self.rekey_at
+        if at is None or self.in_flight is None:
+            return
+        for req in self.running:
+            p = req.prompt_len + req.launched_steps
+            if req.prompt_len <= at == p and len(req.output_ids) < p - req.prompt_len:
+                done, self.in_flight = self.in_flight, None
+                self._process(done)
+                return
 
     def get_new_prebuilt_batch(self, room: int) -> list[Req]:
         take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
