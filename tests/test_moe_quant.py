@@ -4,8 +4,8 @@ Each expert is its contiguous slice of the [E, rows, row bytes] tensor: computed
 equals its de-quantized float32 matrix; served, a Q8_0 Qwen3-MoE file (written here with
 the `gguf` package, as tests/test_moe_gguf.py writes Q4_K and Q6_K ones) gives the float32
 path's tokens and log-probabilities to float rounding, and transformers' greedy tokens;
-a Mixtral written as llama.cpp writes one (a `llama` file with experts) gives transformers'
-Mixtral's tokens on the floats of its blocks.
+a Mixtral (a `llama` file with experts) and an OLMoE written as llama.cpp writes them give
+transformers' tokens on the floats of their blocks.
 """
 
 from __future__ import annotations
@@ -123,20 +123,31 @@ def test_quantized_experts_equal_float32_experts_and_transformers(
     assert any(len(set(w)) > 2 for w in want), want
 
 
-def write_mixtral_gguf(path: Path, qtype: str) -> torch.nn.Module:
-    """A Mixtral made by transformers, as llama.cpp's converter writes one: a `llama` file
-    with `expert_count`, Q/K rows permuted, the router F32."""
-    import gguf
+def _llamacpp_model(family: str) -> torch.nn.Module:
     import transformers
 
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=256)  # fmt: skip
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=256)  # fmt: skip
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4)
+    else:
+        cfg = transformers.OlmoeConfig(**common, num_experts=4, pad_token_id=0, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _reinit(model)
-    w = gguf.GGUFWriter(str(path), "llama")
+    return model
+
+
+def write_llamacpp_moe(path: Path, family: str, qtype: str) -> torch.nn.Module:
+    """A Mixtral or OLMoE made by transformers, as llama.cpp's converter writes one:
+    Mixtral a `llama` file with `expert_count`, Q/K rows permuted; OLMoE an `olmoe` file,
+    its q/k norms over the whole projection; the router F32. Returns the model."""
+    import gguf
+
+    model = _llamacpp_model(family)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama" if family == "mixtral" else "olmoe")
     w.add_block_count(2)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -158,7 +169,7 @@ def write_mixtral_gguf(path: Path, qtype: str) -> torch.nn.Module:
             continue
         _, _, layer, rest = hf.split(".", 3)
         blk = f"blk.{layer}."
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: w1 rows, then w3 rows
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate (w1) rows, then up (w3)
             half = a.shape[1] // 2
             _put(w, blk + "ffn_gate_exps.weight", np.ascontiguousarray(a[:, :half]), qtype, rng)
             _put(w, blk + "ffn_up_exps.weight", np.ascontiguousarray(a[:, half:]), qtype, rng)
@@ -167,7 +178,8 @@ def write_mixtral_gguf(path: Path, qtype: str) -> torch.nn.Module:
         elif rest == "mlp.gate.weight":
             _put(w, blk + "ffn_gate_inp.weight", a, "F32", rng)
         else:
-            a = llama_cpp_permute(a, heads[rest]) if rest in heads else a
+            if family == "mixtral" and rest in heads:
+                a = llama_cpp_permute(a, heads[rest])
             _put(w, blk + _ATTN[rest], a, qtype, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -176,24 +188,25 @@ def write_mixtral_gguf(path: Path, qtype: str) -> torch.nn.Module:
     return model
 
 
-def test_mixtral_gguf_experts_in_blocks_equal_transformers(
-    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_llamacpp_moe_gguf_experts_in_blocks_equal_transformers(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
-    """transformers' GGUF loader reads no `llama` file with experts: the reference is its
-    Mixtral on the folder the file converts to (the blocks' floats), and the model the file
-    was written from gives the same tokens (the names and row order map back)."""
+    """transformers' GGUF loader reads neither file: the reference is its model class on
+    the folder the file converts to (the blocks' floats), and the model the file was
+    written from gives the same tokens (the names and row order map back)."""
     import transformers
 
     from pdserve.checkpoints.resolve import resolve_model
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
-    path = tmp_path / "mixtral-Q8_0.gguf"
-    original = write_mixtral_gguf(path, "Q8_0")
+    path = tmp_path / f"{family}-Q8_0.gguf"
+    original = write_llamacpp_moe(path, family, "Q8_0")
     ours, _, on_blocks = _run(path, "quantized")
     assert on_blocks
     folder = resolve_model(str(path)).path
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    assert type(hf).__name__ == "MixtralForCausalLM"
+    assert type(hf) is type(original)
     want = [greedy_of(hf, p, NEW) for p in PROMPTS]
     assert [ids for ids, _ in ours] == want
     assert any(len(set(w)) > 2 for w in want), want

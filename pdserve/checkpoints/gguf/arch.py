@@ -133,6 +133,14 @@ ARCHES: dict[str, GGUFArch] = {
         implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
         expert_tensors=moe_gguf.EXPERT_TENSORS,
     ),
+    "olmoe": GGUFArch(
+        "OlmoeForCausalLM",
+        "olmoe",
+        block_tensors=moe_gguf.OLMOE_TENSORS,
+        config_fix=moe_gguf.config_fix,
+        implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
+        expert_tensors=moe_gguf.EXPERT_TENSORS,
+    ),
 }
 
 # A `llama` file with experts (`llama.expert_count`: Mixtral, as llama.cpp's converter

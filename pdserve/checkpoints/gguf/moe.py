@@ -1,7 +1,9 @@
 """`qwen2moe` and `qwen3moe` GGUF files read as transformers' GGUF loader reads them
-(arch.ARCHES entries), into the checkpoint layout transformers saves; Mixtral (a `llama`
-file with `expert_count`, arch.LLAMA_EXPERTS, which transformers' loader does not read)
-into Mixtral's (block_sparse_moe.gate, experts.{j}.w1 / w3 / w2).
+(arch.ARCHES entries), into the checkpoint layout transformers saves; `olmoe` and Mixtral
+(a `llama` file with `expert_count`, arch.LLAMA_EXPERTS), which transformers' loader does
+not read, into theirs (Mixtral: block_sparse_moe.gate, experts.{j}.w1 / w3 / w2; OLMoE's
+experts, experts {j}'s width feed_forward_length and its top-k weights not renormalised,
+as llama.cpp computes both).
 
     ffn_{gate,up,down}_exps   [E, rows, cols], every expert's projection in one tensor:
                               written as E tensors mlp.experts.{j}.*_proj.weight
@@ -45,6 +47,12 @@ QWEN2MOE_TENSORS = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# OLMoE: q/k RMSNorm over the whole projection (attn_q_norm [q size]); rows unpermuted
+OLMOE_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
 # Mixtral: a `llama` file with `expert_count`, the Mixtral checkpoint's names (w1 gate,
 # w3 up, w2 down), experts intermediate_size (feed_forward_length) wide
