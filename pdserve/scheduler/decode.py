@@ -290,6 +290,12 @@ class DecodeEngine:
             if req.prompt_len <= at == req.prompt_len + req.launched_steps:
                 grow.rekey(self, req)
 
+    def _short_keys(self, batch: list[Req]) -> bool:
+        """A request of the batch has not passed Phi-3's switch yet: it steps one token at
+        a time (a speculative step could pass the switch without the rekey)."""
+        at = self.rekey_at
+        return at is not None and any(r.prompt_len + r.launched_steps <= at for r in batch)
+
     def _outputs_for_rekey(self) -> None:
         """Process the in-flight step first where a request about to be rekeyed lacks
         an output it needs on the host (with one step in flight it never does)."""
@@ -349,7 +355,7 @@ class DecodeEngine:
         docs/architecture.md §13): drafts need every token of the batch on the host, so
         the in-flight step is processed first. None when the step ran here."""
         waiting = bool(self.prealloc or self.transfer or self.prebuilt or self.preempted)
-        if self.spec is None or not self.spec.batch_may(batch, waiting):
+        if self.spec is None or self._short_keys(batch) or not self.spec.batch_may(batch, waiting):
             return self._launch(batch)
         if self.in_flight is not None:
             done, self.in_flight = self.in_flight, None
