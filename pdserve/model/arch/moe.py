@@ -125,7 +125,12 @@ class MoeModel(LlamaModel):
         tokens = order // k
         if e.quant is not None:  # every routed expert in two kernel calls
             y = e.quant(x[tokens], counts.tolist(), lambda h: self.ops.act_mul(self.act, h))
-            return torch.zeros_like(x).index_add_(0, tokens, y * flat_w[order, None])
+            y = y * flat_w[order, None]
+            # each token's k outputs added in expert order, as index_add_ adds them (a
+            # running sum over a token's rows: one small op where index_add_ costs more
+            # than a decode token's experts' glue together)
+            back = torch.argsort(tokens, stable=True)
+            return y[back].view(x.shape[0], k, -1).cumsum(1)[:, -1]
         out, start = torch.zeros_like(x), 0
         for expert, n in enumerate(counts.tolist()):
             if n == 0:
