@@ -8,8 +8,8 @@ from the file, so the experts have its config classes' default widths (768; Qwen
 1408, shared 5632): hidden 256 keeps them small and every K-quant block whole.
 gguf quantizes Q8_0 itself; a K-quant file holds random blocks of the same shapes (gguf
 has no K-quant quantizer), scaled like the model's weights, beside a Q8_0 embedding and
-head (as llama.cpp's mixes keep those in a wider type). The experts are served
-de-quantized to float32 (model/weights.py).
+head (as llama.cpp's mixes keep those in a wider type). The experts are served from the
+file's blocks (model/quant_experts.py; tests/test_moe_quant.py compares them with float32).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Checkpoints are made by transformers itself. The longrope preset's original cont
 factors), a prompt of 40 runs past it (long factors on every position, as transformers
 turns a sequence longer than the original context). Phi3ForCausalLM.generate recomputes
 its whole cache with the long factors when a generation crosses the original context;
-pdserve keeps the keys it has (docs/models.md), so no test here crosses it while decoding.
+the decode rebuilds the request's keys at that step as well (scheduler/grow.py rekey):
+prompts of 20 and 32 tokens cross it while decoding.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.config import SpeculativeConfig
 from pdserve.model.arch.registry import arch_from_config
 from pdserve.model.arch.rules import UnsupportedConfig
 from tests.conftest import assert_pools_free, hf_greedy
@@ -54,8 +56,12 @@ def _make(root: Path, case: str) -> Path:
     return make_checkpoint(root, case, "Phi3", **kw)
 
 
-def _serve(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    llm = LLM(path, page_size=4, max_running_requests=2, max_total_tokens=1024, max_context=128)
+def _serve(
+    path: Path, prompts: list[list[int]], new_tokens: int, spec: bool = False
+) -> list[list[int]]:
+    ngram = SpeculativeConfig("ngram", k=4, max_batch=2) if spec else None
+    llm = LLM(path, page_size=4, max_running_requests=2, max_total_tokens=1024, max_context=128,
+              speculative=ngram)  # fmt: skip
     try:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -74,6 +80,22 @@ def test_served_like_transformers(root: Path, case: str) -> None:
     want = [hf_greedy(path, p, 16) for p in prompts]
     assert any(len(set(w)) > 2 for w in want), want
     assert _serve(path, prompts, 16) == want
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["one-token-steps", "ngram"])
+def test_generation_crossing_the_original_context_equals_transformers(
+    root: Path, spec: bool
+) -> None:
+    """transformers' generate runs the whole sequence again with the long factors at the
+    step that first passes the original context; without the decode's rekey the tokens
+    after that step differ (and with speculation, without its one-token steps up to it)."""
+    path = _make(root, "longrope-partial-window-tied")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 31, 32)]
+    prompts = [prompts[0], prompts[2]]  # 20: crosses at its 14th step; 32: at its first
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    assert all(len(set(w)) > 2 for w in want), want
+    assert _serve(path, prompts, 24, spec) == want
 
 
 def test_longrope_switches_at_the_original_context() -> None:

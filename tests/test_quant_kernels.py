@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from pdserve.kernels.native import abi, library
-from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, linear_quant, row_bytes
+from pdserve.kernels.native.linear_quant import (
+    TYPES,
+    Group,
+    LinearQuant,
+    linear_quant,
+    row_bytes,
+)
 
 gguf_quants = pytest.importorskip("gguf.quants")
 
@@ -126,6 +132,28 @@ def test_rows_equal_dequantized_bit_for_bit_where_no_fma(kernel: LinearQuant, ty
         torch.testing.assert_close(got, want, rtol=2**-22, atol=1e-6)
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("type_id", [8, 12, 14], ids=["Q8_0", "Q4_K", "Q6_K"])
+def test_groups_equal_one_call_each(kernel: LinearQuant, type_id: int) -> None:
+    """A grouped call (a layer's routed experts) writes what one call per group writes,
+    bit for bit: each group's rows of x into its rows and columns of y, its own W."""
+    k, n = 512, 37  # ends in a short tile
+    ws = [torch.from_numpy(random_blocks(type_id, n, k, seed=s)) for s in range(4)]
+    g = torch.Generator().manual_seed(type_id)
+    rows = [1, 5, 40, 2]  # the one-row, register and tile paths in one call
+    x = torch.randn(sum(rows), k, generator=g)
+    grouped = torch.full((len(x), 2 * n), float("nan"))
+    single = torch.full((len(x), 2 * n), float("nan"))
+    calls, start = [], 0
+    for i, (w, m) in enumerate(zip(ws, rows, strict=True)):
+        xs, col = x[start : start + m], n * (i % 2)
+        calls.append(Group(xs, w, type_id, grouped[start : start + m], col))
+        kernel(xs, w, type_id, None, single[start : start + m], col)
+        start += m
+    kernel.groups(calls)
+    assert torch.equal(grouped.isnan(), single.isnan())
+    assert torch.equal(grouped.nan_to_num(), single.nan_to_num())
 
 
 def test_refuses_mismatched_shapes(kernel: LinearQuant) -> None:

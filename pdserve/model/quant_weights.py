@@ -27,14 +27,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.checkpoints.gguf.arch import ARCHES, GGUFArch
+from pdserve.checkpoints.gguf.arch import GGUFArch, arch_entry
 from pdserve.checkpoints.gguf.index import read_index
 from pdserve.checkpoints.gguf.tensors import hf_name, hf_shape, unpermute
 from pdserve.kernels.native.linear_quant import TYPES, LinearQuant, QuantTensor
+from pdserve.model.arch.moe import linear_groups as moe_linear_groups
 
 if TYPE_CHECKING:
     import gguf
 
+    from pdserve.model.arch.config import ModelArch
     from pdserve.model.arch.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class QuantSource:
         index = read_index(path)
         self.path = path
         arch_name = index.architecture
-        self.arch: GGUFArch = ARCHES[arch_name]
+        experts = any("_exps." in t.name for t in index.tensors)
+        self.arch: GGUFArch = arch_entry(arch_name, experts)
         self.heads = heads
         self.tensors: dict[str, gguf.ReaderTensor] = {
             hf_name(t.name, arch_name, self.arch): t for t in index.tensors
@@ -116,10 +119,13 @@ class QuantSource:
         return QuantTensor(name, torch.from_numpy(data), int(t.tensor_type), hf_shape(t)[1])
 
 
-def linear_groups(model_cls_layers: int, tied: bool) -> list[list[str]]:
-    """The weight names of each projection LlamaModel fuses, in linears() order."""
+def linear_groups(arch: ModelArch) -> list[list[str]]:
+    """The weight names of each projection the model fuses, in linears() order."""
+    tied = arch.tie_word_embeddings
+    if arch.moe is not None:
+        return [*moe_linear_groups(arch), [EMBED if tied else "lm_head.weight"]]
     groups = []
-    for i in range(model_cls_layers):
+    for i in range(arch.num_layers):
         att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         groups += [
             [att + f"{x}_proj.weight" for x in "qkv"],
@@ -130,11 +136,9 @@ def linear_groups(model_cls_layers: int, tied: bool) -> list[list[str]]:
     return [*groups, [EMBED if tied else "lm_head.weight"]]
 
 
-def plan(source: QuantSource, layers: int, tied: bool) -> list[list[str] | None]:
+def plan(source: QuantSource, arch: ModelArch) -> list[list[str] | None]:
     """Per projection (linears() order): its names when every part is servable, else None."""
-    return [
-        g if all([source.servable(n) for n in g]) else None for g in linear_groups(layers, tied)
-    ]
+    return [g if all([source.servable(n) for n in g]) else None for g in linear_groups(arch)]
 
 
 def meta_names(groups: list[list[str] | None]) -> set[str]:

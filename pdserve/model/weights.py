@@ -23,10 +23,12 @@ import torch
 from pdserve.checkpoints.tensor_files import load_state
 from pdserve.config import EngineConfig
 from pdserve.kernels.native.linear_quant import LinearQuant
-from pdserve.model import quant_weights
+from pdserve.model import quant_experts, quant_weights
+from pdserve.model.arch import moe
 from pdserve.model.arch.config import ModelArch
 from pdserve.model.arch.llama import LlamaModel
 from pdserve.model.layers.linear import Linear
+from pdserve.model.layers.quant_experts import ExpertNames
 
 if TYPE_CHECKING:
     from pdserve.model.native_kernels import NativeKernels
@@ -53,8 +55,6 @@ def _quant_source(
     why = ""
     if not cfg.device.startswith("cpu") or dtype != torch.float32:
         why = "quantized weights run on the CPU with --dtype float32"
-    elif arch.moe is not None:  # its experts are tensors, not projections with blocks
-        why = "a mixture-of-experts model's weights are served in float32"
     elif native is None:
         why = "native kernels are off (--disable-compile or PDSERVE_DISABLE_COMPILE)"
     kernel = None if why or native is None else native.linear_quant(int8)
@@ -79,12 +79,11 @@ def load_model(
     """The model `build` makes from the folder's tensors, its projections then moved onto
     the GGUF's blocks where --weights quantized applies; logs its resident weight bytes."""
     quant = _quant_source(cfg, arch, dtype, native)
-    groups = (
-        []
-        if quant is None
-        else quant_weights.plan(quant[0], arch.num_layers, arch.tie_word_embeddings)
-    )
-    skip = quant_weights.meta_names(groups)
+    groups = [] if quant is None else quant_weights.plan(quant[0], arch)
+    experts: list[ExpertNames | None] = []
+    if quant is not None and arch.moe is not None:
+        experts = quant_experts.plan(quant[0], moe.expert_names(arch))
+    skip = quant_weights.meta_names(groups) | quant_experts.meta_names(experts, arch)
     # NOTE: copies where blocks serve: a view would keep the whole float32 file mapped,
     # the dropped float embedding's pages resident with it
     model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
@@ -92,6 +91,7 @@ def load_model(
         quant_weights.apply(model, quant[0], groups, quant[1])
         if quant[1].int8:
             _say_float_types(model, quant[1])
+        _use_quant_experts(model, quant[0], experts, quant[1])
     log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
     return model
 
@@ -105,6 +105,28 @@ def _say_float_types(model: LlamaModel, kernel: LinearQuant) -> None:
             log.info("--quant-activations int8: %s has no integer kernel here: float x", name)
     log.info("--quant-activations int8: integer dots for %s",
              ", ".join(n for t, n in sorted(types.items()) if kernel.int8_supported(t)) or "none")  # fmt: skip
+
+
+def _use_quant_experts(
+    model: LlamaModel,
+    source: quant_weights.QuantSource,
+    plans: list[ExpertNames | None],
+    kernel: LinearQuant,
+) -> None:
+    """Move each planned layer's experts onto their blocks (their float copies unread)."""
+    if not isinstance(model, moe.MoeModel) or not any(plans):
+        return
+    assert model.arch.moe is not None
+    types: set[str] = set()
+    for layer, names in zip(model.layers, plans, strict=True):
+        e = layer.experts
+        if names is None or e is None:
+            continue
+        e.quant = quant_experts.experts_of(source, names, kernel, model.arch.moe.num_experts)
+        e.gate_up = e.down = torch.empty(0)
+        types.update(t.type_name for t in (e.quant.gate, e.quant.up, e.quant.down))
+    n = sum(1 for p in plans if p)
+    log.info("experts of %d layers in GGUF blocks (%s)", n, ", ".join(sorted(types)))
 
 
 def resident_bytes(model: LlamaModel) -> int:
@@ -122,7 +144,10 @@ def resident_bytes(model: LlamaModel) -> int:
             add(t)
     for obj in [model, *model.layers]:
         for value in vars(obj).values():
-            if not isinstance(value, Linear):
+            if isinstance(value, moe.Experts):
+                for t in value.held():
+                    add(t)
+            elif not isinstance(value, Linear):
                 add(value)
     if isinstance(model.embed_quant, quant_weights.QuantEmbedding):
         add(model.embed_quant.tensor.data)

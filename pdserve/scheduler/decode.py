@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pdserve.config import EngineConfig
 from pdserve.kernels.stream import Event, make_streams
 from pdserve.kvcache.pools import slots_of
+from pdserve.model.arch.phi3_config import rekey_length
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
 from pdserve.protocol import (
@@ -86,6 +87,7 @@ class DecodeEngine:
         self.preemptions = 0
         self.recomputed_tokens = 0
         self.running_peak = 0  # the largest batch launched
+        self.rekey_at = rekey_length(runner.arch)  # Phi-3's longrope switch, or None
         self.events: list[TokenEvent] = []
         # Set by the engine process: sends events now, from inside step(), on the thread
         # that calls step(). Without it events wait for step() to return.
@@ -275,6 +277,7 @@ class DecodeEngine:
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
+        self._outputs_for_rekey()
         self.running = [r for r in self.running if not r.finished]
         room = self.cfg.scheduler.max_running_requests - len(self.running)
         new = self.get_new_prebuilt_batch(room)
@@ -291,7 +294,38 @@ class DecodeEngine:
         # return to the pool only behind a forward-stream event (_free, grow.preempt).
         batch = grow.grow(self, batch)
         self.running_peak = max(self.running_peak, len(batch))
+        self._rekey(batch)
         return batch
+
+    def _rekey(self, batch: list[Req]) -> None:
+        """Phi-3's longrope switch (arch/phi3_config.rekey_length): a request whose step
+        is at the original context gets its earlier keys rebuilt first, on the forward
+        stream ahead of the step."""
+        at = self.rekey_at
+        if at is None:
+            return
+        for req in batch:
+            if req.prompt_len <= at == req.prompt_len + req.launched_steps:
+                grow.rekey(self, req)
+
+    def _short_keys(self, batch: list[Req]) -> bool:
+        """A request of the batch has not passed Phi-3's switch yet: it steps one token at
+        a time (a speculative step could pass the switch without the rekey)."""
+        at = self.rekey_at
+        return at is not None and any(r.prompt_len + r.launched_steps <= at for r in batch)
+
+    def _outputs_for_rekey(self) -> None:
+        """Process the in-flight step first where a request about to be rekeyed lacks
+        an output it needs on the host (with one step in flight it never does)."""
+        at = self.rekey_at
+        if at is None or self.in_flight is None:
+            return
+        for req in self.running:
+            p = req.prompt_len + req.launched_steps
+            if req.prompt_len <= at == p and len(req.output_ids) < p - req.prompt_len:
+                done, self.in_flight = self.in_flight, None
+                self._process(done)
+                return
 
     def get_new_prebuilt_batch(self, room: int) -> list[Req]:
         take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
@@ -339,7 +373,7 @@ class DecodeEngine:
         docs/architecture.md §13): drafts need every token of the batch on the host, so
         the in-flight step is processed first. None when the step ran here."""
         waiting = bool(self.prealloc or self.transfer or self.prebuilt or self.preempted)
-        if self.spec is None or not self.spec.batch_may(batch, waiting):
+        if self.spec is None or self._short_keys(batch) or not self.spec.batch_may(batch, waiting):
             return self._launch(batch)
         if self.in_flight is not None:
             done, self.in_flight = self.in_flight, None

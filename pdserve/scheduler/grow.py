@@ -158,28 +158,46 @@ def settle(eng: DecodeEngine) -> None:
 def recompute(eng: DecodeEngine, reqs: list[Req]) -> None:
     """Issue, on the forward stream, the extend forward that rebuilds the KV of resumed
     requests (their rows are written). The inputs stay referenced until it has run."""
-    runner = eng.runner
-    dev, ps = runner.device, runner.layout.page_size
     for req in reqs:
         tokens = req.prompt_ids + req.output_ids[:-1]
         assert len(tokens) == req.prompt_len + req.launched_steps
-        n = len(tokens)
-        batch = ForwardBatch(
-            input_ids=device_tensor(tokens, torch.int64, dev),
-            positions=device_tensor(list(range(n)), torch.int64, dev),
-            out_cache_loc=slots_of(req.pages, n, ps).to(dev),
-            rows=device_tensor([req.row], torch.int64, dev),
-            seq_lens=[n],
-            extend_lens=[n],
-            host_rows=[req.row],
-        )
-        runner.prepare(batch)
-        # NOTE: the row and the inputs were written on the schedule stream.
-        eng.forward_stream.wait_stream(eng.schedule_stream)
-        eng.forward_stream.run(_forward_of(runner, batch))
-        eng.kept_inputs.append((eng.forward_stream.record(), batch))
+        _extend(eng, req, tokens, len(tokens))
         req.resume = False
-        eng.recomputed_tokens += n
+
+
+def rekey(eng: DecodeEngine, req: Req) -> None:
+    """Rebuild the KV of every position before the step about to launch (position p) as
+    one forward over p + 1 tokens computes it: Phi3ForCausalLM.generate drops its cache
+    when a sequence first passes longrope's original context and runs the whole sequence
+    again, every position then turned by the long factors (arch/phi3_config.rekey_length).
+    The step itself then writes position p as that forward would. Precondition: the
+    outputs up to position p - 1 are on the host."""
+    p = req.prompt_len + req.launched_steps
+    tokens = req.prompt_ids + req.output_ids[: p - req.prompt_len]
+    assert len(tokens) == p, (len(tokens), p)
+    _extend(eng, req, tokens, p + 1)
+
+
+def _extend(eng: DecodeEngine, req: Req, tokens: list[int], rope_len: int) -> None:
+    runner = eng.runner
+    dev, ps = runner.device, runner.layout.page_size
+    n = len(tokens)
+    batch = ForwardBatch(
+        input_ids=device_tensor(tokens, torch.int64, dev),
+        positions=device_tensor(list(range(n)), torch.int64, dev),
+        out_cache_loc=slots_of(req.pages, n, ps).to(dev),
+        rows=device_tensor([req.row], torch.int64, dev),
+        seq_lens=[n],
+        extend_lens=[n],
+        host_rows=[req.row],
+        rope_lens=None if rope_len == n else [rope_len],
+    )
+    runner.prepare(batch)
+    # NOTE: the row and the inputs were written on the schedule stream.
+    eng.forward_stream.wait_stream(eng.schedule_stream)
+    eng.forward_stream.run(_forward_of(runner, batch))
+    eng.kept_inputs.append((eng.forward_stream.record(), batch))
+    eng.recomputed_tokens += n
 
 
 def _forward_of(runner: ModelRunner, batch: ForwardBatch) -> Callable[[], None]:

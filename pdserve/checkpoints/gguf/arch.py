@@ -133,4 +133,30 @@ ARCHES: dict[str, GGUFArch] = {
         implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
         expert_tensors=moe_gguf.EXPERT_TENSORS,
     ),
+    "olmoe": GGUFArch(
+        "OlmoeForCausalLM",
+        "olmoe",
+        block_tensors=moe_gguf.OLMOE_TENSORS,
+        config_fix=moe_gguf.config_fix,
+        implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
+        expert_tensors=moe_gguf.EXPERT_TENSORS,
+    ),
 }
+
+# A `llama` file with experts (`llama.expert_count`: Mixtral, as llama.cpp's converter
+# writes it): Q/K rows permuted as any llama file's.
+LLAMA_EXPERTS = GGUFArch(
+    "MixtralForCausalLM",
+    "mixtral",
+    block_tensors=moe_gguf.MIXTRAL_TENSORS,
+    permute_qk=True,
+    config_fix=moe_gguf.config_fix,
+    implemented_keys=moe_gguf.IMPLEMENTED_KEYS,
+    expert_tensors=moe_gguf.MIXTRAL_EXPERT_TENSORS,
+)
+
+
+def arch_entry(name: str, experts: bool) -> GGUFArch:
+    """The entry for architecture `name` (KeyError: none); `experts`: the file holds a
+    mixture of experts (a `llama` one is Mixtral)."""
+    return LLAMA_EXPERTS if name == "llama" and experts else ARCHES[name]

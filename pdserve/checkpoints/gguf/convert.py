@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from pdserve.checkpoints.gguf import tokenizer as gguf_tokenizer
-from pdserve.checkpoints.gguf.arch import ARCHES, REFUSED_KEYS, GGUFArch
+from pdserve.checkpoints.gguf.arch import ARCHES, REFUSED_KEYS, GGUFArch, arch_entry
 from pdserve.checkpoints.gguf.tensors import GGUFError, check_tensors, write_safetensors
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def arch_of(meta: dict[str, Any]) -> tuple[str, GGUFArch]:
         raise GGUFError(
             f"key general.architecture = {name!r} is not supported (supported: {', '.join(ARCHES)})"
         )
-    return name, ARCHES[name]
+    return name, arch_entry(name, meta.get(f"{name}.expert_count") is not None)
 
 
 def _check_keys(meta: dict[str, Any], name: str, arch: GGUFArch) -> None:

@@ -1,5 +1,9 @@
 """`qwen2moe` and `qwen3moe` GGUF files read as transformers' GGUF loader reads them
-(arch.ARCHES entries), into the checkpoint layout transformers saves.
+(arch.ARCHES entries), into the checkpoint layout transformers saves; `olmoe` and Mixtral
+(a `llama` file with `expert_count`, arch.LLAMA_EXPERTS), which transformers' loader does
+not read, into theirs (Mixtral: block_sparse_moe.gate, experts.{j}.w1 / w3 / w2; OLMoE's
+experts, experts {j}'s width feed_forward_length and its top-k weights not renormalised,
+as llama.cpp computes both).
 
     ffn_{gate,up,down}_exps   [E, rows, cols], every expert's projection in one tensor:
                               written as E tensors mlp.experts.{j}.*_proj.weight
@@ -44,6 +48,20 @@ QWEN2MOE_TENSORS = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# OLMoE: q/k RMSNorm over the whole projection (attn_q_norm [q size]); rows unpermuted
+OLMOE_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+# Mixtral: a `llama` file with `expert_count`, the Mixtral checkpoint's names (w1 gate,
+# w3 up, w2 down), experts intermediate_size (feed_forward_length) wide
+MIXTRAL_TENSORS = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+MIXTRAL_EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{j}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{j}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{j}.w2.weight",
+}
 # tensors stored with fewer dimensions than the checkpoint's: name suffix -> leading 1s
 ROW_VECTORS = ("mlp.shared_expert_gate.weight",)
 _WIDTHS = {
@@ -55,14 +73,15 @@ _WIDTHS = {
 
 def config_fix(meta: Mapping[str, Any], name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    experts = "num_local_experts" if name == "llama" else "num_experts"
     for key, field in (
-        ("expert_count", "num_experts"),
+        ("expert_count", experts),
         ("expert_used_count", "num_experts_per_tok"),
     ):
         if meta.get(f"{name}.{key}") is None:
             raise GGUFError(f"key {name}.{key} is missing")
         out[field] = int(meta[f"{name}.{key}"])
-    for key, (field, default) in _WIDTHS[name].items():
+    for key, (field, default) in _WIDTHS.get(name, {}).items():
         out[field] = int(meta.get(f"{name}.{key}") or default)
     if name == "qwen3moe":
         out["norm_topk_prob"] = True

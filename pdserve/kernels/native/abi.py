@@ -11,7 +11,7 @@ layout Python guessed.
     library          structs
     paged_decode     PagedDecodeArgs (kernel_args.h)
     linear_f32       LinearArgs (kernel_args.h)
-    linear_quant     QuantArgs
+    linear_quant     QuantArgs, QuantGroups
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
     decode_forward   QuantProj, Proj, DecodeLayer, DecodePlan
@@ -44,6 +44,10 @@ class QuantArgs(ctypes.Structure):
     _fields_ = [("x", _ptr), ("xq", _ptr), ("w", _ptr), ("bias", _ptr), ("y", _ptr), ("m", _i64),
                 ("n", _i64), ("k_dim", _i64), ("ldy", _i64), ("row_bytes", _i64),
                 ("type", _i32), ("status", _i32)]  # fmt: skip
+
+
+class QuantGroups(ctypes.Structure):
+    _fields_ = [("groups", _ptr), ("count", _i64), ("tiles", _i64)]
 
 
 class RowsArgs(ctypes.Structure):
@@ -109,7 +113,7 @@ Structs = Sequence[type[ctypes.Structure]]
 STRUCTS: dict[str, Structs] = {
     "paged_decode": (PagedDecodeArgs,),
     "linear_f32": (LinearArgs,),
-    "linear_quant": (QuantArgs,),
+    "linear_quant": (QuantArgs, QuantGroups),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
     "decode_forward": (QuantProj, Proj, DecodeLayer, DecodePlan),

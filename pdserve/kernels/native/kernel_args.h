@@ -42,6 +42,13 @@ typedef struct {
 static inline int64_t pd_xq_bytes(int64_t k) {
     return k + k / 4 + (k % 256 ? 0 : k + k / 64 + k / 8);
 }
+/* pd_quant_groups_range: several projections of one shape (a layer's routed experts) in
+ * one call: tiles [lo, hi) of the groups' tiles laid end to end, group g's tile t at
+ * g * tiles + t; each group its own x, W, y and m (0: skipped) */
+typedef struct {
+    QuantArgs *groups; /* [count], each n rows (tiles = ceil(n / 4)) */
+    int64_t count, tiles;
+} QuantGroups;
 
 /* pd_quant_rows: out [count][k] = the de-quantized rows ids of W (embedding look-ups) */
 typedef int (*pd_rows_fn)(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,

@@ -293,6 +293,20 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     free(buf);
 }
 
+/* Tiles [lo, hi) of every group's tiles laid end to end (QuantGroups): a layer's routed
+ * experts in one call, so the threads split all of them at once (a decode's token: k
+ * experts, each on the m = 1 register path). A group's status is its own. */
+void pd_quant_groups_range(const void *args, int64_t lo, int64_t hi) {
+    const QuantGroups *a = (const QuantGroups *)args;
+    while (lo < hi) {
+        int64_t g = lo / a->tiles, base = g * a->tiles;
+        int64_t end = hi - base < a->tiles ? hi - base : a->tiles;
+        QuantArgs *q = a->groups + g;
+        if (q->m > 0) pd_quant_linear_range(q, lo - base, end);
+        lo = base + end;
+    }
+}
+
 /* The layouts kernels/native/abi.py checks at load (abi.h). */
 static const PdAbiField abi[] = {
     PD_ABI_STRUCT(QuantArgs),        PD_ABI_FIELD(QuantArgs, x),
@@ -302,6 +316,8 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(QuantArgs, n),      PD_ABI_FIELD(QuantArgs, k_dim),
     PD_ABI_FIELD(QuantArgs, ldy),    PD_ABI_FIELD(QuantArgs, row_bytes),
     PD_ABI_FIELD(QuantArgs, type),   PD_ABI_FIELD(QuantArgs, status),
+    PD_ABI_STRUCT(QuantGroups),      PD_ABI_FIELD(QuantGroups, groups),
+    PD_ABI_FIELD(QuantGroups, count), PD_ABI_FIELD(QuantGroups, tiles),
     PD_ABI_END,
 };
 PD_ABI_EXPORT(abi)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from pdserve.kernels.native.abi import QuantArgs
+from pdserve.kernels.native.abi import QuantArgs, QuantGroups
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -46,6 +48,43 @@ class QuantTensor:
 TILE = 4  # linear_quant.c TILE: output rows a thread de-quantizes at once
 
 
+class Group(NamedTuple):
+    """One projection of a grouped call: y[:, col : col + N] = x [M, K] @ W.T, W = `w`
+    uint8 [N, row bytes] of type `type_id`; y [M, ldy] float32."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    type_id: int
+    y: torch.Tensor
+    col: int = 0
+    xq: torch.Tensor | None = None  # LinearQuant.quantize(x), for the integer kernels
+
+
+def _args(c: Group, bias: torch.Tensor | None, xq_bytes: Callable[[int], int]) -> QuantArgs:
+    """The kernel's arguments for `c`, checked: the kernel trusts them (it reads M * K
+    floats of x, and M rows of xq_bytes(K) of xq where given, N rows of W, writes M rows
+    of y)."""
+    x, w, y, xq = c.x, c.w, c.y, c.xq
+    (m, k), n = x.shape, w.shape[0]
+    ok = x.dtype == y.dtype == torch.float32 and w.dtype == torch.uint8
+    ok = ok and x.is_contiguous() and y.is_contiguous() and w.is_contiguous()
+    ok = ok and c.type_id in TYPES and w.shape[1] == row_bytes(c.type_id, k)
+    ok = ok and y.shape[0] == m and c.col + n <= y.shape[1]
+    ok = ok and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)))
+    if xq is not None:
+        ok = ok and xq.dtype == torch.uint8 and xq.is_contiguous()
+        ok = ok and tuple(xq.shape) == (m, xq_bytes(k))
+    if not ok:
+        raise ValueError(
+            f"linear_quant: x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)} "
+            f"type {c.type_id}, y {tuple(y.shape)} at column {c.col}"
+        )
+    b = 0 if bias is None else bias.data_ptr()
+    xq_ptr = 0 if xq is None else xq.data_ptr()
+    return QuantArgs(x.data_ptr(), xq_ptr, w.data_ptr(), b, y.data_ptr() + c.col * 4, m, n,
+                     k, y.shape[1], w.shape[1], c.type_id, 0)  # fmt: skip
+
+
 def row_bytes(type_id: int, k: int) -> int:
     """Bytes of one row of k elements in type `type_id` (k a whole number of blocks)."""
     name, block, size = TYPES[type_id]
@@ -61,6 +100,7 @@ class LinearQuant:
         """`int8`: --quant-activations int8, x quantized to 8 bits per block and integer
         dots (quant_int8.h) for each type int8_supported; the others stay float."""
         self._fn = range_fn(lib, "pd_quant_linear_range")
+        self._groups = range_fn(lib, "pd_quant_groups_range")
         self._rows = lib.pd_quant_rows
         self._rows.restype = ctypes.c_int
         self._rows.argtypes = [_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr]
@@ -102,31 +142,29 @@ class LinearQuant:
         """y[:, col : col + N] = x [M, K] @ W.T (+ bias [N]), W = `w` uint8 [N, row bytes]
         of type `type_id`; y [M, ldy] float32, contiguous. `xq`: quantize(x), for the
         integer kernels (a type without one reads x)."""
-        m, k = x.shape
-        n = w.shape[0]
-        # NOTE: the kernel trusts these (it reads M * K floats of x, N rows of W)
-        ok = x.dtype == y.dtype == torch.float32 and w.dtype == torch.uint8
-        ok = ok and x.is_contiguous() and y.is_contiguous() and w.is_contiguous()
-        ok = ok and type_id in TYPES and w.shape[1] == row_bytes(type_id, k)
-        ok = ok and y.shape[0] == m and col + n <= y.shape[1]
-        ok = ok and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)))
-        xq_ok = xq.dtype == torch.uint8 and xq.is_contiguous() if xq is not None else True
-        ok = ok and xq_ok and (xq is None or tuple(xq.shape) == (m, self._xq_bytes(k)))
-        if not ok:
-            raise ValueError(
-                f"linear_quant: x {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)} "
-                f"type {type_id}, y {tuple(y.shape)} at column {col}"
-            )
+        m, n = x.shape[0], w.shape[0]
+        args = _args(Group(x, w, type_id, y, col, xq), bias, self._xq_bytes)
         if m == 0 or n == 0:
             return
-        b = 0 if bias is None else bias.data_ptr()
-        y_ptr = y.data_ptr() + col * 4
-        xq_ptr = 0 if xq is None else xq.data_ptr()
-        args = QuantArgs(x.data_ptr(), xq_ptr, w.data_ptr(), b, y_ptr, m, n, k, y.shape[1],
-                          w.shape[1], type_id, 0)  # fmt: skip
         tiles = -(-n // TILE)
         self._split(self._fn, args, tiles, self.grain(m, tiles))
         if args.status:
+            raise MemoryError("linear_quant: no memory for a tile buffer")
+
+    def groups(self, calls: Sequence[Group]) -> None:
+        """Each call's y[:, col : col + N] = x @ W.T, all in one parallel run (a layer's
+        routed experts): every W has the same N rows; a call with no rows is skipped."""
+        if not calls:
+            return
+        n = calls[0].w.shape[0]
+        if any(c.w.shape[0] != n for c in calls):
+            raise ValueError("linear_quant groups: every W must have the same rows")
+        array = (QuantArgs * len(calls))(*(_args(c, None, self._xq_bytes) for c in calls))
+        tiles = -(-n // TILE)
+        args = QuantGroups(ctypes.addressof(array), len(calls), tiles)
+        m = max(c.x.shape[0] for c in calls)
+        self._split(self._groups, args, tiles * len(calls), self.grain(m, tiles * len(calls)))
+        if any(a.status for a in array):
             raise MemoryError("linear_quant: no memory for a tile buffer")
 
     def rows(self, w: torch.Tensor, type_id: int, ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.ops import rms_norm
+from pdserve.model.layers.quant_experts import ExpertNames, QuantExperts
 from pdserve.model.state_reader import StateReader
 
 
@@ -41,6 +42,12 @@ class Experts:
     shared_gate_up: Linear | None  # Qwen2-MoE's shared expert, and its [1, H] gate
     shared_down: Linear | None
     shared_gate: Linear | None
+    # the experts in a GGUF's blocks (model/quant_experts.py; gate_up and down then unread)
+    quant: QuantExperts | None = None
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the experts' weights are held in (the Linears hold their own)."""
+        return self.quant.held() if self.quant else [self.gate_up, self.down]
 
 
 @dataclass
@@ -111,22 +118,28 @@ class MoeModel(LlamaModel):
     def _routed(self, e: Experts, x: torch.Tensor) -> torch.Tensor:
         """The top-k experts' outputs of each token, weighted and summed."""
         weights, chosen = route(e.router(x), _spec(self.arch))
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        k = chosen.shape[1]
+        flat_w, k = weights.to(x.dtype).flatten(), chosen.shape[1]
         # (token, slot) pairs sorted by expert: each expert's tokens are one run
         order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=e.gate_up.shape[0]).tolist()
-        flat_w, start = weights.flatten(), 0
-        for expert, n in enumerate(counts):
+        counts = torch.bincount(chosen.flatten(), minlength=_spec(self.arch).num_experts)
+        tokens = order // k
+        if e.quant is not None:  # every routed expert in two kernel calls
+            y = e.quant(x[tokens], counts.tolist(), lambda h: self.ops.act_mul(self.act, h))
+            y = y * flat_w[order, None]
+            # each token's k outputs added in expert order, as index_add_ adds them (a
+            # running sum over a token's rows: one small op where index_add_ costs more
+            # than a decode token's experts' glue together)
+            back = torch.argsort(tokens, stable=True)
+            return y[back].view(x.shape[0], k, -1).cumsum(1)[:, -1]
+        out, start = torch.zeros_like(x), 0
+        for expert, n in enumerate(counts.tolist()):
             if n == 0:
                 continue  # never read: its weights stay where they lie
             pairs = order[start : start + n]
             start += n
-            tokens = pairs // k
-            h = self.ops.act_mul(self.act, x[tokens] @ e.gate_up[expert].t())
+            h = self.ops.act_mul(self.act, x[pairs // k] @ e.gate_up[expert].t())
             y = (h @ e.down[expert].t()) * flat_w[pairs, None]
-            out.index_add_(0, tokens, y)
+            out.index_add_(0, pairs // k, y)
         return out
 
 
@@ -187,7 +200,33 @@ def _experts(w: StateReader, a: ModelArch, i: int) -> Experts:
         fused = torch.cat([w.take(s + "gate_proj.weight"), w.take(s + "up_proj.weight")])
         shared = [Linear(fused), Linear(w.take(s + "down_proj.weight"))]
         shared.append(Linear(w.take(p + "shared_expert_gate.weight")))
-    return Experts(Linear(w.take(router)), gate_up, downs, *shared)
+    return Experts(Linear(w.take(router)), gate_up, downs, shared[0], shared[1], shared[2])
+
+
+def linear_groups(a: ModelArch) -> list[list[str]]:
+    """The weight names of each Linear, in MoeModel.linears() order (less lm_head)."""
+    spec, groups = _spec(a), []
+    for i in range(a.num_layers):
+        att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        groups += [[att + f"{x}_proj.weight" for x in "qkv"], [att + "o_proj.weight"]]
+        if not spec.sparse[i]:
+            groups += [
+                [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                [mlp + "down_proj.weight"],
+            ]
+            continue
+        p, router, _ = _names(a, i)
+        groups.append([router])
+        if spec.shared_size:
+            s = p + "shared_expert."
+            groups += [[s + "gate_proj.weight", s + "up_proj.weight"], [s + "down_proj.weight"]]
+            groups.append([p + "shared_expert_gate.weight"])
+    return groups
+
+
+def expert_names(a: ModelArch) -> list[ExpertNames | None]:
+    """Per layer: (gate, up, down) names of expert {j}, or None for a dense layer."""
+    return [_names(a, i)[2] if _spec(a).sparse[i] else None for i in range(a.num_layers)]
 
 
 def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -120,3 +120,14 @@ def _int(cfg: dict[str, Any], field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise refuse(field, value, "expected a positive integer")
     return value
+
+
+def rekey_length(arch: ModelArch) -> int | None:
+    """The position at which a decode rebuilds its request's keys (scheduler/grow.py
+    rekey), or None: Phi3ForCausalLM.generate (transformers 5) drops its cache when the
+    sequence first passes longrope's original context and runs it whole again, so every
+    position is turned by the long factors from that step on."""
+    s = arch.rope_scaling
+    if arch.architecture != PHI3 or not s or s.get("rope_type") != "longrope":
+        return None
+    return int(s["original_max_position_embeddings"])

@@ -62,10 +62,11 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.switch is not None and self.scaling is not None
         start, cos, sin = 0, cos.clone(), sin.clone()
-        for seq_len, n in zip(batch.seq_lens, batch.extend_lens, strict=True):
-            if seq_len > self.switch:
+        lens = batch.rope_lens or batch.seq_lens
+        for seq_len, rope_len, n in zip(batch.seq_lens, lens, batch.extend_lens, strict=True):
+            if rope_len > self.switch:
                 pos = torch.arange(seq_len - n, seq_len)
-                freqs = sequence_angles(self.dim, self.theta, self.scaling, seq_len, pos)
+                freqs = sequence_angles(self.dim, self.theta, self.scaling, rope_len, pos)
                 cos[start : start + n], sin[start : start + n] = self._cos_sin(freqs)
             start += n
         return cos, sin
