@@ -256,7 +256,8 @@ def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_GGUF = {moe_config.QWEN2_MOE: "qwen2moe", moe_config.QWEN3_MOE: "qwen3moe"}
+# Mixtral's GGUF is a `llama` file with experts (checkpoints/gguf/arch.py tells them apart)
+_GGUF = {moe_config.QWEN2_MOE: "qwen2moe", moe_config.QWEN3_MOE: "qwen3moe", OLMOE: "olmoe"}
 ARCHITECTURES = tuple(
     Architecture(name, (model_type,), moe_config.read_config, MoeModel, _GGUF.get(name))
     for model_type, name in moe_config.MODEL_TYPES.items()
