@@ -1,8 +1,8 @@
 """Gemma 3 on the one-call native decode forward (kernels/native/decode_forward.c): its
 logits equal the per-call path's (Gemma3Model.forward) bit for bit, on float32 weights
-and on a GGUF's Q8_0 blocks, with sliding layers whose window is shorter than the
-contexts and a rope table per layer type; an engine on it gives transformers' greedy
-tokens; soft-capped logits keep the per-call path."""
+and on a GGUF's Q8_0 blocks (float and int8 activations), with sliding layers whose
+window is shorter than the contexts and a rope table per layer type; an engine on it
+gives transformers' greedy tokens; soft-capped logits keep the per-call path."""
 
 from __future__ import annotations
 
@@ -41,11 +41,16 @@ def _runner(root: Path, runners: dict[str, ModelRunner], kind: str) -> ModelRunn
             kw, edit = SERVED["mixed-layers"]
             path = make_gemma3(root, "native-mixed", edit, **kw)
         else:  # six layers (five sliding), head size 256, every projection in Q8_0 blocks
+            gguf = root / "gemma3-Q8_0.gguf"
+            if not gguf.exists():
+                write_gemma3_gguf(root, "Q8_0")
             with pytest.MonkeyPatch.context() as mp:  # converted under the test's folder only
                 mp.setenv("PDSERVE_CACHE_DIR", str(root / "cache"))
-                path = resolve_model(str(write_gemma3_gguf(root, "Q8_0"))).path
+                path = resolve_model(str(gguf)).path
         cache = CacheConfig(max_total_tokens=4096)
-        runner = ModelRunner(EngineConfig(model_path=str(path), cache=cache))
+        quant_x = "int8" if kind.endswith("int8") else "float"  # --quant-activations
+        cfg = EngineConfig(model_path=str(path), cache=cache, quant_activations=quant_x)
+        runner = ModelRunner(cfg)
         runner.warm_up_decode()
         runners[kind] = runner
     runner = runners[kind]
@@ -54,7 +59,7 @@ def _runner(root: Path, runners: dict[str, ModelRunner], kind: str) -> ModelRunn
     return runner
 
 
-@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q8_0-int8"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 2], [40] * 4, list(range(1, 18))])
 def test_logits_equal_the_per_call_path(monkeypatch, root, runners, kind, threads, lens) -> None:
@@ -63,8 +68,10 @@ def test_logits_equal_the_per_call_path(monkeypatch, root, runners, kind, thread
     windows = set(runner.arch.layer_windows)
     assert windows == {WINDOW, 0}, windows
     assert len(runner.model.ropes) == 2, "a rope per layer type"
-    if kind == "q8_0":
+    if kind != "f32":
         assert all(lin.quant is not None for lin in runner.model.linears()[:-1])
+    assert runner.native_forward is not None
+    assert bool(runner.native_forward.plan.quant_x8) == kind.endswith("int8")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
