@@ -7,10 +7,12 @@
  * overlap gained nothing on CPU, and each call's Python costs 5-20 us. Here the whole
  * forward is one ctypes call: the GIL is free for its length.
  *
- * It computes nothing itself: it calls the same kernels the per-call path calls
- * (linear_f32.c, paged_decode.c, decode_ops.c, par.c), through function pointers the
- * caller takes from those libraries, in the same order on the same buffers' shapes. So
- * its logits equal the per-call path's bit for bit (tests/test_decode_forward.py).
+ * It computes nothing itself but the embedding's scale (one float32 multiply per value,
+ * as torch's): it calls the same kernels the per-call path calls (linear_f32.c,
+ * paged_decode.c, decode_ops.c, par.c), through function pointers the caller takes from
+ * those libraries, in the same order on the same buffers' shapes. So its logits equal
+ * the per-call path's bit for bit (tests/test_decode_forward.py,
+ * tests/test_decode_forward_gemma3.py).
  *
  * One token per request, B requests; h = the embedding rows (times embed_scale, Gemma's
  * sqrt(hidden), where set); per layer (x, h, delta [B, hidden]):
