@@ -27,9 +27,10 @@
  *
  * A Gemma 3 layer (pre_ff_norm set) norms each sublayer's output before it joins h:
  * the attention's delta by post_norm, then x = pre_ff_norm(h += that); the MLP's delta
- * by post_ff_norm. Then logits = norm(h += delta) @ Whead^T. Ids, positions and slots are checked before
- * anything is written (status 1, 2, 3); a shape the attention does not take is status
- * 4 (the pool may hold this step's first layer's K/V then: slots the step owns).
+ * by post_ff_norm. Then logits = norm(h += delta) @ Whead^T. Ids, positions and slots
+ * are checked before anything is written (status 1, 2, 3); a shape the attention does
+ * not take is status 4 (the pool may hold this step's first layer's K/V then: slots the
+ * step owns).
  *
  * Threads: a projection splits its panels, the attention its requests, over
  * threads_now() parts on par.c's workers; the elementwise passes run on this thread.

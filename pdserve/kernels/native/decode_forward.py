@@ -2,8 +2,8 @@
 
 The C side computes nothing itself but the embedding's scale: it calls the kernels the
 per-call path uses (linear_f32.c, paged_decode.c, decode_ops.c, par.c), taken here from
-their loaded libraries as function pointers. One ctypes call releases the GIL for the whole forward,
-so the decode's scheduler thread runs its Python while the step computes.
+their loaded libraries as function pointers. One ctypes call releases the GIL for the
+whole forward, so the decode's scheduler thread runs its Python while the step computes.
 
 This module knows the C structs and the libraries, not the model: model/native_forward.py
 fills a `DecodePlan` from a model's weights and a step's batch.

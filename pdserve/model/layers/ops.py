@@ -10,8 +10,8 @@
 
 Both compute the same values up to float rounding (the native sum of squares, exp and
 GELU-tanh, computed as g * sigmoid(2u) instead of 0.5 g (1 + tanh u), round differently
-in the last bits). NativeOps mutates `h` in place in `add_norm`; the
-model owns `h` (its embedding output), so no caller sees that.
+in the last bits). NativeOps mutates `h` in place in `add_norm`; the model owns `h` (its
+embedding output), so no caller sees that.
 """
 
 from __future__ import annotations
