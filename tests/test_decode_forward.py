@@ -184,7 +184,7 @@ def test_a_model_it_does_not_cover_keeps_the_per_call_path_and_says_why(
     runner = ModelRunner(EngineConfig(model_path=str(model_path("tiny"))))
     runner.warm_up_decode()
     assert runner.native_forward is None
-    assert "activation is not SiLU" in caplog.text
+    assert "activation is neither SiLU nor GELU-tanh" in caplog.text
 
 
 def test_the_switch_turns_it_off(monkeypatch) -> None:

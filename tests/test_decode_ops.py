@@ -1,5 +1,6 @@
 """The native decode passes (kernels/native/decode_ops.c through model/ops.NativeOps) compute
-what the torch reference computes: norms with and without the residual add, silu * up,
+what the torch reference computes: norms with and without the residual add, silu * up and
+gelu_tanh * up,
 the in-place rotation of strided q/k heads, the pool write, and the greedy argmax with
 torch's tie and NaN rules. Bad calls raise instead of reading or writing out of bounds,
 and a decode engine running them still produces transformers' greedy tokens."""
@@ -65,6 +66,25 @@ def test_silu_mul(native, t, inter) -> None:
     torch.testing.assert_close(native.act_mul(F.silu, gu), want, rtol=1e-6, atol=1e-6)
     # another activation is left to torch, not computed as silu
     torch.testing.assert_close(native.act_mul(F.gelu, gu), REF.act_mul(F.gelu, gu))
+
+
+@pytest.mark.parametrize(("t", "inter"), [(1, 8), (3, 37), (64, 640)])
+def test_gelu_tanh_mul(native, t, inter) -> None:
+    """Gemma's gelu_pytorch_tanh: close to the exact value (float64) and to torch's, and
+    what NativeOps computes for that activation (the per-call path and the one-call
+    forward then call one kernel: their logits are equal bit for bit)."""
+    from pdserve.model.layers.activations import ACTIVATIONS
+
+    gu = torch.randn(t, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4
+    gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, -9.0])  # the exp's clamps and overflow
+    got = native.kernels.gelu_tanh_mul(gu)
+    g, up = gu.double().chunk(2, dim=-1)
+    exact = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)) * up
+    torch.testing.assert_close(got, exact.float(), rtol=1e-6, atol=1e-7)
+    gelu = ACTIVATIONS["gelu_pytorch_tanh"]
+    # torch rounds 1 + tanh(u) to 0 below g ~ -9 and loses digits on the way there
+    torch.testing.assert_close(got, REF.act_mul(gelu, gu), rtol=1e-5, atol=1e-5)
+    assert torch.equal(native.act_mul(gelu, gu), got)
 
 
 @pytest.mark.parametrize(

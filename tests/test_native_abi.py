@@ -77,7 +77,8 @@ def test_the_struct_reader_reads_each_kind_of_member() -> None:
     got = c_members(sources(zmq_native.SRC_DIR), "ZmqApi")  # pointers to functions
     assert got == [name for name, *_ in zmq_native.ZmqApi._fields_]
     got = c_members(sources(library.SRC_DIR), "DecodeLayer")  # several per line, structs
-    assert got[:6] == ["input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o"]
+    assert got[:4] == ["input_norm", "post_norm", "pre_ff_norm", "post_ff_norm"]
+    assert got[6:10] == ["cos", "sin", "qkv", "o"]
     assert "bounds" in c_members(sources(library.SRC_DIR), "DecodePlan")  # an array
 
 

@@ -4,7 +4,9 @@
 into a plan once (a decode runner's warm-up); each pure decode step then fills in the
 step's inputs and makes one ctypes call. It fits when the decode runs entirely on the
 native kernels already (fp32 on the CPU, every projection on the native linear or in a
-GGUF's blocks (linear_quant), the native norms and decode attention) with SiLU; otherwise `build` says why not and the
+GGUF's blocks (linear_quant), the native norms and decode attention) with SiLU or
+GELU-tanh, and its layer is Llama's or Gemma 3's (sandwich norms, a rope per layer type,
+the embedding scaled; no logit soft-cap); otherwise `build` says why not and the
 per-call path (LlamaModel.forward) runs, with the same results.
 
 The per-call path computes the same values with the same kernels in the same order:
@@ -17,14 +19,15 @@ import ctypes
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pdserve.kernels.core_share import CoreShare, HostCore
 from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
+from pdserve.model.arch.gemma3 import Gemma3Layer, Gemma3Model
 from pdserve.model.arch.llama import LlamaModel
 from pdserve.model.attention.backends import NativeAttention
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.layers.activations import NATIVE_ACTS
 from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.ops import NativeOps
 from pdserve.model.quant_weights import QuantEmbedding
@@ -33,16 +36,18 @@ from pdserve.model.quant_weights import QuantEmbedding
 def refusal(model: LlamaModel, attn: object) -> str | None:
     """Why `model` cannot run its decode natively (None: it can)."""
     a = model.arch
-    if not computes_llama_layer(model):  # the C forward computes the Llama layer only
-        return f"{a.architecture}'s layer is not the native forward's (Llama's)"
+    if not computes_llama_layer(model) and type(model) is not Gemma3Model:
+        return f"{a.architecture}'s layer is not the native forward's (Llama's or Gemma 3's)"
+    if a.final_logit_softcapping is not None:
+        return "the logits are soft-capped (final_logit_softcapping)"
     if a.rotary_dim not in (None, a.head_dim):
         return "rope turns part of each head (the native forward turns all of it)"
     if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return "not fp32 on the CPU"
     if model.embed_quant is not None and not isinstance(model.embed_quant, QuantEmbedding):
         return "the embedding is looked up by a function the native forward does not know"
-    if not isinstance(model.ops, NativeOps) or model.act is not F.silu:
-        return "the native norms are off or the activation is not SiLU"
+    if not isinstance(model.ops, NativeOps) or model.act not in NATIVE_ACTS:
+        return "the native norms are off or the activation is neither SiLU nor GELU-tanh"
     if not all(lin.native is not None or lin.quant is not None for lin in model.linears()):
         return "a projection is not on the native linear"
     if any(lin.quant is not None and len(lin.quant[1]) > MAX_PARTS for lin in model.linears()):
@@ -93,25 +98,33 @@ class NativeDecodeForward:
         keep: list[QuantProj] = []
         self._quant = keep  # NOTE: the plan's Projs point into them: kept alive with the plan
         for i, w in enumerate(model.layers):
+            # Gemma 3's norms around each sublayer (None: the Llama layer)
+            pre_ff, post_ff = (
+                (w.pre_ff_norm, w.post_ff_norm) if isinstance(w, Gemma3Layer) else (None, None)
+            )
+            rope = model.ropes[model.rope_of_layer[i]]
             layers[i] = DecodeLayer(
-                float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(w.q_norm),
-                float_ptr(w.k_norm), _proj(w.qkv, keep), _proj(w.o, keep),
-                _proj(w.gate_up, keep), _proj(w.down, keep), float_ptr(pool.k[i]), float_ptr(pool.v[i]),
-                self.windows.index(per_layer[i]),
+                float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(pre_ff),
+                float_ptr(post_ff), float_ptr(w.q_norm),
+                float_ptr(w.k_norm), float_ptr(rope.cos), float_ptr(rope.sin_signed),
+                _proj(w.qkv, keep), _proj(w.o, keep), _proj(w.gate_up, keep), _proj(w.down, keep),
+                float_ptr(pool.k[i]), float_ptr(pool.v[i]), self.windows.index(per_layer[i]),
             )  # fmt: skip
         self._layers = layers  # NOTE: the plan points into it: kept alive with the plan
         p = self.plan = kernel.plan()
         p.layers, p.hidden, p.inter = a.num_layers, a.hidden_size, a.intermediate_size
         p.heads, p.kv_heads, p.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         p.vocab = a.vocab_size
-        p.num_slots, p.max_pos = pool.k.shape[1], model.rope.cos.shape[0]
+        p.num_slots, p.max_pos = pool.k.shape[1], min(r.cos.shape[0] for r in model.ropes)
         p.eps, p.scale = a.rms_norm_eps, attn.scale
+        p.act_mul = kernel.act_muls[NATIVE_ACTS[model.act]]
+        if isinstance(model, Gemma3Model):  # a float32 scalar: the plan's float holds it exactly
+            p.embed_scale = float(model.embed_scale)
         p.embed, p.final_norm = float_ptr(model.embed), float_ptr(model.norm)
         if isinstance(model.embed_quant, QuantEmbedding):
             blocks = model.embed_quant.tensor
             p.embed, p.embed_blocks = 0, blocks.data.data_ptr()
             p.embed_row_bytes, p.embed_type = blocks.data.shape[1], blocks.type_id
-        p.cos, p.sin = float_ptr(model.rope.cos), float_ptr(model.rope.sin_signed)
         p.head, p.layer = _proj(model.lm_head, keep), layers
         if any(lin.quant is not None and lin.quant[0].int8 for lin in model.linears()):
             p.quant_x8 = kernel.quant_x8  # --quant-activations int8

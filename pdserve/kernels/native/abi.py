@@ -84,21 +84,22 @@ class Proj(ctypes.Structure):
 
 
 class DecodeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("qkv", Proj), ("o", Proj),
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("pre_ff_norm", _ptr),
+                ("post_ff_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr),
+                ("sin", _ptr), ("qkv", Proj), ("o", Proj),
                 ("gate_up", Proj), ("down", Proj), ("k_pool", _ptr), ("v_pool", _ptr),
                 ("window", _i64)]  # fmt: skip
 
 
 class DecodePlan(ctypes.Structure):
     _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
-                ("head_norm", _ptr), ("silu_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
+                ("head_norm", _ptr), ("act_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
                 ("quant_linear", _ptr), ("quant_rows", _ptr), ("quant_x8", _ptr),
                 ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
-                ("max_pos", _i64), ("eps", _f32), ("scale", _f32),
+                ("max_pos", _i64), ("eps", _f32), ("scale", _f32), ("embed_scale", _f32),
                 ("embed", _ptr), ("embed_blocks", _ptr), ("embed_row_bytes", _i64),
-                ("embed_type", _i32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+                ("embed_type", _i32), ("final_norm", _ptr),
                 ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
                 ("threads", _i64), ("share", _ptr), ("share_engines", _i64),
                 ("share_slot", _i64), ("share_own", _i64), ("host_busy", _ptr),

@@ -1,4 +1,5 @@
-/* A Llama-family decode forward in one call: embedding -> layers -> final norm -> head.
+/* A Llama-family or Gemma 3 decode forward in one call: embedding -> layers -> final
+ * norm -> head.
  *
  * Why: the same step issued from Python is ~10 kernel calls per layer, each a ctypes
  * call that drops and re-takes the GIL. The decode's scheduler thread (which prepares
@@ -6,24 +7,30 @@
  * overlap gained nothing on CPU, and each call's Python costs 5-20 us. Here the whole
  * forward is one ctypes call: the GIL is free for its length.
  *
- * It computes nothing itself: it calls the same kernels the per-call path calls
- * (linear_f32.c, paged_decode.c, decode_ops.c, par.c), through function pointers the
- * caller takes from those libraries, in the same order on the same buffers' shapes. So
- * its logits equal the per-call path's bit for bit (tests/test_decode_forward.py).
+ * It computes nothing itself but the embedding's scale (one float32 multiply per value,
+ * as torch's): it calls the same kernels the per-call path calls (linear_f32.c,
+ * paged_decode.c, decode_ops.c, par.c), through function pointers the caller takes from
+ * those libraries, in the same order on the same buffers' shapes. So its logits equal
+ * the per-call path's bit for bit (tests/test_decode_forward.py,
+ * tests/test_decode_forward_gemma3.py).
  *
- * One token per request, B requests; per layer (x, h, delta [B, hidden]):
+ * One token per request, B requests; h = the embedding rows (times embed_scale, Gemma's
+ * sqrt(hidden), where set); per layer (x, h, delta [B, hidden]):
  *
  *     x = norm(h += delta)            input norm (no delta before layer 0)
- *     qkv = x @ Wqkv^T + b            [B, (H + 2 KH) D]; q, k normed per head (Qwen3)
- *                                     and rotated in place
+ *     qkv = x @ Wqkv^T + b            [B, (H + 2 KH) D]; q, k normed per head (Qwen3,
+ *                                     Gemma 3) and rotated in place by the layer's rope
  *     pool[out_slot] = k, v           then attention over the pool -> attn [B, H D]
  *     delta = attn @ Wo^T
  *     x = norm(h += delta)            post-attention norm
- *     delta = silu(gate) * up @ Wdown^T
+ *     delta = act(gate) * up @ Wdown^T  act: SiLU or GELU-tanh (plan.act_mul)
  *
- * then logits = norm(h += delta) @ Whead^T. Ids, positions and slots are checked before
- * anything is written (status 1, 2, 3); a shape the attention does not take is status
- * 4 (the pool may hold this step's first layer's K/V then: slots the step owns).
+ * A Gemma 3 layer (pre_ff_norm set) norms each sublayer's output before it joins h:
+ * the attention's delta by post_norm, then x = pre_ff_norm(h += that); the MLP's delta
+ * by post_ff_norm. Then logits = norm(h += delta) @ Whead^T. Ids, positions and slots
+ * are checked before anything is written (status 1, 2, 3); a shape the attention does
+ * not take is status 4 (the pool may hold this step's first layer's K/V then: slots the
+ * step owns).
  *
  * Threads: a projection splits its panels, the attention its requests, over
  * threads_now() parts on par.c's workers; the elementwise passes run on this thread.
@@ -41,7 +48,7 @@
 
 typedef int (*par_fn)(pd_range_fn, const void *, int64_t, int);
 typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t, float);
-typedef void (*silu_fn)(const float *, float *, int64_t, int64_t);
+typedef void (*act_fn)(const float *, float *, int64_t, int64_t);
 typedef void (*heads_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, float);
 typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t, int64_t,
                         int64_t);
@@ -66,7 +73,9 @@ typedef struct { /* a projection: weights in 16-column panels (linear_f32.c), or
 
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *q_norm, *k_norm; /* [D] each, or NULL: no q/k norms (all but Qwen3) */
+    const float *pre_ff_norm, *post_ff_norm; /* Gemma 3's sandwich norms, or NULL: Llama's */
+    const float *q_norm, *k_norm; /* [D] each, or NULL: no q/k norms */
+    const float *cos, *sin;       /* the layer's rope [max_pos, D] (sin's first half negated) */
     Proj qkv, o, gate_up, down;
     float *k_pool, *v_pool; /* this layer's [num_slots, KH, D] */
     int64_t window;         /* index into DecodePlan.bounds */
@@ -78,7 +87,7 @@ typedef struct {
     par_fn par_run; /* NULL: every part on this thread */
     norm_fn norm;
     heads_fn head_norm;
-    silu_fn silu_mul;
+    act_fn act_mul;           /* pd_silu_mul or pd_gelu_tanh_mul */
     rope_fn rope;
     kv_fn kv_write;
     pd_range_fn quant_linear; /* NULL where no projection is in blocks */
@@ -86,12 +95,11 @@ typedef struct {
     x8_fn quant_x8;           /* NULL: float x; else pd_quant_x8 (--quant-activations int8) */
     /* the model */
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, num_slots, max_pos;
-    float eps, scale;
+    float eps, scale, embed_scale; /* embed_scale 0: the rows as looked up */
     const float *embed;     /* [vocab, hidden], or NULL: embed_blocks */
     const uint8_t *embed_blocks; /* [vocab] rows of embed_row_bytes, GGUF type embed_type */
     int64_t embed_row_bytes;
     int32_t embed_type;
-    const float *cos, *sin; /* [max_pos, D] rope tables (sin's first half negated) */
     const float *final_norm;
     Proj head;
     const DecodeLayer *layer;
@@ -169,7 +177,7 @@ static int64_t qkv_width(const DecodePlan *p) {
 }
 
 static int64_t float_scratch(const DecodePlan *p, int64_t b) {
-    return b * (3 * p->hidden + qkv_width(p) + p->heads * p->head_dim + 3 * p->inter);
+    return b * (4 * p->hidden + qkv_width(p) + p->heads * p->head_dim + 3 * p->inter);
 }
 
 /* Floats of scratch a step of b requests needs (the caller allocates them): the float
@@ -200,7 +208,7 @@ static int32_t attention(const DecodePlan *p, const DecodeLayer *w, const float 
     }
     for (int64_t i = 0; i < p->b; i++) { /* q and k side by side: one rotation */
         int64_t pos = p->positions[i];
-        p->rope(qkv + i * ld, ld, p->cos + pos * d, p->sin + pos * d, 1, p->heads + p->kv_heads,
+        p->rope(qkv + i * ld, ld, w->cos + pos * d, w->sin + pos * d, 1, p->heads + p->kv_heads,
                 d);
     }
     const float *k = qkv + q_size, *v = qkv + q_size + kv;
@@ -214,30 +222,48 @@ static int32_t attention(const DecodePlan *p, const DecodeLayer *w, const float 
     return 0;
 }
 
-/* The forward of plan->b requests into plan->logits; returns plan->status (0: done). */
-int pd_decode_forward(DecodePlan *p) {
+static void embed(const DecodePlan *p, float *h) {
     int64_t b = p->b, hd = p->hidden;
-    p->status = check_inputs(p);
-    if (p->status || b == 0) return p->status;
-    float *h = p->scratch, *x = h + b * hd, *delta = x + b * hd, *qkv = delta + b * hd;
-    float *attn = qkv + b * qkv_width(p), *gu = attn + b * p->heads * p->head_dim;
-    float *act = gu + 2 * b * p->inter;
     if (p->embed_blocks)
         p->quant_rows(p->embed_type, p->embed_blocks, p->embed_row_bytes, p->ids, b, hd, h);
     else
         for (int64_t i = 0; i < b; i++)
             memcpy(h + i * hd, p->embed + p->ids[i] * hd, (size_t)hd * sizeof(float));
+    if (p->embed_scale != 0.0f)
+        for (int64_t i = 0; i < b * hd; i++) h[i] *= p->embed_scale;
+}
+
+/* The forward of plan->b requests into plan->logits; returns plan->status (0: done). */
+int pd_decode_forward(DecodePlan *p) {
+    int64_t b = p->b, hd = p->hidden;
+    p->status = check_inputs(p);
+    if (p->status || b == 0) return p->status;
+    float *h = p->scratch, *x = h + b * hd, *delta = x + b * hd, *y = delta + b * hd;
+    float *qkv = y + b * hd, *attn = qkv + b * qkv_width(p);
+    float *gu = attn + b * p->heads * p->head_dim, *act = gu + 2 * b * p->inter;
+    const float *add = NULL; /* what the next norm adds to h: delta, or y (Gemma 3) */
+    embed(p, h);
     for (int64_t l = 0; l < p->layers; l++) {
         const DecodeLayer *w = &p->layer[l];
-        p->norm(h, l ? delta : NULL, w->input_norm, x, b, hd, p->eps);
+        p->norm(h, add, w->input_norm, x, b, hd, p->eps);
         p->status = attention(p, w, x, qkv, attn, delta);
         if (p->status) return p->status;
-        p->norm(h, delta, w->post_norm, x, b, hd, p->eps);
+        if (w->pre_ff_norm) {
+            p->norm(delta, NULL, w->post_norm, y, b, hd, p->eps);
+            p->norm(h, y, w->pre_ff_norm, x, b, hd, p->eps);
+        } else {
+            p->norm(h, delta, w->post_norm, x, b, hd, p->eps);
+        }
         project(p, &w->gate_up, x, gu);
-        p->silu_mul(gu, act, b, p->inter);
+        p->act_mul(gu, act, b, p->inter);
         project(p, &w->down, act, delta);
+        add = delta;
+        if (w->post_ff_norm) {
+            p->norm(delta, NULL, w->post_ff_norm, y, b, hd, p->eps);
+            add = y;
+        }
     }
-    p->norm(h, p->layers ? delta : NULL, p->final_norm, x, b, hd, p->eps);
+    p->norm(h, add, p->final_norm, x, b, hd, p->eps);
     project(p, &p->head, x, p->logits);
     return 0;
 }
@@ -253,7 +279,9 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(Proj, k_dim), PD_ABI_FIELD(Proj, panels), PD_ABI_FIELD(Proj, quant),
     PD_ABI_STRUCT(DecodeLayer),
     PD_ABI_FIELD(DecodeLayer, input_norm), PD_ABI_FIELD(DecodeLayer, post_norm),
+    PD_ABI_FIELD(DecodeLayer, pre_ff_norm), PD_ABI_FIELD(DecodeLayer, post_ff_norm),
     PD_ABI_FIELD(DecodeLayer, q_norm), PD_ABI_FIELD(DecodeLayer, k_norm),
+    PD_ABI_FIELD(DecodeLayer, cos), PD_ABI_FIELD(DecodeLayer, sin),
     PD_ABI_FIELD(DecodeLayer, qkv), PD_ABI_FIELD(DecodeLayer, o),
     PD_ABI_FIELD(DecodeLayer, gate_up), PD_ABI_FIELD(DecodeLayer, down),
     PD_ABI_FIELD(DecodeLayer, k_pool), PD_ABI_FIELD(DecodeLayer, v_pool),
@@ -261,7 +289,7 @@ static const PdAbiField abi[] = {
     PD_ABI_STRUCT(DecodePlan),
     PD_ABI_FIELD(DecodePlan, linear), PD_ABI_FIELD(DecodePlan, attend),
     PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, norm),
-    PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, silu_mul),
+    PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, act_mul),
     PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
     PD_ABI_FIELD(DecodePlan, quant_linear), PD_ABI_FIELD(DecodePlan, quant_rows),
     PD_ABI_FIELD(DecodePlan, quant_x8),
@@ -270,10 +298,10 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(DecodePlan, head_dim), PD_ABI_FIELD(DecodePlan, inter),
     PD_ABI_FIELD(DecodePlan, vocab), PD_ABI_FIELD(DecodePlan, num_slots),
     PD_ABI_FIELD(DecodePlan, max_pos), PD_ABI_FIELD(DecodePlan, eps),
-    PD_ABI_FIELD(DecodePlan, scale), PD_ABI_FIELD(DecodePlan, embed),
+    PD_ABI_FIELD(DecodePlan, scale), PD_ABI_FIELD(DecodePlan, embed_scale),
+    PD_ABI_FIELD(DecodePlan, embed),
     PD_ABI_FIELD(DecodePlan, embed_blocks), PD_ABI_FIELD(DecodePlan, embed_row_bytes),
     PD_ABI_FIELD(DecodePlan, embed_type),
-    PD_ABI_FIELD(DecodePlan, cos), PD_ABI_FIELD(DecodePlan, sin),
     PD_ABI_FIELD(DecodePlan, final_norm), PD_ABI_FIELD(DecodePlan, head),
     PD_ABI_FIELD(DecodePlan, layer), PD_ABI_FIELD(DecodePlan, threads),
     PD_ABI_FIELD(DecodePlan, share), PD_ABI_FIELD(DecodePlan, share_engines),

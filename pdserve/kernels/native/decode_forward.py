@@ -1,9 +1,9 @@
 """kernels/native/decode_forward.c: a whole decode forward in one ctypes call (fp32, CPU).
 
-The C side computes nothing itself: it calls the kernels the per-call path uses
-(linear_f32.c, paged_decode.c, decode_ops.c, par.c), taken here from their loaded
-libraries as function pointers. One ctypes call releases the GIL for the whole forward,
-so the decode's scheduler thread runs its Python while the step computes.
+The C side computes nothing itself but the embedding's scale: it calls the kernels the
+per-call path uses (linear_f32.c, paged_decode.c, decode_ops.c, par.c), taken here from
+their loaded libraries as function pointers. One ctypes call releases the GIL for the
+whole forward, so the decode's scheduler thread runs its Python while the step computes.
 
 This module knows the C structs and the libraries, not the model: model/native_forward.py
 fills a `DecodePlan` from a model's weights and a step's batch.
@@ -55,18 +55,19 @@ class DecodeForward:
             "par_run": 0 if par is None else _address(par, "pd_par_run"),
             "norm": _address(ops, "pd_add_rms_norm"),
             "head_norm": _address(ops, "pd_rms_norm_heads"),
-            "silu_mul": _address(ops, "pd_silu_mul"),
             "rope": _address(ops, "pd_rope"),
             "kv_write": _address(ops, "pd_kv_write"),
             "quant_linear": 0 if quant is None else _address(quant, "pd_quant_linear_range"),
             "quant_rows": 0 if quant is None else _address(quant, "pd_quant_rows"),
         }
+        # the MLP activations a plan's act_mul may take (layers/activations.py NATIVE_ACTS)
+        self.act_muls = {name: _address(ops, f"pd_{name}_mul") for name in ("silu", "gelu_tanh")}
         self._quant = quant  # stays loaded while used
         # pd_quant_x8, which a plan takes only with --quant-activations int8 (plan.quant_x8)
         self.quant_x8 = 0 if quant is None else _address(quant, "pd_quant_x8")
 
     def plan(self) -> DecodePlan:
-        """A zeroed plan with the kernel pointers filled in."""
+        """A zeroed plan with the kernel pointers filled in (act_mul: the caller's)."""
         p = DecodePlan()
         for name, addr in self.kernels.items():
             setattr(p, name, addr)

@@ -10,6 +10,8 @@
  *   pd_rms_norm_heads  x[t][head] = w * rms_norm(x[t][head]) in place, each head's D
  *                    values a row (q/k norms, Qwen3); rows of a token ld apart
  *   pd_silu_mul      out[r][i] = silu(gu[r][i]) * gu[r][I + i]     gu = [gate | up]
+ *   pd_gelu_tanh_mul out[r][i] = gelu_tanh(gu[r][i]) * gu[r][I + i]  (Gemma's
+ *                    gelu_pytorch_tanh, computed as g / (1 + exp(-2u)): see gelu_tanh)
  *   pd_rope          x[t][head] rotated in place (rotate-half: the pair (j, j + D/2) by
  *                    the angle of position t, tables cos[t][j], sin[t][j] with the first
  *                    half of sin negated, as model/rope.py keeps them)
@@ -82,6 +84,23 @@ void pd_silu_mul(const float *gu, float *out, int64_t m, int64_t inter) {
     }
 }
 
+/* 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as g * sigmoid(2u): the same
+ * value without 1 + tanh's cancellation for negative g, through the exp polynomial silu
+ * uses. Within a few ulp of the exact value; torch's (1 + tanh) form differs from it in
+ * the last bits, so the per-call path calls this kernel too (model/layers/ops.py). */
+static inline float gelu_tanh(float g) {
+    float two_u = g * (1.59576912160573071f + 0.0713548162726008f * (g * g));
+    return g / (1.0f + exp_poly(-two_u));
+}
+
+void pd_gelu_tanh_mul(const float *gu, float *out, int64_t m, int64_t inter) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = gelu_tanh(g[i]) * u[i];
+    }
+}
+
 void pd_rope(float *x, int64_t ld, const float *cos, const float *sin, int64_t t,
              int64_t heads, int64_t d) {
     int64_t half = d / 2;
@@ -123,6 +142,11 @@ void pd_rms_norm_heads_range(const void *args, int64_t lo, int64_t hi) {
 void pd_silu_mul_range(const void *args, int64_t lo, int64_t hi) {
     const RowsArgs *a = args; /* n: the intermediate width I (gu rows are 2 I wide) */
     pd_silu_mul(a->x + lo * 2 * a->n, a->out + lo * a->n, hi - lo, a->n);
+}
+
+void pd_gelu_tanh_mul_range(const void *args, int64_t lo, int64_t hi) {
+    const RowsArgs *a = args; /* as pd_silu_mul_range */
+    pd_gelu_tanh_mul(a->x + lo * 2 * a->n, a->out + lo * a->n, hi - lo, a->n);
 }
 
 void pd_rope_range(const void *args, int64_t lo, int64_t hi) {

@@ -42,12 +42,14 @@ class DecodeOps:
             return f
 
         self._split = split
-        ranges = ("pd_add_rms_norm_range", "pd_rms_norm_heads_range", "pd_silu_mul_range")
-        self._ranges = {name: fn(name, _ptr, _i64, _i64) for name in (*ranges, "pd_rope_range")}
+        ranges = ("pd_add_rms_norm_range", "pd_rms_norm_heads_range", "pd_silu_mul_range",
+                  "pd_gelu_tanh_mul_range", "pd_rope_range")  # fmt: skip
+        self._ranges = {name: fn(name, _ptr, _i64, _i64) for name in ranges}
 
         self._norm = fn("pd_add_rms_norm", _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32)
         self._norm_heads = fn("pd_rms_norm_heads", _ptr, _i64, _ptr, _i64, _i64, _i64, _f32)
-        self._silu_mul = fn("pd_silu_mul", _ptr, _ptr, _i64, _i64)
+        self._act_muls = {name: fn(f"pd_{name}_mul", _ptr, _ptr, _i64, _i64)
+                          for name in ("silu", "gelu_tanh")}  # fmt: skip
         self._rope = fn("pd_rope", _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64)
         kv_args = (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64)
         self._kv_write = fn("pd_kv_write", *kv_args, ret=ctypes.c_int)
@@ -99,6 +101,14 @@ class DecodeOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+        return self._act_mul("silu", gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I] (decode_ops.c gelu_tanh:
+        within a few ulp of F.gelu(approximate="tanh"), not its bits)."""
+        return self._act_mul("gelu_tanh", gate_up)
+
+    def _act_mul(self, name: str, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         _rows(gate_up, "gate_up")
         t, two = gate_up.shape
@@ -107,9 +117,9 @@ class DecodeOps:
         out = torch.empty(t, two // 2, dtype=torch.float32)
         if self._chunked(t):
             args = RowsArgs(gate_up.data_ptr(), out=out.data_ptr(), n=two // 2)
-            self._run("pd_silu_mul_range", args, t)
+            self._run(f"pd_{name}_mul_range", args, t)
         else:
-            self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two // 2)
+            self._act_muls[name](gate_up.data_ptr(), out.data_ptr(), t, two // 2)
         return out
 
     def rope_(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> None:

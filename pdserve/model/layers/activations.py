@@ -46,3 +46,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
 }
+
+# the activations the native kernels compute (kernels/native/decode_ops.c pd_<name>_mul)
+NATIVE_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], str] = {
+    F.silu: "silu",
+    _gelu_tanh: "gelu_tanh",
+}

@@ -8,9 +8,10 @@
                 arithmetic, and a prefill's passes read each value once instead of 2-4
                 times
 
-Both compute the same values up to float rounding (the native sum of squares and exp
-round differently in the last bit). NativeOps mutates `h` in place in `add_norm`; the
-model owns `h` (its embedding output), so no caller sees that.
+Both compute the same values up to float rounding (the native sum of squares, exp and
+GELU-tanh, computed as g * sigmoid(2u) instead of 0.5 g (1 + tanh u), round differently
+in the last bits). NativeOps mutates `h` in place in `add_norm`; the model owns `h` (its
+embedding output), so no caller sees that.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kernels.native.decode_ops import DecodeOps
+from pdserve.model.layers.activations import NATIVE_ACTS
 from pdserve.model.layers.rope import rotate
 
 Tables = tuple[torch.Tensor, torch.Tensor]
@@ -87,9 +88,12 @@ class NativeOps(TorchOps):
         return x
 
     def act_mul(self, act: Act, gate_up: torch.Tensor) -> torch.Tensor:
-        if act is not F.silu or gate_up.dtype != torch.float32:
+        name = NATIVE_ACTS.get(act)
+        if name is None or gate_up.dtype != torch.float32:
             return super().act_mul(act, gate_up)
-        return self.kernels.silu_mul(gate_up)
+        if name == "silu":
+            return self.kernels.silu_mul(gate_up)
+        return self.kernels.gelu_tanh_mul(gate_up)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dtype != torch.float32 or logits.device.type != "cpu":
