@@ -289,4 +289,22 @@ static void block_of(int32_t type, int *elems, int *bytes) {
         if (sizes[i].type == type) *elems = sizes[i].elems, *bytes = sizes[i].bytes;
 }
 
+#if defined(__AVX2__)
+/* Q6_K: half h of a 256-block's 6-bit codes (0..63, unsigned), 128 values as c[0..3] of 32
+ * bytes: ql's low nibbles of bytes 0-31 and 32-63 then their high nibbles, each with its
+ * 2 bits of qh (bits 0-1, 2-3, 4-5, 6-7) above them; c[g] covers sub-blocks 8h + 2g and
+ * 8h + 2g + 1 of 16 values. Both Q6_K dot kernels (float and int8 x) read the codes so. */
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *b, int h, __m256i c[4]) {
+    const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    c[0] = _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two));
+    c[1] = _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two));
+    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(qh, two));
+    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), two));
+}
+#endif
+
 #endif

@@ -232,23 +232,14 @@ AI void q5_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, con
 
 AI void q6_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
     SUMS(c);
-    const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
     const __m256i off = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < k; i += 256, b += 210, x += 256) {
         float ds[16]; /* d * sc per sub-block of 16, as gguf: exact */
         __m512 sc = f16x(_mm_loadu_si128((const __m128i *)(b + 192)));
         _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), sc));
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two)),
-                _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(qh, two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
-            };
+            __m256i q[4];
+            q6k_codes(b, h, q);
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
                 __m256i v = _mm256_sub_epi8(q[g], off);
                 int s = 8 * h + 2 * g;

@@ -158,7 +158,6 @@ AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, floa
                 const int rows) {
     __m256 acc[XR8];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < k / 256; i++, b += 210) {
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
         __m256i sums[XR8][2];
@@ -171,16 +170,8 @@ AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, floa
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
             /* scales 8h .. 8h + 7 in both halves, so a vpshufb picks s low and s + 1 high */
             __m256i sch = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            __m256i c[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two)),
-                _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(qh, two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), two)),
-            };
+            __m256i c[4];
+            q6k_codes(b, h, c);
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
                 short lo = (short)(0x0100 + 0x0202 * (2 * g)), hi = (short)(lo + 0x0202);
                 __m256i scs = _mm256_shuffle_epi8(sch, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
