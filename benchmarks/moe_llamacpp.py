@@ -29,14 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 
 from pdserve.checkpoints import tokenizer_build as tb
+
+sys.path.insert(0, str(Path(__file__).parent))
+from moe_routed_bytes import routed_experts  # noqa: E402
 
 VOCAB = 32768
 HEAD_DIM, HEADS, KV_HEADS = 64, 16, 4
@@ -145,39 +147,11 @@ def _layer_bytes(path: Path) -> tuple[dict[int, int], int, int]:
     return expert, dense, total
 
 
-def _routed(file: str, streams: int, tokens: int, prompt: int) -> tuple[list[int], float]:
-    """(distinct experts of each decode layer call, generate's wall seconds) of `streams`
-    requests of `tokens` tokens, prompts of `prompt` tokens (more than any decode's)."""
-    from pdserve import LLM, SamplingParams
-    from pdserve.model.arch import moe as moe_module
-
-    counts: list[tuple[int, int]] = []
-    route = moe_module.route
-
-    def counting(logits: torch.Tensor, spec: object) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, chosen = route(logits, spec)  # type: ignore[arg-type]
-        counts.append((logits.shape[0], int(chosen.unique().numel())))
-        return weights, chosen
-
-    moe_module.route = counting  # type: ignore[assignment]
-    llm = LLM(file, max_running_requests=streams, max_total_tokens=8192, max_context=512)
-    try:
-        prompts = [[(7 * i + 3 * j) % 30000 + 10 for j in range(prompt)] for i in range(streams)]
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-    finally:
-        llm.close()
-        moe_module.route = route  # type: ignore[assignment]
-    return [d for t, d in counts if t <= streams], wall
-
-
 def bytes_per_step(a: argparse.Namespace) -> None:
     expert, dense, total = _layer_bytes(Path(a.file))
     rows = []
     for streams in a.streams:
-        decode, wall = _routed(a.file, streams, a.tokens, max(a.streams) + 8)
+        decode, wall = routed_experts(a.file, streams, a.tokens, max(a.streams) + 8, 30010)
         mean = sum(decode) / max(1, len(decode))
         routed = mean * sum(expert.values())  # each layer's mean routed experts' bytes
         rows.append({"streams": streams, "tok_per_s": streams * a.tokens / wall,

@@ -46,7 +46,13 @@ def make_folder(out: Path, a: argparse.Namespace) -> Path:
     return out
 
 
-def run(path: Path, streams: int, tokens: int, a: argparse.Namespace) -> dict[str, float]:
+def routed_experts(
+    path: Path | str, streams: int, tokens: int, prompt: int, vocab: int
+) -> tuple[list[int], float]:
+    """(the distinct experts of each decode layer call, the generate's wall seconds) of
+    `streams` greedy requests of `tokens` tokens, served by `pdserve.LLM`; the prompts of
+    `prompt` token ids below `vocab`, longer than any decode batch, so a layer call of at
+    most `streams` tokens is a decode step."""
     counts: list[tuple[int, int]] = []  # (tokens routed, distinct experts) per layer call
     route = moe_module.route
 
@@ -56,11 +62,10 @@ def run(path: Path, streams: int, tokens: int, a: argparse.Namespace) -> dict[st
         return weights, chosen
 
     moe_module.route = counting  # type: ignore[assignment]
-    llm = LLM(path, max_running_requests=streams, max_total_tokens=8192, max_context=512)
+    llm = LLM(str(path), max_running_requests=streams, max_total_tokens=8192, max_context=512)
     try:
-        # prompts longer than any decode batch: a layer call of <= streams tokens is a decode
-        n = max(a.streams) + 8
-        prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(n)] for i in range(streams)]
+        prompts = [[(7 * i + 3 * j) % (vocab - 10) + 10 for j in range(prompt)]
+                   for i in range(streams)]  # fmt: skip
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         counts.clear()
@@ -70,7 +75,11 @@ def run(path: Path, streams: int, tokens: int, a: argparse.Namespace) -> dict[st
     finally:
         llm.close()
         moe_module.route = route  # type: ignore[assignment]
-    decode = [d for n, d in counts if n <= streams]  # decode steps: one token per request
+    return [d for n, d in counts if n <= streams], wall
+
+
+def run(path: Path, streams: int, tokens: int, a: argparse.Namespace) -> dict[str, float]:
+    decode, wall = routed_experts(path, streams, tokens, max(a.streams) + 8, 4010)
     per_expert = 3 * a.hidden * a.expert_size * 4  # gate, up, down in float32
     mean = sum(decode) / max(1, len(decode))
     return {
