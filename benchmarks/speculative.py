@@ -201,26 +201,36 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
-async def many_streams(url: str, model: str, streams: int, args: argparse.Namespace) -> float:
-    """Served tokens/s of `streams` chat requests at once per mode, batches alternating."""
+async def many_streams(
+    url: str, decode: str, model: str, streams: int, args: argparse.Namespace
+) -> float:
+    """Served tokens/s of `streams` chat requests at once per mode, batches alternating;
+    the decode's spec counters over the "on" batches."""
     rate: dict[bool, list[float]] = {True: [], False: []}
+    spec = dict.fromkeys(SPEC_COUNTERS, 0.0)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + 4)) as client:
         for r in range(args.rounds):
             for mode in (True, False) if r % 2 == 0 else (False, True):
+                before = counters(decode)
                 t0 = time.perf_counter()
                 extra = {"speculative": mode}
                 jobs = [one(client, url, model, CHAT[i % len(CHAT)], args.chat_tokens, extra)
                         for i in range(streams)]  # fmt: skip
                 done = await asyncio.gather(*jobs)
                 secs = time.perf_counter() - t0
+                after = counters(decode)
+                for k in SPEC_COUNTERS:
+                    spec[k] += after[k] - before[k]
                 toks = sum(d.tokens for d in done)
                 rate[mode].append(toks / secs)
                 label = "on " if mode else "off"
                 print(f"chat x{streams} round {r} {label}: {toks} tokens in {secs:.1f} s = "
                       f"{toks / secs:.1f} tok/s", flush=True)  # fmt: skip
     on, off = statistics.mean(rate[True]), statistics.mean(rate[False])
-    print(f"chat x{streams}: served tok/s on {on:.1f}, off {off:.1f}, on/off {on / off:.2f}",
-          flush=True)  # fmt: skip
+    print(f"chat x{streams}: served tok/s on {on:.1f}, off {off:.1f}, on/off {on / off:.2f}; "
+          f"drafted {spec['spec_drafted_tokens_total']:.0f}, accepted "
+          f"{spec['spec_accepted_tokens_total']:.0f} in {spec['spec_steps_total']:.0f} "
+          "verifying steps", flush=True)  # fmt: skip
     return on / off
 
 
@@ -242,7 +252,7 @@ async def run(url: str, llama: dict[bool, str], args: argparse.Namespace) -> Non
         await one_stream(fresh(modes), model, text, args, "summarize")
     if "chat" in args.workloads:
         for streams in args.chat_streams:
-            await many_streams(url, model, streams, args)
+            await many_streams(url, decode, model, streams, args)
 
 
 def fresh(modes: list[Mode]) -> list[Mode]:
