@@ -294,6 +294,8 @@ class KVReceiver(DataChannel):
             # NOTE: a broken connection may have lost the Ready or the prefill's Claim: a
             # repeat gets the Claim again (a prefill still waiting for its request ignores it)
             x.ready_sent = now
+            with self._lock:
+                self.counters["ready_sent_again"] += 1
             self._ctl.send(x.endpoint, msgspec.structs.replace(x.ready, again_of=x.session))
 
     def _heartbeat(self, endpoints: set[str]) -> None:
