@@ -77,7 +77,8 @@ CHAT = [
     "Why is the sky blue?", "Write a haiku about autumn.", "How do vaccines work?",
     "What is a prime number?", "Suggest a name for a cat.", "How far away is the Moon?",
 ]  # fmt: skip
-SPEC_COUNTERS = ("spec_drafted_tokens_total", "spec_accepted_tokens_total", "spec_steps_total")
+SPEC_COUNTERS = ("spec_drafted_tokens_total", "spec_accepted_tokens_total", "spec_steps_total",
+                 "spec_lookups_total", "spec_empty_lookups_total")  # fmt: skip
 PD_ON, PD_OFF, LL_ON, LL_OFF = "pdserve on", "pdserve off", "llama.cpp on", "llama.cpp off"
 RATIOS = ((PD_ON, PD_OFF), (LL_ON, LL_OFF), (PD_ON, LL_ON), (PD_OFF, LL_OFF))
 SAME_TEXT = ((PD_ON, PD_OFF), (LL_ON, LL_OFF), (PD_ON, LL_ON))
@@ -230,7 +231,8 @@ async def many_streams(
     print(f"chat x{streams}: served tok/s on {on:.1f}, off {off:.1f}, on/off {on / off:.2f}; "
           f"drafted {spec['spec_drafted_tokens_total']:.0f}, accepted "
           f"{spec['spec_accepted_tokens_total']:.0f} in {spec['spec_steps_total']:.0f} "
-          "verifying steps", flush=True)  # fmt: skip
+          f"verifying steps; {spec['spec_lookups_total']:.0f} steps looked for drafts, "
+          f"{spec['spec_empty_lookups_total']:.0f} found none", flush=True)  # fmt: skip
     return on / off
 
 

@@ -178,6 +178,9 @@ def test_drafts_are_verified_and_partly_accepted(llms, monkeypatch):
     assert spec.steps > 0 and 0 < spec.accepted < spec.drafted
     stats = llm.decode.stats()
     assert stats["spec_drafted_tokens"] == spec.drafted
+    # every verifying step looked for drafts first; a lookup finding none is counted too
+    assert stats["spec_lookups"] >= spec.steps and stats["spec_lookups"] == spec.lookups
+    assert stats["spec_empty_lookups"] == spec.empty_lookups < spec.lookups
 
 
 def test_broken_acceptance_rule_is_caught(llms, monkeypatch):

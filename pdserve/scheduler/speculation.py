@@ -94,6 +94,8 @@ class Speculator:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    lookups: int = 0  # steps that looked for drafts (each gave up its overlap)
+    empty_lookups: int = 0  # of which found none (the step then ran one token each)
 
     def batch_may(self, batch: list[Req], waiting: bool) -> bool:
         """Whether this batch may speculate (the per-batch rules); ticks cooldowns.
@@ -120,6 +122,8 @@ class Speculator:
         for r, k, draft in zip(batch, wants, out.tokens):
             if k and not draft:  # a lookup that finds nothing still cost the step its overlap
                 self._judge(self.states[r.rid], 0.0)
+        self.lookups += 1
+        self.empty_lookups += not any(out.tokens)
         return out
 
     def _want(self, r: Req) -> int:
@@ -179,6 +183,8 @@ class Speculator:
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "spec_steps": self.steps,
+            "spec_lookups": self.lookups,
+            "spec_empty_lookups": self.empty_lookups,
             **(self.draft.stats() if self.draft is not None else {}),
         }
 

@@ -21,6 +21,8 @@ are read from the latest `engine.stats()` snapshot at scrape time:
     pdserve:spec_accepted_tokens_total      spec_accepted_tokens
     pdserve:spec_acceptance_rate            spec_acceptance_rate
     pdserve:spec_steps_total                spec_steps
+    pdserve:spec_lookups_total              spec_lookups
+    pdserve:spec_empty_lookups_total        spec_empty_lookups
     pdserve:prefix_cache_hit_tokens_total   prefix_cache_hit_tokens (prefill)
     pdserve:prefix_cache_hit_rate           prefix_cache_hit_rate (prefill)
     pdserve:prefix_cache_evictions_total    prefix_cache_evictions (prefill)
@@ -73,6 +75,11 @@ _COUNTERS = {
     "spec_drafted_tokens": ("spec_drafted_tokens", "Decode: speculative draft tokens verified"),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Decode: draft tokens the model accepted"),
     "spec_steps": ("spec_steps", "Decode: speculative (verifying) steps"),
+    "spec_lookups": ("spec_lookups", "Decode: steps that looked for draft tokens"),
+    "spec_empty_lookups": (
+        "spec_empty_lookups",
+        "Decode: steps that looked for draft tokens and found none",
+    ),
 }
 
 
