@@ -83,7 +83,7 @@ def test_float32_weights_hold_no_blocks(tmp_path, monkeypatch):
 
 def test_type_without_kernel_stays_float32_by_name(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_random_gguf(tmp_path / "r-Q3_K.gguf", "Q3_K")
+    path = write_random_gguf(tmp_path / "r-IQ3_S.gguf", "IQ3_S")
     with caplog.at_level(logging.INFO, logger="pdserve.model.quant_weights"):
         llm = _llm(path, "quantized")
     try:
@@ -91,7 +91,7 @@ def test_type_without_kernel_stays_float32_by_name(tmp_path, monkeypatch, caplog
         ours = _greedy(llm)
     finally:
         llm.close()
-    assert "tensor model.layers.0.mlp.down_proj.weight stays float32: Q3_K has no kernel" in (
+    assert "tensor model.layers.0.mlp.down_proj.weight stays float32: IQ3_S has no kernel" in (
         caplog.text
     )
     for p, out in zip(PROMPTS, ours):

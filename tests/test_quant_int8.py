@@ -23,7 +23,9 @@ PATHS = {  # name -> (extra build flags, /proc/cpuinfo flags it needs)
     "vnni": ((), ("avx512f", "avx512_vnni", "avx512vl", "avx512bw")),
     "avx2": (("-mno-avx512f",), ("avx2", "fma")),
 }
-IDS = [TYPES[t][0] for t in sorted(TYPES)]
+FLOAT_X = ("Q2_K", "Q3_K")  # no integer kernel: their projections keep float x
+INT8_TYPES = sorted(t for t in TYPES if TYPES[t][0] not in FLOAT_X)
+IDS = [TYPES[t][0] for t in INT8_TYPES]
 
 
 def _build(flags: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> LinearQuant:
@@ -46,7 +48,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return _build(flags, tmp_path_factory)
 
 
-@pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
+@pytest.mark.parametrize("type_id", INT8_TYPES, ids=IDS)
 def test_reference_codes_are_gguf_values(type_id: int) -> None:
     """The reference's codes and scales give gguf's de-quantized values: it reads the
     formats as gguf does."""
@@ -77,7 +79,7 @@ def test_quantize_equals_reference(kernel: LinearQuant, k: int) -> None:
         assert np.array_equal(raw[:, d_at : d_at + k // 64].copy().view(np.float32), d256)
 
 
-@pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
+@pytest.mark.parametrize("type_id", INT8_TYPES, ids=IDS)
 @pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
 def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
     assert kernel.int8_supported(type_id)
@@ -98,6 +100,19 @@ def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> N
         bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
         err = np.abs(got - want)
         assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+
+
+@pytest.mark.parametrize("name", FLOAT_X)
+def test_types_without_integer_kernel_keep_float_x(kernel: LinearQuant, name: str) -> None:
+    """Given x's codes, a type with no integer kernel computes the float path's y."""
+    type_id = next(t for t, v in TYPES.items() if v[0] == name)
+    assert not kernel.int8_supported(type_id)
+    w = torch.from_numpy(random_blocks(type_id, 5, 512, seed=type_id))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    y8, y32 = torch.empty(3, 5), torch.empty(3, 5)
+    kernel(x, w, type_id, None, y8, xq=kernel.quantize(x))
+    kernel(x, w, type_id, None, y32)
+    assert torch.equal(y8, y32)
 
 
 def test_portable_build_falls_back_to_float(tmp_path_factory: pytest.TempPathFactory) -> None:

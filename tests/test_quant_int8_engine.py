@@ -55,3 +55,12 @@ def test_refused_where_no_blocks_serve(tmp_path, monkeypatch):
         LLM(str(path), max_total_tokens=256, weights="float32", quant_activations="int8")
     with pytest.raises(ValueError, match="quant_activations"):
         LLM(str(path), max_total_tokens=256, quant_activations="int4")
+
+
+def test_a_type_without_integer_kernel_keeps_float_x(tmp_path, monkeypatch):
+    """Q3_K has no integer kernel: with int8 asked, a file of Q3_K blocks computes the
+    float path's values (x's codes are made and left unread), native forward included."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PDSERVE_PER_CALL_DECODE", "0")
+    path = write_random_gguf(tmp_path / "r-Q3_K.gguf", "Q3_K")
+    assert _run(path, "int8") == _run(path, "float")

@@ -28,7 +28,8 @@ from pdserve.kernels.native.linear_quant import (
 gguf_quants = pytest.importorskip("gguf.quants")
 
 # byte offsets of each type's half-precision scales inside a block
-HALVES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208],
+HALVES = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2],
+          13: [0, 2], 14: [208],
           20: [0], 23: [0]}  # fmt: skip
 PATHS = {  # name -> (extra build flags, /proc/cpuinfo flags it needs)
     "avx512": ((), ("avx512f",)),

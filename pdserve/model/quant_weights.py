@@ -8,7 +8,7 @@ them as shapeless `meta` tensors), and a prefill and a decode on one host share 
 file's pages. What is left on float32, and why, is logged by tensor name:
 
     norms, biases, F32/F16/BF16 tensors     float32, as the folder has them
-    a type without a kernel (Q2_K, IQ2_*...) float32, de-quantized at conversion
+    a type without a kernel (IQ2_*, TQ*...) float32, de-quantized at conversion
     a fused projection (q|k|v, gate|up)     quantized only when every part is
     the embedding                           quantized row look-ups where the model's
                                             forward asks `embed_rows` (LlamaModel)

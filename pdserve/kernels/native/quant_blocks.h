@@ -15,8 +15,8 @@
 #endif
 
 enum {
-    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-    IQ4_NL = 20, IQ4_XS = 23
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+    Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
 };
 
 /* IQ4_NL / IQ4_XS: the 16 values a 4-bit code stands for (gguf's IQ4_NL.kvalues) */
@@ -259,6 +259,45 @@ static void row_q6_k(const uint8_t *b, float *y, int64_t k) {
     }
 }
 
+/* Q2_K / Q3_K: value e = 128h + 32s + l (h < 2, s < 4, l < 32) takes bits 2s, 2s + 1 of
+ * qs[32h + l], and lies in sub-block e / 16 of 16 values (each with its own scale) */
+static void low2(const uint8_t *qs, int8_t *q) {
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+}
+
+/* Q2_K: 16 bytes of scales (low nibble: the scale, high: the min), qs [64], d, dmin;
+ * value (d * sc) * q - dmin * m, as gguf (d * sc * q exact: 11 + 4 + 2 bits) */
+static void row_q2_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 84, y += 256) {
+        float d = half(b + 80), dmin = half(b + 82);
+        low2(b + 16, q);
+        for (int j = 0; j < 16; j++)
+            scale16(q + 16 * j, d * (float)(b[j] & 0xf), -(dmin * (float)(b[j] >> 4)), y + 16 * j);
+    }
+}
+
+/* Q3_K: sub-block j's 6-bit scale, less 32: its low 4 bits are nibble j / 8 of byte
+ * j % 8, its top 2 bits 2 (j / 4) .. of byte 8 + j % 4 */
+static inline int q3k_scale(const uint8_t *sc, int j) {
+    int lo = (sc[j % 8] >> (4 * (j / 8))) & 0xf, hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+/* Q3_K: hmask [32], qs [64], scales [12], d; value (d * scale) * (q - 4 * !hbit), hbit
+ * of value e bit e / 32 of hmask[e % 32] (gguf: exact, 11 + 6 + 3 bits) */
+static void row_q3_k(const uint8_t *b, float *y, int64_t k) {
+    int8_t q[256];
+    for (int64_t i = 0; i < k; i += 256, b += 110, y += 256) {
+        float d = half(b + 108);
+        low2(b + 32, q);
+        for (int e = 0; e < 256; e++) q[e] = (int8_t)(q[e] - (((b[e % 32] >> (e / 32)) & 1) ? 0 : 4));
+        for (int j = 0; j < 16; j++) scale16(q + 16 * j, d * (float)q3k_scale(b + 96, j), 0.0f, y + 16 * j);
+    }
+}
+
 typedef void (*row_fn)(const uint8_t *, float *, int64_t);
 
 static row_fn row_of(int32_t type) {
@@ -268,6 +307,8 @@ static row_fn row_of(int32_t type) {
     case Q4_1: return row_q4_1;
     case Q5_0: return row_q5_0;
     case Q5_1: return row_q5_1;
+    case Q2_K: return row_q2_k;
+    case Q3_K: return row_q3_k;
     case Q4_K: return row_q4_k;
     case Q5_K: return row_q5_k;
     case Q6_K: return row_q6_k;
@@ -281,7 +322,8 @@ static row_fn row_of(int32_t type) {
 static void block_of(int32_t type, int *elems, int *bytes) {
     static const struct { int32_t type; int elems, bytes; } sizes[] = {
         {Q4_0, 32, 18},   {Q4_1, 32, 20},   {Q5_0, 32, 22},   {Q5_1, 32, 24},
-        {Q8_0, 32, 34},   {Q4_K, 256, 144}, {Q5_K, 256, 176}, {Q6_K, 256, 210},
+        {Q8_0, 32, 34},   {Q2_K, 256, 84},  {Q3_K, 256, 110}, {Q4_K, 256, 144},
+        {Q5_K, 256, 176}, {Q6_K, 256, 210},
         {IQ4_NL, 32, 18}, {IQ4_XS, 256, 136},
     };
     *elems = *bytes = 0;

@@ -254,6 +254,69 @@ AI void q6_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, con
     finish(c, out, rows);
 }
 
+/* Q2_K: the 16 sub-blocks' d * sc and -(dmin * m) from the 16 scale bytes (exact) */
+static inline void q2k_scales(const uint8_t *b, float *dl, float *nml) {
+    __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(s, _mm512_set1_epi32(0xf)));
+    __m512 mn = _mm512_cvtepi32_ps(_mm512_srli_epi32(s, 4));
+    _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(half(b + 80)), sc));
+    _mm512_storeu_ps(nml, _mm512_mul_ps(_mm512_set1_ps(-half(b + 82)), mn));
+}
+
+/* Q2_K / Q3_K: 32 values (two sub-blocks of 16) from their codes (up to 3 bits) through
+ * the sub-blocks' tables */
+AI void look2(Sums *c, float *x, int64_t ldx, __m256i q, __m512 t0, __m512 t1, const int rows) {
+    look(c, x, u16x(lo128(q)), t0, rows, ldx);
+    look(c, x + 16, u16x(hi128(q)), t1, rows, ldx);
+}
+
+/* Q2_K: values (d * sc) * q - dmin * m, q of 2 bits (quant_blocks.h, row_q2_k) */
+AI void q2_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < k; i += 256, b += 84, x += 256) {
+        float dl[16], nml[16];
+        q2k_scales(b, dl, nml);
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                int j = 8 * h + 2 * s;
+                __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(dl[j]), IOTA, _mm512_set1_ps(nml[j]));
+                __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(dl[j + 1]), IOTA, _mm512_set1_ps(nml[j + 1]));
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), three);
+                look2(SLOT(s), x + 128 * h + 32 * s, ldx, q, t0, t1, rows);
+            }
+        }
+    }
+    finish(c, out, rows);
+}
+
+/* Q3_K: values (d * scale) * (c - 4), c = the 2 low bits | the hmask bit << 2 (a set bit
+ * is gguf's zero offset, a clear one its -4) */
+AI void q3_k(float *x, int64_t ldx, const uint8_t *b, int64_t k, float *out, const int rows) {
+    SUMS(c);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m512 codes = _mm512_sub_ps(IOTA, _mm512_set1_ps(4.0f));
+    for (int64_t i = 0; i < k; i += 256, b += 110, x += 256) {
+        float d = half(b + 108), dl[16];
+        for (int j = 0; j < 16; j++) dl[j] = d * (float)q3k_scale(b + 96, j);
+        __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                int j = 8 * h + 2 * s;
+                __m512 t0 = _mm512_mul_ps(_mm512_set1_ps(dl[j]), codes);
+                __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(dl[j + 1]), codes);
+                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), three);
+                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one);
+                __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+                look2(SLOT(s), x + 128 * h + 32 * s, ldx, q, t0, t1, rows);
+            }
+        }
+    }
+    finish(c, out, rows);
+}
+
 /* IQ4_NL / IQ4_XS: 32 values dl * KVALUES[code] from 16 bytes, the table per 32 */
 AI void iq4_look(Sums *c, float *x, int64_t ldx, const uint8_t *qs, float dl, const int rows) {
     const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)KVALUES)));
@@ -306,6 +369,8 @@ KERNEL(q4_0)
 KERNEL(q4_1)
 KERNEL(q5_0)
 KERNEL(q5_1)
+KERNEL(q2_k)
+KERNEL(q3_k)
 KERNEL(q4_k)
 KERNEL(q5_k)
 KERNEL(q6_k)
@@ -321,6 +386,8 @@ static dots_fn dots_of(int32_t type) {
     case Q4_1: return dots_q4_1;
     case Q5_0: return dots_q5_0;
     case Q5_1: return dots_q5_1;
+    case Q2_K: return dots_q2_k;
+    case Q3_K: return dots_q3_k;
     case Q4_K: return dots_q4_k;
     case Q5_K: return dots_q5_k;
     case Q6_K: return dots_q6_k;
@@ -338,6 +405,8 @@ static row_fn fast_row_of(int32_t type) {
     case Q4_1: return row512_q4_1;
     case Q5_0: return row512_q5_0;
     case Q5_1: return row512_q5_1;
+    case Q2_K: return row512_q2_k;
+    case Q3_K: return row512_q3_k;
     case Q4_K: return row512_q4_k;
     case Q5_K: return row512_q5_k;
     case Q6_K: return row512_q6_k;
@@ -354,6 +423,8 @@ static dot_fn dot_of(int32_t type) {
     case Q4_1: return dot_q4_1;
     case Q5_0: return dot_q5_0;
     case Q5_1: return dot_q5_1;
+    case Q2_K: return dot_q2_k;
+    case Q3_K: return dot_q3_k;
     case Q4_K: return dot_q4_k;
     case Q5_K: return dot_q5_k;
     case Q6_K: return dot_q6_k;
