@@ -19,7 +19,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.model.arch.registry import arch_from_config
 from pdserve.model.layers.rope import RotaryEmbedding
-from tests.conftest import assert_pools_free, hf_greedy
+from tests.conftest import _hf_model, assert_pools_free, greedy_of, hf_greedy
 from tests.test_config_conformance import BASE, VOCAB, make_checkpoint
 
 ORIGINAL = 32  # the original context of every preset here
@@ -84,12 +84,17 @@ def test_yarn_mscale_is_applied() -> None:
     assert rope.cos[0, 0].item() == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
 
 
-def _serve(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    llm = LLM(path, page_size=4, max_running_requests=2, max_total_tokens=1024, max_context=128)
+def _serve(
+    path: Path, prompts: list[list[int]], new_tokens: int, one_by_one: bool = False, **kw: Any
+) -> list[list[int]]:
+    llm = LLM(path, page_size=4, max_running_requests=2, max_total_tokens=1024, max_context=128,
+              **kw)  # fmt: skip
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
-        outs = llm.generate(
-            prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        )
+        if one_by_one:  # each prompt after the one before has ended (and left its prefix)
+            outs = [o for p in prompts for o in llm.generate([p], params)]
+        else:
+            outs = llm.generate(prompts, params)
         assert_pools_free(llm)
     finally:
         llm.close()
@@ -133,3 +138,22 @@ def test_served_like_transformers_past_the_original_context(root: Path, case: st
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 40)]
     want = [hf_greedy(path, p, 16) for p in prompts]
     assert _serve(path, prompts, 16) == want
+
+
+@pytest.mark.parametrize("case", ["llama-longrope", "llama-dynamic"])
+def test_long_prompt_chunked_or_on_a_cached_prefix_is_turned_whole(root: Path, case: str) -> None:
+    """transformers turns every position of a prompt past the switch by that prompt's
+    length: so must a prompt prefilled in chunks (8 tokens a step here), and one whose
+    first tokens another, shorter prompt left in the prefix cache (turned by the
+    default vector: the long prompt must not reuse them)."""
+    family, kw = SERVED[case]
+    path = make_checkpoint(root, case, family, **kw)
+    g = torch.Generator().manual_seed(7)
+    long = torch.randint(3, VOCAB, (48,), generator=g).tolist()
+    # a model of its own: transformers' dynamic rope keeps the frequencies of the longest
+    # sequence the model object has run, so the shared one depends on the tests before
+    want = greedy_of(_hf_model.__wrapped__(str(path)), long, 8)
+    assert _serve(path, [long], 8, max_prefill_tokens=8) == [want]
+    short = long[:24]  # within the switch: its KV is cached, page by page
+    outs = _serve(path, [short, long], 8, one_by_one=True)
+    assert outs == [hf_greedy(path, short, 8), want]

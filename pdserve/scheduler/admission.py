@@ -64,7 +64,11 @@ def admit_fifo(
 
 
 def admit_cached(
-    queue: deque[Req], runner: ModelRunner, cache: PrefixCache, computing: list[Req]
+    queue: deque[Req],
+    runner: ModelRunner,
+    cache: PrefixCache,
+    computing: list[Req],
+    cacheable: Callable[[Req], bool],
 ) -> Iterator[Req]:
     """admit_fifo for a prefill with a prefix cache: each popped request owns its row,
     the cached pages of its longest cached prefix (referenced: `prefix_hit` tokens,
@@ -81,9 +85,11 @@ def admit_cached(
     while queue and rows.free_rows:
         req = queue[0]
         # a request asking for prompt logprobs computes its whole prompt (the head over it)
+        # `cacheable`: whether the prompt may take cached pages at all
         limit = req.prompt_len - 1 if req.params.prompt_logprobs is None else 0
+        limit = limit if cacheable(req) else 0
         hit = cache.acquire(req.prompt_ids, limit)  # NOTE: before evict
-        if any(_worth_waiting(req, r, len(hit), alloc.page_size) for r in computing):
+        if limit and any(_worth_waiting(req, r, len(hit), alloc.page_size) for r in computing):
             cache.release(req.prompt_ids, hit)
             return
         need = alloc.pages_for(req.prompt_len) - len(hit)

@@ -25,6 +25,7 @@ from pdserve.config import EngineConfig, SchedulerConfig, prefill_budget
 from pdserve.kvcache.pools import slots_of
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.layers.rope_scaling import switch_length
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampling.grammar import GrammarState, NextMask, ll_tokenizer
 from pdserve.model.sampling.penalties import PenaltyState
@@ -51,6 +52,9 @@ class PrefillEngine:
         self.sink = sink
         alloc = runner.kv_pool.allocator
         self.cache = PrefixCache(alloc) if cfg.cache.prefix_cache else None
+        # longrope / dynamic: a prompt past this length turns all its keys by its own
+        # length's frequencies, so its KV is no other prompt's prefix (nor theirs its)
+        self.cache_within = switch_length(runner.arch.rope_scaling)
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt partly computed
         self.holding: dict[str, Req] = {}  # prompt done, KV held for the transfer
@@ -142,7 +146,9 @@ class PrefillEngine:
         if self.cache is None:
             admitted = admit_fifo(self.waiting, self.runner, lambda r: r.prompt_len)
         else:
-            admitted = admit_cached(self.waiting, self.runner, self.cache, self.prefilling)
+            admitted = admit_cached(
+                self.waiting, self.runner, self.cache, self.prefilling, self._cacheable
+            )
         for req in admitted:
             req.state, req.prefilled = State.PREFILL, req.prefix_hit  # cached KV: computed
             slots = slots_of(req.pages, req.prompt_len, self.runner.layout.page_size)
@@ -264,11 +270,14 @@ class PrefillEngine:
             rows=torch.tensor([r.row for r, _, _ in plan], dtype=torch.int64, device=dev),
             seq_lens=[end for _, _, end in plan],
             extend_lens=[end - start for _, start, end in plan],
+            # longrope / dynamic: transformers turns a prompt by its whole length's
+            # frequencies, so every chunk of it takes that length (layers/rope_scaling.py)
+            rope_lens=[len(r.prompt_ids) for r, _, _ in plan],
         )
 
     def _prompt_done(self, req: Req, token: int, logprob: float) -> None:
         self.prefilling.remove(req)
-        if self.cache is not None:  # prompts waiting on this one's prefix find it now
+        if self.cache is not None and self._cacheable(req):  # waiting prompts find it now
             req.cache_pages = self.cache.publish(req.prompt_ids, req.pages, req.cache_pages)
         self.holding[req.rid] = req
         req.state = State.HOLDING
@@ -312,13 +321,16 @@ class PrefillEngine:
             )
         )
 
+    def _cacheable(self, req: Req) -> bool:
+        return self.cache_within is None or req.prompt_len <= self.cache_within
+
     def _uncached(self, req: Req, pages: list[int]) -> list[int]:
         """Hand a finished request's pages to the prefix cache; the ones it keeps not
         (a partial last page, a prefix cached already, a prompt not computed whole)."""
         if self.cache is None:
             return pages
         held = req.cache_pages
-        if req.prefilled == req.prompt_len:  # every page's KV is computed
+        if req.prefilled == req.prompt_len and self._cacheable(req):  # every page computed
             return self.cache.insert(req.prompt_ids, pages, held)
         self.cache.release(req.prompt_ids, pages[:held])
         return pages[held:]

@@ -17,7 +17,9 @@ of a sequence of p + 1 tokens and keeps the keys cached before; a prompt longer 
 switch turns all its positions by its length's vector. pdserve applies that rule per
 request: the table per position (`angles`) is what a generation step uses, and an
 extend of a request whose length passes the switch takes `sequence_angles` of that
-length (layers/rope.py). A prompt prefilled in chunks takes each chunk's end as its length.
+length (layers/rope.py). A prompt prefilled in chunks takes its whole length in every
+chunk, and a prompt past the switch neither takes nor leaves prefix-cache pages (its keys
+are turned by its own length's frequencies: scheduler/prefill.py).
 """
 
 from __future__ import annotations
