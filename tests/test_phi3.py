@@ -6,7 +6,7 @@ Checkpoints are made by transformers itself. The longrope preset's original cont
 factors), a prompt of 40 runs past it (long factors on every position, as transformers
 turns a sequence longer than the original context). Phi3ForCausalLM.generate recomputes
 its whole cache with the long factors when a generation crosses the original context;
-the decode rebuilds the request's keys at that step as well (scheduler/grow.py rekey):
+the decode rebuilds the request's keys at that step as well (scheduler/rekey.py):
 prompts of 20 and 32 tokens cross it while decoding.
 """
 
