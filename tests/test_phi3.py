@@ -6,8 +6,8 @@ Checkpoints are made by transformers itself. The longrope preset's original cont
 factors), a prompt of 40 runs past it (long factors on every position, as transformers
 turns a sequence longer than the original context). Phi3ForCausalLM.generate recomputes
 its whole cache with the long factors when a generation crosses the original context;
-the decode rebuilds the request's keys at that step as well (scheduler/grow.py rekey):
-prompts of 20 and 32 tokens cross it while decoding.
+the decode rebuilds the request's keys at that step as well (scheduler/rekey.py):
+prompts of 16 to 32 tokens cross it while decoding, with and without n-gram speculation.
 """
 
 from __future__ import annotations
@@ -58,18 +58,21 @@ def _make(root: Path, case: str) -> Path:
 
 def _serve(
     path: Path, prompts: list[list[int]], new_tokens: int, spec: bool = False
-) -> list[list[int]]:
-    ngram = SpeculativeConfig("ngram", k=4, max_batch=2) if spec else None
-    llm = LLM(path, page_size=4, max_running_requests=2, max_total_tokens=1024, max_context=128,
+) -> tuple[list[list[int]], dict[str, float]]:
+    """Greedy tokens of `prompts` served in one batch, and the decode's stats."""
+    n = len(prompts)
+    ngram = SpeculativeConfig("ngram", k=4, max_batch=n) if spec else None
+    llm = LLM(path, page_size=4, max_running_requests=n, max_total_tokens=1024, max_context=128,
               speculative=ngram)  # fmt: skip
     try:
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         )
         assert_pools_free(llm)
+        stats = llm.stats()["decode"]
     finally:
         llm.close()
-    return [o.token_ids for o in outs]
+    return [o.token_ids for o in outs], stats
 
 
 @pytest.mark.parametrize("case", list(SERVED))
@@ -79,23 +82,51 @@ def test_served_like_transformers(root: Path, case: str) -> None:
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (10, 40)]
     want = [hf_greedy(path, p, 16) for p in prompts]
     assert any(len(set(w)) > 2 for w in want), want
-    assert _serve(path, prompts, 16) == want
+    assert _serve(path, prompts, 16)[0] == want
+
+
+def _crossing_prompts() -> list[list[int]]:
+    """Prompts whose generations cross the original context while decoding: 20 tokens
+    at its 13th step, 32 at its first; and two whose greedy tokens repeat spans before
+    the switch, so n-gram drafts accepted there would carry them past it in one step."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 31, 32)]
+    repeating = [
+        torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for seed, n in ((7, 20), (18, 16))
+    ]
+    return [prompts[0], prompts[2], *repeating]
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["one-token-steps", "ngram"])
 def test_generation_crossing_the_original_context_equals_transformers(
-    root: Path, spec: bool
+    root: Path, spec: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """transformers' generate runs the whole sequence again with the long factors at the
     step that first passes the original context; without the decode's rekey the tokens
-    after that step differ (and with speculation, without its one-token steps up to it)."""
+    after that step differ. With speculation, requests step one token at a time up to
+    the switch (rekey.short_keys): without that rule a verifying step accepts drafts
+    across it, its request is never rekeyed, and the repeating prompts' tokens differ."""
+    from pdserve.scheduler import spec_step
+
+    spans: list[tuple[int, int]] = []  # (first, last) position of each verified request
+    verify = spec_step.speculate
+
+    def spy(eng: Any, batch: list[Any], proposal: Any) -> None:
+        before = [r.prompt_len + r.launched_steps for r in batch]
+        verify(eng, batch, proposal)
+        spans.extend((b, r.prompt_len + r.launched_steps - 1) for r, b in zip(batch, before))
+
+    monkeypatch.setattr(spec_step, "speculate", spy)
     path = _make(root, "longrope-partial-window-tied")
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 31, 32)]
-    prompts = [prompts[0], prompts[2]]  # 20: crosses at its 14th step; 32: at its first
+    prompts = _crossing_prompts()
     want = [hf_greedy(path, p, 24) for p in prompts]
     assert all(len(set(w)) > 2 for w in want), want
-    assert _serve(path, prompts, 24, spec) == want
+    got, stats = _serve(path, prompts, 24, spec)
+    assert got == want
+    if spec:  # drafts were taken, and no verifying step ran across the switch
+        assert stats["spec_accepted_tokens"] > 0 and spans, stats
+        assert not any(first < ORIGINAL <= last for first, last in spans), spans
 
 
 def test_longrope_switches_at_the_original_context() -> None:

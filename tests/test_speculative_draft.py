@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -26,7 +27,7 @@ from pdserve.llm import LLM
 from pdserve.protocol import EngineRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import draft as draft_mod
-from pdserve.scheduler import speculation
+from pdserve.scheduler import spec_launch, speculation
 from pdserve.scheduler.draft import DraftProposer
 from pdserve.scheduler.draft_load import load_draft
 from pdserve.scheduler.speculation import Speculator
@@ -80,7 +81,7 @@ def speculator(llm: LLM, k: int, runner=None) -> Speculator:
     """A fresh speculator drafting with `runner` (default: the decode's own draft model)."""
     own = llm.decode.spec
     assert own is not None and own.draft is not None
-    draft = DraftProposer(runner or own.draft.runner, llm.decode._forward_now)
+    draft = DraftProposer(runner or own.draft.runner, partial(spec_launch.forward_now, llm.decode))
     return Speculator(SpeculativeConfig("draft", k=k, max_batch=4, draft_model="x"), draft)
 
 

@@ -38,7 +38,7 @@ class ForwardBatch:
     extend_lens: list[int]  # [B] new tokens of each request (host)
     host_rows: list[int] | None = None  # [B] `rows` on the host, when the builder has them
     # [B] the sequence length longrope / dynamic take their frequencies of, where it is
-    # not seq_lens (scheduler/grow.py rekey: transformers' forward holds one more token)
+    # not seq_lens (scheduler/rekey.py: transformers' forward holds one more token)
     rope_lens: list[int] | None = None
     # Filled by ModelRunner.prepare on the schedule side, so that the forward itself only
     # issues device work and never reads a device value on the host:

@@ -15,6 +15,9 @@ a running one takes each next page just before the step that writes it
 never fit (longer than the context, more pages than the pool has) is refused at
 once; otherwise it waits in prealloc, FIFO, for rows and pages to come back.
 Beyond `max_queued_requests` waiting requests, new ones are refused.
+
+Beside the loop: the step itself (decode_step.py), speculation at launch
+(spec_launch.py, spec_step.py) and Phi-3's longrope rekey at schedule (rekey.py).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pdserve.protocol import (
     TokenEvent,
     TopLogprobs,
 )
-from pdserve.scheduler import grow
+from pdserve.scheduler import grow, rekey, spec_launch
 from pdserve.scheduler.admission import (
     admit_fifo,
     arrival_problem,
@@ -47,13 +50,9 @@ from pdserve.scheduler.admission import (
     request_seed,
 )
 from pdserve.scheduler.decode_step import ForwardHook, StepResult, launch_step, step_tops
-from pdserve.scheduler.draft import DraftProposer
-from pdserve.scheduler.draft_load import load_draft
 from pdserve.scheduler.engine_stats import TransferTotals, decode_stats
 from pdserve.scheduler.future_map import FutureMap
 from pdserve.scheduler.request import Req, State
-from pdserve.scheduler.spec_step import speculate
-from pdserve.scheduler.speculation import Speculator
 from pdserve.scheduler.stop import check_stop
 from pdserve.transfer.base import KVSource
 
@@ -73,7 +72,7 @@ class DecodeEngine:
         self.overlap = not cfg.scheduler.disable_overlap
         self.future = FutureMap(cfg.max_rows, runner.device, cfg.kernel_backend)
         self.schedule_stream, self.forward_stream = make_streams(runner.device)
-        self.spec = self._speculator() if cfg.speculative.on else None
+        self.spec = spec_launch.speculator(self) if cfg.speculative.on else None
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[str, Req] = {}
         self.prebuilt: deque[Req] = deque()
@@ -87,7 +86,7 @@ class DecodeEngine:
         self.preemptions = 0
         self.recomputed_tokens = 0
         self.running_peak = 0  # the largest batch launched
-        self.rekey_at = rekey_length(runner.arch)  # Phi-3's longrope switch, or None
+        self.rekey_at = rekey_length(runner.arch)  # Phi-3's longrope switch (rekey.py)
         self.events: list[TokenEvent] = []
         # Set by the engine process: sends events now, from inside step(), on the thread
         # that calls step(). Without it events wait for step() to return.
@@ -105,22 +104,6 @@ class DecodeEngine:
         self._host = (
             runner.cores.host_core if self.overlap and runner.device.startswith("cpu") else None
         )
-
-    def _speculator(self) -> Speculator:
-        """--speculative: n-gram lookups, or the draft model with its own pools."""
-        cfg = self.cfg
-        if cfg.speculative.mode != "draft":
-            return Speculator(cfg.speculative)
-        draft = DraftProposer(load_draft(cfg, self.runner), self._forward_now)
-        return Speculator(cfg.speculative, draft)
-
-    def _forward_now(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the forward stream and wait for it (the draft model's forwards;
-        landing KV has its first token sent meanwhile)."""
-        # NOTE: the inputs were written on the schedule stream
-        self.forward_stream.wait_stream(self.schedule_stream)
-        self.forward_stream.run(fn)
-        self._wait_publishing_arrivals(self.forward_stream.record())
 
     # ---- requests in --------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -159,7 +142,9 @@ class DecodeEngine:
         self._publish_pending()  # arrivals' first tokens, before _schedule waits on the fence
         batch = self._schedule()
         launched = (
-            self._launch_or_speculate(batch) if batch and not self._yield_to_prefill() else None
+            spec_launch.launch_or_speculate(self, batch)
+            if batch and not self._yield_to_prefill()
+            else None
         )
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:
@@ -277,7 +262,7 @@ class DecodeEngine:
 
     # ---- 2. schedule: merge prebuilt, drop finished --------------------------------
     def _schedule(self) -> list[Req]:
-        self._outputs_for_rekey()
+        rekey.outputs_for_rekey(self)
         self.running = [r for r in self.running if not r.finished]
         room = self.cfg.scheduler.max_running_requests - len(self.running)
         new = self.get_new_prebuilt_batch(room)
@@ -294,38 +279,8 @@ class DecodeEngine:
         # return to the pool only behind a forward-stream event (_free, grow.preempt).
         batch = grow.grow(self, batch)
         self.running_peak = max(self.running_peak, len(batch))
-        self._rekey(batch)
+        rekey.rekey_batch(self, batch)
         return batch
-
-    def _rekey(self, batch: list[Req]) -> None:
-        """Phi-3's longrope switch (arch/phi3_config.rekey_length): a request whose step
-        is at the original context gets its earlier keys rebuilt first, on the forward
-        stream ahead of the step."""
-        at = self.rekey_at
-        if at is None:
-            return
-        for req in batch:
-            if req.prompt_len <= at == req.prompt_len + req.launched_steps:
-                grow.rekey(self, req)
-
-    def _short_keys(self, batch: list[Req]) -> bool:
-        """A request of the batch has not passed Phi-3's switch yet: it steps one token at
-        a time (a speculative step could pass the switch without the rekey)."""
-        at = self.rekey_at
-        return at is not None and any(r.prompt_len + r.launched_steps <= at for r in batch)
-
-    def _outputs_for_rekey(self) -> None:
-        """Process the in-flight step first where a request about to be rekeyed lacks
-        an output it needs on the host (with one step in flight it never does)."""
-        at = self.rekey_at
-        if at is None or self.in_flight is None:
-            return
-        for req in self.running:
-            p = req.prompt_len + req.launched_steps
-            if req.prompt_len <= at == p and len(req.output_ids) < p - req.prompt_len:
-                done, self.in_flight = self.in_flight, None
-                self._process(done)
-                return
 
     def get_new_prebuilt_batch(self, room: int) -> list[Req]:
         take = [self.prebuilt.popleft() for _ in range(min(room, len(self.prebuilt)))]
@@ -367,23 +322,6 @@ class DecodeEngine:
             self.forward_hook,
             schedule=self.schedule_stream,
         )
-
-    def _launch_or_speculate(self, batch: list[Req]) -> StepResult | None:
-        """An overlap step, or a synchronous speculative one (scheduler/speculation.py,
-        docs/architecture.md §13): drafts need every token of the batch on the host, so
-        the in-flight step is processed first. None when the step ran here."""
-        waiting = bool(self.prealloc or self.transfer or self.prebuilt or self.preempted)
-        if self.spec is None or self._short_keys(batch) or not self.spec.batch_may(batch, waiting):
-            return self._launch(batch)
-        if self.in_flight is not None:
-            done, self.in_flight = self.in_flight, None
-            self._process(done)
-        batch = [r for r in batch if not r.finished]
-        proposal = self.spec.drafts(batch)
-        if not any(proposal.tokens):
-            return self._launch(batch) if batch else None
-        speculate(self, batch, proposal)
-        return None
 
     # ---- 4. process the previous step ------------------------------------------------
     def _process(self, result: StepResult) -> None:

@@ -161,24 +161,14 @@ def recompute(eng: DecodeEngine, reqs: list[Req]) -> None:
     for req in reqs:
         tokens = req.prompt_ids + req.output_ids[:-1]
         assert len(tokens) == req.prompt_len + req.launched_steps
-        _extend(eng, req, tokens, len(tokens))
+        extend(eng, req, tokens, len(tokens))
         req.resume = False
 
 
-def rekey(eng: DecodeEngine, req: Req) -> None:
-    """Rebuild the KV of every position before the step about to launch (position p) as
-    one forward over p + 1 tokens computes it: Phi3ForCausalLM.generate drops its cache
-    when a sequence first passes longrope's original context and runs the whole sequence
-    again, every position then turned by the long factors (arch/phi3_config.rekey_length).
-    The step itself then writes position p as that forward would. Precondition: the
-    outputs up to position p - 1 are on the host."""
-    p = req.prompt_len + req.launched_steps
-    tokens = req.prompt_ids + req.output_ids[: p - req.prompt_len]
-    assert len(tokens) == p, (len(tokens), p)
-    _extend(eng, req, tokens, p + 1)
-
-
-def _extend(eng: DecodeEngine, req: Req, tokens: list[int], rope_len: int) -> None:
+def extend(eng: DecodeEngine, req: Req, tokens: list[int], rope_len: int) -> None:
+    """Issue one extend forward of `tokens` into `req`'s row and pages (positions 0 ..
+    n - 1), turned as a sequence of `rope_len` tokens (recompute: n; scheduler/rekey.py:
+    n + 1). The inputs stay referenced until it has run."""
     runner = eng.runner
     dev, ps = runner.device, runner.layout.page_size
     n = len(tokens)

@@ -123,9 +123,9 @@ def _int(cfg: dict[str, Any], field: str) -> int:
 
 
 def rekey_length(arch: ModelArch) -> int | None:
-    """The position at which a decode rebuilds its request's keys (scheduler/grow.py
-    rekey), or None: Phi3ForCausalLM.generate (transformers 5) drops its cache when the
-    sequence first passes longrope's original context and runs it whole again, so every
+    """The position at which a decode rebuilds its request's keys (scheduler/rekey.py),
+    or None: Phi3ForCausalLM.generate (transformers 5) drops its cache when the sequence
+    first passes longrope's original context and runs it whole again, so every
     position is turned by the long factors from that step on."""
     s = arch.rope_scaling
     if arch.architecture != PHI3 or not s or s.get("rope_type") != "longrope":
