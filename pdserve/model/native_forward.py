@@ -218,8 +218,9 @@ class NativeDecodeForward:
     ) -> tuple[NativeDecodeForward | None, str | None]:
         """(the forward, None), or (None, why not)."""
         why = "the native decode forward was not built" if kernel is None else refusal(model, attn)
-        blocks = any(lin.quant is not None for lin in model.linears()) or model.embed_quant
-        blocks = blocks or isinstance(model, moe.MoeModel)  # refusal: its experts are in blocks
+        blocks = any(lin.quant is not None for lin in model.linears())
+        # a mixture of experts passed refusal with its experts in blocks
+        blocks = blocks or model.embed_quant is not None or isinstance(model, moe.MoeModel)
         if why is None and kernel is not None and blocks and not kernel.kernels["quant_linear"]:
             why = "the GGUF blocks' kernel (linear_quant) was not built"
         if why is not None or kernel is None or not isinstance(attn, NativeAttention):
