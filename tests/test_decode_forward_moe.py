@@ -144,3 +144,32 @@ def test_routing_weights_sum_to_one_only_where_renormalised(runners, gguf_dir, m
         ref = want.values / want.values.sum(-1, keepdim=True) if norm else want.values
         torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
         assert torch.allclose(w.sum(-1), torch.ones(5)) == norm
+
+
+@pytest.mark.parametrize(
+    ("family", "weights", "why"),
+    [
+        ("olmoe", "quantized", "OLMoE's attention"),
+        ("qwen3moe", "float32", "not in a GGUF's blocks"),
+    ],
+)
+def test_what_it_does_not_cover_keeps_the_per_call_path_and_says_why(
+    runners, gguf_dir, monkeypatch, caplog, family, weights, why
+) -> None:
+    import logging
+
+    monkeypatch.setenv("PDSERVE_DISABLE_COMPILE", "0")
+    monkeypatch.delenv("PDSERVE_PER_CALL_DECODE", raising=False)
+    path = gguf_dir / f"{family}-Q8_0.gguf"
+    if family == "olmoe":
+        write_llamacpp_moe(path, family, "Q8_0")
+    else:
+        write_moe_gguf(path, family, "Q8_0")
+    folder = resolve_model(str(path)).path
+    caplog.set_level(logging.INFO)
+    cfg = EngineConfig(model_path=str(folder), cache=CacheConfig(max_total_tokens=256),
+                       weights=weights)  # fmt: skip
+    runner = ModelRunner(cfg)
+    runner.warm_up_decode()
+    assert runner.native_forward is None
+    assert why in caplog.text
