@@ -47,6 +47,7 @@ from pdserve.model.quant_weights import QuantEmbedding
 if TYPE_CHECKING:
     from pdserve.kernels.native.linear_quant import QuantTensor
     from pdserve.model.arch.config import MoeSpec
+    from pdserve.model.layers.quant_experts import QuantExperts
 
 
 def refusal(model: LlamaModel, attn: object) -> str | None:
@@ -91,7 +92,18 @@ def moe_refusal(model: moe.MoeModel) -> str | None:
         return f"more than {MAX_EXPERTS} experts"
     if any(x.experts is not None and x.experts.quant is None for x in model.layers):
         return "the experts are not in a GGUF's blocks (--weights quantized)"
+    for x in model.layers:
+        q = x.experts.quant if x.experts else None
+        if q is not None and not _expert_shapes_fit(q, a.hidden_size):
+            return "a layer's expert tensors disagree in their widths"
     return None
+
+
+def _expert_shapes_fit(q: QuantExperts, hidden: int) -> bool:
+    """gate and up: I rows of hidden; down: hidden rows of I (the plan trusts them)."""
+    inter = q.gate.data.shape[1]
+    return (q.gate.cols == q.up.cols == hidden and q.up.data.shape[1] == inter
+            and q.down.data.shape[1] == hidden and q.down.cols == inter)  # fmt: skip
 
 
 def computes_llama_layer(model: LlamaModel) -> bool:
@@ -196,7 +208,10 @@ class NativeDecodeForward:
         if isinstance(model, moe.MoeModel) and sparse:
             spec = moe.spec_of(a)
             p.moe_experts, p.moe_top_k = spec.num_experts, spec.top_k
-            p.moe_inter, p.moe_shared = spec.expert_size, spec.shared_size
+            # the scratch's widths: the widest layer's, as its blocks have them
+            moes = [m for m in sparse if isinstance(m, MoeLayer)]
+            p.moe_inter = max(m.inter for m in moes)
+            p.moe_shared = max(m.shared_down.k_dim for m in moes)
         if _int8(model):
             p.quant_x8 = kernel.quant_x8  # --quant-activations int8
         if share is not None:
