@@ -103,7 +103,8 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodePlan(ctypes.Structure):
-    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
+    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("par_chunks", _ptr),
+                ("norm", _ptr),
                 ("head_norm", _ptr), ("act_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
                 ("quant_linear", _ptr), ("quant_rows", _ptr), ("quant_x8", _ptr),
                 ("quant_groups", _ptr), ("moe_route", _ptr), ("moe_combine", _ptr),

@@ -34,7 +34,8 @@
  * step owns); a tile buffer no memory was left for is status 5.
  *
  * Threads: a projection splits its panels, the attention its requests, over
- * threads_now() parts on par.c's workers; the elementwise passes run on this thread.
+ * threads_now() parts on par.c's workers (the experts' grouped calls a group at a time,
+ * decode_moe.h); the elementwise passes run on this thread.
  * With a core share (kernels/core_share.py) the count is read before every split from
  * the shared records, as the per-call path does; while the engine's schedule thread
  * claims a core for its host work (`host_busy`, core_share.HostCore) the split takes one
@@ -48,6 +49,7 @@
 #define MAX_WINDOWS 4 /* distinct attention windows a model may have (0: full) */
 
 typedef int (*par_fn)(pd_range_fn, const void *, int64_t, int);
+typedef int (*chunks_fn)(pd_range_fn, const void *, int64_t, int, int64_t);
 typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t, float);
 typedef void (*act_fn)(const float *, float *, int64_t, int64_t);
 typedef void (*heads_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, float);
@@ -107,6 +109,7 @@ typedef struct {
     /* kernels */
     pd_range_fn linear, attend;
     par_fn par_run; /* NULL: every part on this thread */
+    chunks_fn par_chunks; /* pd_par_run_chunks (the experts' grouped calls), or NULL */
     norm_fn norm;
     heads_fn head_norm;
     act_fn act_mul;           /* pd_silu_mul or pd_gelu_tanh_mul */
@@ -346,7 +349,8 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(MoeLayer, inter), PD_ABI_FIELD(MoeLayer, norm_topk),
     PD_ABI_STRUCT(DecodePlan),
     PD_ABI_FIELD(DecodePlan, linear), PD_ABI_FIELD(DecodePlan, attend),
-    PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, norm),
+    PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, par_chunks),
+    PD_ABI_FIELD(DecodePlan, norm),
     PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, act_mul),
     PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
     PD_ABI_FIELD(DecodePlan, quant_linear), PD_ABI_FIELD(DecodePlan, quant_rows),

@@ -54,6 +54,7 @@ class DecodeForward:
             "linear": _address(libs["linear_f32"], "pd_linear_f32_range"),
             "attend": _address(libs["paged_decode"], "pd_paged_decode_range"),
             "par_run": 0 if par is None else _address(par, "pd_par_run"),
+            "par_chunks": 0 if par is None else _address(par, "pd_par_run_chunks"),
             "norm": _address(ops, "pd_add_rms_norm"),
             "head_norm": _address(ops, "pd_rms_norm_heads"),
             "rope": _address(ops, "pd_rope"),

@@ -69,12 +69,19 @@ static QuantArgs expert_rows(const ExpertProj *t, int64_t e, const float *x, con
     return q;
 }
 
-/* Every group of one call (each its expert's rows of the same width) split over threads. */
+/* Every group of one call (each its expert's rows of the same width) over the threads,
+ * a group at a time to whichever thread is free: the groups' rows of x differ (an
+ * expert's tokens), so equal ranges of tiles would not be equal work. */
 static int32_t run_groups(const DecodePlan *p, QuantArgs *g, int64_t count) {
     if (count == 0) return 0;
     int64_t tiles = (g[0].n + 3) / 4; /* linear_quant.c TILE */
     QuantGroups a = {g, count, tiles};
-    split(p, p->quant_groups, &a, tiles * count);
+    int64_t parts = threads_now(p);
+    parts = parts < count ? parts : count;
+    if (p->par_chunks && parts > 1)
+        p->par_chunks(p->quant_groups, &a, tiles * count, (int)parts, tiles);
+    else
+        split(p, p->quant_groups, &a, tiles * count);
     for (int64_t i = 0; i < count; i++)
         if (g[i].status) return 5;
     return 0;
