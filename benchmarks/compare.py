@@ -110,9 +110,13 @@ def model_path(args: argparse.Namespace) -> str:
     """The Hugging Face folder every server loads (a GGUF's is converted once)."""
     spec = args.model or args.gguf
     if spec:
+        from pdserve.checkpoints.gguf import expert_floats
         from pdserve.checkpoints.resolve import resolve_model
 
-        return str(resolve_model(spec).path)
+        folder = resolve_model(spec).path
+        if {"vllm", "transformers"} - set(args.skip):  # they read every float from the folder
+            expert_floats.ensure(folder)
+        return str(folder)
     from pdserve.checkpoints.presets import default_model_path
 
     return str(default_model_path("bench"))

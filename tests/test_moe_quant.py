@@ -109,9 +109,17 @@ def test_quantized_experts_equal_float32_experts_and_transformers(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
+    from pdserve.checkpoints.resolve import resolve_model
+
     path = write_moe_gguf(tmp_path / "qwen3moe-Q8_0.gguf", "qwen3moe", "Q8_0")
     quant, quant_bytes, on_blocks = _run(path, "quantized")
+    # the conversion left the experts' floats out (served from the blocks) ...
+    weights = resolve_model(str(path)).path / "model.safetensors"
+    assert (weights.parent / "experts.json").exists()
+    without = weights.stat().st_size
     floats, float_bytes, float_on_blocks = _run(path, "float32")
+    # ... and wrote them when --weights float32 needed them
+    assert not (weights.parent / "experts.json").exists() and weights.stat().st_size > 2 * without
     assert on_blocks and not float_on_blocks
     # the experts are most of the weights: float32 holds about 32 / 8.5 of the blocks
     assert quant_bytes <= 1.2 * path.stat().st_size < float_bytes / 2.5
@@ -197,6 +205,7 @@ def test_llamacpp_moe_gguf_experts_in_blocks_equal_transformers(
     written from gives the same tokens (the names and row order map back)."""
     import transformers
 
+    from pdserve.checkpoints.gguf import expert_floats
     from pdserve.checkpoints.resolve import resolve_model
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(cache))
@@ -205,6 +214,7 @@ def test_llamacpp_moe_gguf_experts_in_blocks_equal_transformers(
     ours, _, on_blocks = _run(path, "quantized")
     assert on_blocks
     folder = resolve_model(str(path)).path
+    expert_floats.ensure(folder)  # transformers reads the experts' floats from the folder
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     assert type(hf) is type(original)
     want = [greedy_of(hf, p, NEW) for p in PROMPTS]

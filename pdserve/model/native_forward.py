@@ -16,15 +16,27 @@ the logits are equal bit for bit (tests/test_decode_forward.py).
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.kernels.core_share import CoreShare, HostCore
-from pdserve.kernels.native.abi import MAX_PARTS, MAX_WINDOWS, DecodeLayer, Proj, QuantProj
+from pdserve.kernels.native.abi import (
+    MAX_PARTS,
+    MAX_WINDOWS,
+    DecodeLayer,
+    ExpertProj,
+    MoeLayer,
+    Proj,
+    QuantProj,
+)
 from pdserve.kernels.native.decode_forward import DecodeForward, float_ptr
+from pdserve.kernels.native.decode_ops import MAX_EXPERTS
+from pdserve.model.arch import moe
 from pdserve.model.arch.gemma3 import Gemma3Layer, Gemma3Model
 from pdserve.model.arch.llama import LlamaModel
+from pdserve.model.arch.moe_config import OLMOE
 from pdserve.model.attention.backends import NativeAttention
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers.activations import NATIVE_ACTS
@@ -32,11 +44,20 @@ from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.ops import NativeOps
 from pdserve.model.quant_weights import QuantEmbedding
 
+if TYPE_CHECKING:
+    from pdserve.kernels.native.linear_quant import QuantTensor
+    from pdserve.model.arch.config import MoeSpec
+    from pdserve.model.layers.quant_experts import QuantExperts
+
 
 def refusal(model: LlamaModel, attn: object) -> str | None:
     """Why `model` cannot run its decode natively (None: it can)."""
     a = model.arch
-    if not computes_llama_layer(model) and type(model) is not Gemma3Model:
+    if isinstance(model, moe.MoeModel):
+        why = moe_refusal(model)
+        if why is not None:
+            return why
+    elif not computes_llama_layer(model) and type(model) is not Gemma3Model:
         return f"{a.architecture}'s layer is not the native forward's (Llama's or Gemma 3's)"
     if a.final_logit_softcapping is not None:
         return "the logits are soft-capped (final_logit_softcapping)"
@@ -59,6 +80,32 @@ def refusal(model: LlamaModel, attn: object) -> str | None:
     return None
 
 
+def moe_refusal(model: moe.MoeModel) -> str | None:
+    """Why a mixture-of-experts model's layers are not the native forward's (None: they are)."""
+    a = model.arch
+    if a.architecture == OLMOE:
+        return "OLMoE's attention (q/k norms over the whole projection, clip_qkv) is not native"
+    if type(model) is not moe.MoeModel:
+        return f"{type(model).__name__} computes its own layer"
+    spec = moe.spec_of(a)
+    if spec.num_experts > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if any(x.experts is not None and x.experts.quant is None for x in model.layers):
+        return "the experts are not in a GGUF's blocks (--weights quantized)"
+    for x in model.layers:
+        q = x.experts.quant if x.experts else None
+        if q is not None and not _expert_shapes_fit(q, a.hidden_size):
+            return "a layer's expert tensors disagree in their widths"
+    return None
+
+
+def _expert_shapes_fit(q: QuantExperts, hidden: int) -> bool:
+    """gate and up: I rows of hidden; down: hidden rows of I (the plan trusts them)."""
+    inter = q.gate.data.shape[1]
+    return (q.gate.cols == q.up.cols == hidden and q.up.data.shape[1] == inter
+            and q.down.data.shape[1] == hidden and q.down.cols == inter)  # fmt: skip
+
+
 def computes_llama_layer(model: LlamaModel) -> bool:
     """Whether the model computes what LlamaModel computes: LlamaModel itself, or a class
     that says so of itself (not inherited: Phi-3's differs only in reading its checkpoint)."""
@@ -79,6 +126,33 @@ def _proj(lin: Linear, keep: list[QuantProj]) -> Proj:
     return Proj(0, float_ptr(lin.bias), lin.out_features, lin.in_features, 0, ctypes.pointer(q))
 
 
+def _experts(e: moe.Experts, spec: MoeSpec, keep: list[object]) -> MoeLayer:
+    """The plan's view of a sparse layer's MLP (its structs kept in `keep`)."""
+    q = e.quant
+    assert q is not None  # refusal: the experts are in blocks
+
+    def blocks(t: QuantTensor) -> ExpertProj:
+        assert t.data.is_contiguous()  # NOTE: expert e's rows at e * rows * row_bytes
+        return ExpertProj(t.data.data_ptr(), t.data.shape[1], t.data.shape[2], t.type_id)
+
+    parts: list[QuantProj] = []
+    shared = [Proj() if lin is None else _proj(lin, parts)
+              for lin in (e.shared_gate_up, e.shared_down, e.shared_gate)]  # fmt: skip
+    m = MoeLayer(_proj(e.router, parts), blocks(q.gate), blocks(q.up), blocks(q.down), *shared,
+                 spec.num_experts, spec.top_k, q.gate.data.shape[1], int(spec.norm_topk_prob))  # fmt: skip
+    keep += [*parts, m]
+    return m
+
+
+def _int8(model: LlamaModel) -> bool:
+    """--quant-activations int8: a projection's or an expert's kernel quantizes x."""
+    if any(lin.quant is not None and lin.quant[0].int8 for lin in model.linears()):
+        return True
+    layers = model.layers if isinstance(model, moe.MoeModel) else []
+    return any(x.experts is not None and x.experts.quant and x.experts.quant.kernel.int8
+               for x in layers)  # fmt: skip
+
+
 class NativeDecodeForward:
     def __init__(
         self,
@@ -97,18 +171,23 @@ class NativeDecodeForward:
         layers = (DecodeLayer * a.num_layers)()
         keep: list[QuantProj] = []
         self._quant = keep  # NOTE: the plan's Projs point into them: kept alive with the plan
+        sparse: list[object] = []
+        self._sparse = sparse  # NOTE: the plan's layers point into them: kept alive with it
         for i, w in enumerate(model.layers):
             # Gemma 3's norms around each sublayer (None: the Llama layer)
             pre_ff, post_ff = (
                 (w.pre_ff_norm, w.post_ff_norm) if isinstance(w, Gemma3Layer) else (None, None)
             )
             rope = model.ropes[model.rope_of_layer[i]]
+            e = w.experts if isinstance(w, moe.MoeLayer) else None
+            mlp = (Proj(), Proj()) if e else (_proj(w.gate_up, keep), _proj(w.down, keep))
             layers[i] = DecodeLayer(
                 float_ptr(w.input_norm), float_ptr(w.post_norm), float_ptr(pre_ff),
                 float_ptr(post_ff), float_ptr(w.q_norm),
                 float_ptr(w.k_norm), float_ptr(rope.cos), float_ptr(rope.sin_signed),
-                _proj(w.qkv, keep), _proj(w.o, keep), _proj(w.gate_up, keep), _proj(w.down, keep),
+                _proj(w.qkv, keep), _proj(w.o, keep), *mlp,
                 float_ptr(pool.k[i]), float_ptr(pool.v[i]), self.windows.index(per_layer[i]),
+                ctypes.pointer(_experts(e, moe.spec_of(a), sparse)) if e else None,
             )  # fmt: skip
         self._layers = layers  # NOTE: the plan points into it: kept alive with the plan
         p = self.plan = kernel.plan()
@@ -126,7 +205,14 @@ class NativeDecodeForward:
             p.embed, p.embed_blocks = 0, blocks.data.data_ptr()
             p.embed_row_bytes, p.embed_type = blocks.data.shape[1], blocks.type_id
         p.head, p.layer = _proj(model.lm_head, keep), layers
-        if any(lin.quant is not None and lin.quant[0].int8 for lin in model.linears()):
+        if isinstance(model, moe.MoeModel) and sparse:
+            spec = moe.spec_of(a)
+            p.moe_experts, p.moe_top_k = spec.num_experts, spec.top_k
+            # the scratch's widths: the widest layer's, as its blocks have them
+            moes = [m for m in sparse if isinstance(m, MoeLayer)]
+            p.moe_inter = max(m.inter for m in moes)
+            p.moe_shared = max(m.shared_down.k_dim for m in moes)
+        if _int8(model):
             p.quant_x8 = kernel.quant_x8  # --quant-activations int8
         if share is not None:
             p.share, p.share_engines, p.share_slot, p.share_own = share.records()
@@ -147,7 +233,9 @@ class NativeDecodeForward:
     ) -> tuple[NativeDecodeForward | None, str | None]:
         """(the forward, None), or (None, why not)."""
         why = "the native decode forward was not built" if kernel is None else refusal(model, attn)
-        blocks = any(lin.quant is not None for lin in model.linears()) or model.embed_quant
+        blocks = any(lin.quant is not None for lin in model.linears())
+        # a mixture of experts passed refusal with its experts in blocks
+        blocks = blocks or model.embed_quant is not None or isinstance(model, moe.MoeModel)
         if why is None and kernel is not None and blocks and not kernel.kernels["quant_linear"]:
             why = "the GGUF blocks' kernel (linear_quant) was not built"
         if why is not None or kernel is None or not isinstance(attn, NativeAttention):

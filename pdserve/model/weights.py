@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.checkpoints.gguf import expert_floats
 from pdserve.checkpoints.tensor_files import load_state
 from pdserve.config import EngineConfig
 from pdserve.kernels.native.linear_quant import LinearQuant
@@ -84,9 +85,16 @@ def load_model(
     if quant is not None and arch.moe is not None:
         experts = quant_experts.plan(quant[0], moe.expert_names(arch))
     skip = quant_weights.meta_names(groups) | quant_experts.meta_names(experts, arch)
+    if arch.moe is not None and (quant is None or _some_experts_float(arch, experts)):
+        expert_floats.ensure(cfg.model_path)  # a converted folder left them out
     # NOTE: copies where blocks serve: a view would keep the whole float32 file mapped,
     # the dropped float embedding's pages resident with it
-    model = build(load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None))
+    state = load_state(cfg.model_path, dtype, cfg.device, skip, copy=quant is not None)
+    if arch.moe is not None:  # experts served from blocks that the folder left out
+        shapes = moe.tensor_shapes(arch)
+        for name in skip - state.keys():
+            state[name] = torch.empty(shapes[name], dtype=dtype, device="meta")
+    model = build(state)
     if quant is not None:
         quant_weights.apply(model, quant[0], groups, quant[1])
         if quant[1].int8:
@@ -94,6 +102,12 @@ def load_model(
         _use_quant_experts(model, quant[0], experts, quant[1])
     log.info("weights: %.1f MB resident", resident_bytes(model) / 1e6)
     return model
+
+
+def _some_experts_float(arch: ModelArch, plans: list[ExpertNames | None]) -> bool:
+    """Whether a sparse layer's experts are not served from blocks (plans: quant_experts.plan)."""
+    assert arch.moe is not None
+    return any(s and not p for s, p in zip(arch.moe.sparse, plans or [None] * len(arch.moe.sparse)))
 
 
 def _say_float_types(model: LlamaModel, kernel: LinearQuant) -> None:

@@ -7,7 +7,9 @@ reader) and streamed to disk (gguf_tensors.py), renamed and fixed per architectu
 (gguf_tokenizer.py). resolve.py caches the folder. Anything the converter does not
 implement exactly is refused by name: an architecture, a tensor type, a tensor, a
 metadata key that changes the computation (rope scaling, sliding window, ...).
-Every refusal is a GGUFError whose message starts with the file's path.
+Every refusal is a GGUFError whose message starts with the file's path. A
+mixture-of-experts file's experts in block types are left out (served from the file's
+blocks; expert_floats.py writes their floats for a reader that needs them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from pdserve.checkpoints.gguf import tokenizer as gguf_tokenizer
 from pdserve.checkpoints.gguf.arch import ARCHES, REFUSED_KEYS, GGUFArch, arch_entry
-from pdserve.checkpoints.gguf.tensors import GGUFError, check_tensors, write_safetensors
+from pdserve.checkpoints.gguf.tensors import (
+    LISTING,
+    GGUFError,
+    check_tensors,
+    left_out,
+    write_safetensors,
+)
 
 if TYPE_CHECKING:
     import gguf
@@ -191,11 +199,15 @@ def _convert(src: Path, out: Path, progress: IO[str] | None) -> Path:
     tok = gguf_tokenizer.build_tokenizer(meta)
     out.mkdir(parents=True, exist_ok=True)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
-    bar = Progress(src.name, len(reader.tensors), progress)
+    left = set(left_out(reader, name, arch))  # served from the blocks
+    bar = Progress(src.name, len(reader.tensors) - len(left), progress)
     try:
-        write_safetensors(out / "model.safetensors", reader, name, arch, heads, bar)
+        write_safetensors(out / "model.safetensors", reader, name, arch, heads, bar,
+                          keep=lambda t: t.name not in left)  # fmt: skip
     finally:
         bar.close()
+    if left:
+        _write_json(out / LISTING, sorted(left))
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", generation_config(meta))

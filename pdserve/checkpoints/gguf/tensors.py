@@ -74,6 +74,17 @@ def hf_entries(
     return [(name, shape)]
 
 
+LISTING = "experts.json"  # in a converted folder: the GGUF tensors left out (expert_floats.py)
+
+
+def left_out(reader: gguf.GGUFReader, arch_name: str, arch: GGUFArch) -> list[str]:
+    """The GGUF names of the tensors the converter leaves out of model.safetensors:
+    tensors of experts in a block type (served from the file's blocks)."""
+    return [t.name for t in reader.tensors
+            if "{j}" in hf_name(t.name, arch_name, arch)
+            and t.tensor_type.name not in ("F32", "F16", "BF16")]  # fmt: skip
+
+
 def check_tensors(reader: gguf.GGUFReader, arch_name: str, arch: GGUFArch) -> None:
     """Refuse, before any de-quantizing, a tensor of unsupported type or unknown name."""
     supported = dequantizable_types()
@@ -142,13 +153,16 @@ def write_safetensors(
     arch: GGUFArch,
     heads: dict[str, int],
     on_tensor: Callable[[int, str], None] = lambda i, name: None,
+    keep: Callable[[gguf.ReaderTensor], bool] = lambda t: True,
 ) -> None:
-    """model.safetensors of every tensor as float32, written one slab at a time."""
+    """A safetensors file of every tensor `keep` keeps as float32, written one slab at a
+    time."""
     import numpy as np
 
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for t in reader.tensors:
+    kept = [t for t in reader.tensors if keep(t)]
+    for t in kept:
         for name, shape in hf_entries(t, arch_name, arch):
             size = 4
             for n in shape:
@@ -164,7 +178,7 @@ def write_safetensors(
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for i, t in enumerate(reader.tensors):
+        for i, t in enumerate(kept):
             for slab in tensor_values(t, arch, heads):
                 f.write(np.ascontiguousarray(slab, dtype="<f4").data)  # no copy
             on_tensor(i + 1, t.name)

@@ -14,7 +14,7 @@ layout Python guessed.
     linear_quant     QuantArgs, QuantGroups
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
-    decode_forward   QuantProj, Proj, DecodeLayer, DecodePlan
+    decode_forward   QuantProj, Proj, ExpertProj, MoeLayer, DecodeLayer, DecodePlan
     zmq_send         ZmqApi (transfer/zmq_native.py declares it, beside its own C file)
 """
 
@@ -83,21 +83,36 @@ class Proj(ctypes.Structure):
                 ("quant", ctypes.POINTER(QuantProj))]  # fmt: skip
 
 
+class ExpertProj(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("rows", _i64), ("row_bytes", _i64), ("type", _i32)]
+
+
+class MoeLayer(ctypes.Structure):
+    _fields_ = [("router", Proj), ("gate", ExpertProj), ("up", ExpertProj), ("down", ExpertProj),
+                ("shared_gate_up", Proj), ("shared_down", Proj), ("shared_gate", Proj),
+                ("experts", _i64), ("top_k", _i64), ("inter", _i64),
+                ("norm_topk", _i32)]  # fmt: skip
+
+
 class DecodeLayer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("pre_ff_norm", _ptr),
                 ("post_ff_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("cos", _ptr),
                 ("sin", _ptr), ("qkv", Proj), ("o", Proj),
                 ("gate_up", Proj), ("down", Proj), ("k_pool", _ptr), ("v_pool", _ptr),
-                ("window", _i64)]  # fmt: skip
+                ("window", _i64), ("moe", ctypes.POINTER(MoeLayer))]  # fmt: skip
 
 
 class DecodePlan(ctypes.Structure):
-    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("norm", _ptr),
+    _fields_ = [("linear", _ptr), ("attend", _ptr), ("par_run", _ptr), ("par_chunks", _ptr),
+                ("norm", _ptr),
                 ("head_norm", _ptr), ("act_mul", _ptr), ("rope", _ptr), ("kv_write", _ptr),
                 ("quant_linear", _ptr), ("quant_rows", _ptr), ("quant_x8", _ptr),
+                ("quant_groups", _ptr), ("moe_route", _ptr), ("moe_combine", _ptr),
+                ("moe_gated_add", _ptr),
                 ("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("vocab", _i64), ("num_slots", _i64),
-                ("max_pos", _i64), ("eps", _f32), ("scale", _f32), ("embed_scale", _f32),
+                ("max_pos", _i64), ("moe_experts", _i64), ("moe_top_k", _i64),
+                ("moe_inter", _i64), ("moe_shared", _i64), ("eps", _f32), ("scale", _f32), ("embed_scale", _f32),
                 ("embed", _ptr), ("embed_blocks", _ptr), ("embed_row_bytes", _i64),
                 ("embed_type", _i32), ("final_norm", _ptr),
                 ("head", Proj), ("layer", ctypes.POINTER(DecodeLayer)),
@@ -117,7 +132,7 @@ STRUCTS: dict[str, Structs] = {
     "linear_quant": (QuantArgs, QuantGroups),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
-    "decode_forward": (QuantProj, Proj, DecodeLayer, DecodePlan),
+    "decode_forward": (QuantProj, Proj, ExpertProj, MoeLayer, DecodeLayer, DecodePlan),
 }
 
 

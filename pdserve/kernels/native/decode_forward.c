@@ -23,17 +23,19 @@
  *     pool[out_slot] = k, v           then attention over the pool -> attn [B, H D]
  *     delta = attn @ Wo^T
  *     x = norm(h += delta)            post-attention norm
- *     delta = act(gate) * up @ Wdown^T  act: SiLU or GELU-tanh (plan.act_mul)
+ *     delta = act(gate) * up @ Wdown^T  act: SiLU or GELU-tanh (plan.act_mul); a sparse
+ *                                     layer (moe set): its routed experts (decode_moe.h)
  *
  * A Gemma 3 layer (pre_ff_norm set) norms each sublayer's output before it joins h:
  * the attention's delta by post_norm, then x = pre_ff_norm(h += that); the MLP's delta
  * by post_ff_norm. Then logits = norm(h += delta) @ Whead^T. Ids, positions and slots
  * are checked before anything is written (status 1, 2, 3); a shape the attention does
  * not take is status 4 (the pool may hold this step's first layer's K/V then: slots the
- * step owns).
+ * step owns); a tile buffer no memory was left for is status 5.
  *
  * Threads: a projection splits its panels, the attention its requests, over
- * threads_now() parts on par.c's workers; the elementwise passes run on this thread.
+ * threads_now() parts on par.c's workers (the experts' grouped calls a group at a time,
+ * decode_moe.h); the elementwise passes run on this thread.
  * With a core share (kernels/core_share.py) the count is read before every split from
  * the shared records, as the per-call path does; while the engine's schedule thread
  * claims a core for its host work (`host_busy`, core_share.HostCore) the split takes one
@@ -47,6 +49,7 @@
 #define MAX_WINDOWS 4 /* distinct attention windows a model may have (0: full) */
 
 typedef int (*par_fn)(pd_range_fn, const void *, int64_t, int);
+typedef int (*chunks_fn)(pd_range_fn, const void *, int64_t, int, int64_t);
 typedef void (*norm_fn)(float *, const float *, const float *, float *, int64_t, int64_t, float);
 typedef void (*act_fn)(const float *, float *, int64_t, int64_t);
 typedef void (*heads_fn)(float *, int64_t, const float *, int64_t, int64_t, int64_t, float);
@@ -55,6 +58,11 @@ typedef void (*rope_fn)(float *, int64_t, const float *, const float *, int64_t,
 typedef void (*x8_fn)(const float *, int64_t, int64_t, uint8_t *);
 typedef int (*kv_fn)(float *, float *, int64_t, const int64_t *, const float *, int64_t,
                      const float *, int64_t, int64_t, int64_t);
+/* moe_ops.h (decode_ops.c's library) */
+typedef void (*route_fn)(const float *, int64_t, int64_t, int64_t, int32_t, float *, int64_t *);
+typedef void (*combine_fn)(const float *, const float *, const int64_t *, int64_t, int64_t,
+                           float *, int64_t);
+typedef void (*gated_fn)(float *, const float *, const float *, int64_t, int64_t);
 
 #define MAX_PARTS 3 /* the parts of a fused projection in GGUF blocks (q, k, v) */
 
@@ -71,6 +79,21 @@ typedef struct { /* a projection: weights in 16-column panels (linear_f32.c), or
     const QuantProj *quant;     /* NULL: the panels */
 } Proj;
 
+typedef struct { /* one projection of a layer's experts in GGUF blocks: expert e's rows at
+                  * w + e * rows * row_bytes */
+    const uint8_t *w;
+    int64_t rows, row_bytes;
+    int32_t type;
+} ExpertProj;
+
+typedef struct { /* a sparse layer's MLP (decode_moe.h) */
+    Proj router;             /* [experts, hidden] */
+    ExpertProj gate, up, down; /* gate, up: inter rows of hidden; down: hidden rows of inter */
+    Proj shared_gate_up, shared_down, shared_gate; /* Qwen2-MoE's shared expert (n 0: none) */
+    int64_t experts, top_k, inter;
+    int32_t norm_topk; /* the top k's weights divided by their sum */
+} MoeLayer;
+
 typedef struct {
     const float *input_norm, *post_norm;
     const float *pre_ff_norm, *post_ff_norm; /* Gemma 3's sandwich norms, or NULL: Llama's */
@@ -79,12 +102,14 @@ typedef struct {
     Proj qkv, o, gate_up, down;
     float *k_pool, *v_pool; /* this layer's [num_slots, KH, D] */
     int64_t window;         /* index into DecodePlan.bounds */
+    const MoeLayer *moe;    /* NULL: the dense MLP (gate_up, down) */
 } DecodeLayer;
 
 typedef struct {
     /* kernels */
     pd_range_fn linear, attend;
     par_fn par_run; /* NULL: every part on this thread */
+    chunks_fn par_chunks; /* pd_par_run_chunks (the experts' grouped calls), or NULL */
     norm_fn norm;
     heads_fn head_norm;
     act_fn act_mul;           /* pd_silu_mul or pd_gelu_tanh_mul */
@@ -93,8 +118,13 @@ typedef struct {
     pd_range_fn quant_linear; /* NULL where no projection is in blocks */
     pd_rows_fn quant_rows;    /* NULL where the embedding is not in blocks */
     x8_fn quant_x8;           /* NULL: float x; else pd_quant_x8 (--quant-activations int8) */
+    pd_range_fn quant_groups; /* pd_quant_groups_range; NULL where no layer is sparse */
+    route_fn moe_route;
+    combine_fn moe_combine;
+    gated_fn moe_gated_add;
     /* the model */
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, num_slots, max_pos;
+    int64_t moe_experts, moe_top_k, moe_inter, moe_shared; /* the sparse layers' largest */
     float eps, scale, embed_scale; /* embed_scale 0: the rows as looked up */
     const float *embed;     /* [vocab, hidden], or NULL: embed_blocks */
     const uint8_t *embed_blocks; /* [vocab] rows of embed_row_bytes, GGUF type embed_type */
@@ -151,11 +181,16 @@ static void split(const DecodePlan *p, pd_range_fn fn, const void *args, int64_t
 static int64_t qkv_width(const DecodePlan *p);
 static int64_t float_scratch(const DecodePlan *p, int64_t b);
 
+/* the quantized rows of a projection's x (--quant-activations int8): past the floats */
+static uint8_t *xq_area(const DecodePlan *p) {
+    return (uint8_t *)(p->scratch + float_scratch(p, p->b));
+}
+
 static void project(const DecodePlan *p, const Proj *w, const float *x, float *y) {
     const QuantProj *q = w->quant;
     const uint8_t *xq = NULL;
-    if (q && p->quant_x8) { /* x quantized once for every part (past the float scratch) */
-        uint8_t *buf = (uint8_t *)(p->scratch + float_scratch(p, p->b));
+    if (q && p->quant_x8) { /* x quantized once for every part */
+        uint8_t *buf = xq_area(p);
         p->quant_x8(x, p->b, w->k_dim, buf);
         xq = buf;
     }
@@ -176,16 +211,28 @@ static int64_t qkv_width(const DecodePlan *p) {
     return (p->heads + 2 * p->kv_heads) * p->head_dim;
 }
 
-static int64_t float_scratch(const DecodePlan *p, int64_t b) {
+static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; } /* 64-byte aligned parts */
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static int64_t dense_floats(const DecodePlan *p, int64_t b) {
     return b * (4 * p->hidden + qkv_width(p) + p->heads * p->head_dim + 3 * p->inter);
 }
 
+#include "decode_moe.h" /* moe_floats, moe_ffn: a sparse layer's MLP */
+
+/* the dense buffers, then the sparse layers' (decode_moe.h) */
+static int64_t float_scratch(const DecodePlan *p, int64_t b) {
+    return up16(dense_floats(p, b)) + moe_floats(p, b);
+}
+
 /* Floats of scratch a step of b requests needs (the caller allocates them): the float
- * buffers, then with quant_x8 the widest projection input's quantized rows */
+ * buffers, then with quant_x8 the widest projection input's quantized rows (b of them,
+ * or b * top_k for the experts) */
 int64_t pd_decode_scratch_floats(const DecodePlan *p, int64_t b) {
-    int64_t k = p->hidden > p->inter ? p->hidden : p->inter;
-    k = k > p->heads * p->head_dim ? k : p->heads * p->head_dim;
-    return float_scratch(p, b) + (p->quant_x8 ? (b * pd_xq_bytes(k) + 3) / 4 : 0);
+    int64_t k = max64(max64(p->hidden, p->inter), p->heads * p->head_dim);
+    k = max64(k, max64(p->moe_inter, p->moe_shared));
+    int64_t rows = max64(b, b * p->moe_top_k);
+    return float_scratch(p, b) + (p->quant_x8 ? (rows * pd_xq_bytes(k) + 3) / 4 : 0);
 }
 
 static int32_t check_inputs(const DecodePlan *p) {
@@ -254,9 +301,14 @@ int pd_decode_forward(DecodePlan *p) {
         } else {
             p->norm(h, delta, w->post_norm, x, b, hd, p->eps);
         }
-        project(p, &w->gate_up, x, gu);
-        p->act_mul(gu, act, b, p->inter);
-        project(p, &w->down, act, delta);
+        if (w->moe) {
+            p->status = moe_ffn(p, w->moe, x, delta);
+            if (p->status) return p->status;
+        } else {
+            project(p, &w->gate_up, x, gu);
+            p->act_mul(gu, act, b, p->inter);
+            project(p, &w->down, act, delta);
+        }
         add = delta;
         if (w->post_ff_norm) {
             p->norm(delta, NULL, w->post_ff_norm, y, b, hd, p->eps);
@@ -285,19 +337,33 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(DecodeLayer, qkv), PD_ABI_FIELD(DecodeLayer, o),
     PD_ABI_FIELD(DecodeLayer, gate_up), PD_ABI_FIELD(DecodeLayer, down),
     PD_ABI_FIELD(DecodeLayer, k_pool), PD_ABI_FIELD(DecodeLayer, v_pool),
-    PD_ABI_FIELD(DecodeLayer, window),
+    PD_ABI_FIELD(DecodeLayer, window), PD_ABI_FIELD(DecodeLayer, moe),
+    PD_ABI_STRUCT(ExpertProj),
+    PD_ABI_FIELD(ExpertProj, w), PD_ABI_FIELD(ExpertProj, rows),
+    PD_ABI_FIELD(ExpertProj, row_bytes), PD_ABI_FIELD(ExpertProj, type),
+    PD_ABI_STRUCT(MoeLayer),
+    PD_ABI_FIELD(MoeLayer, router), PD_ABI_FIELD(MoeLayer, gate), PD_ABI_FIELD(MoeLayer, up),
+    PD_ABI_FIELD(MoeLayer, down), PD_ABI_FIELD(MoeLayer, shared_gate_up),
+    PD_ABI_FIELD(MoeLayer, shared_down), PD_ABI_FIELD(MoeLayer, shared_gate),
+    PD_ABI_FIELD(MoeLayer, experts), PD_ABI_FIELD(MoeLayer, top_k),
+    PD_ABI_FIELD(MoeLayer, inter), PD_ABI_FIELD(MoeLayer, norm_topk),
     PD_ABI_STRUCT(DecodePlan),
     PD_ABI_FIELD(DecodePlan, linear), PD_ABI_FIELD(DecodePlan, attend),
-    PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, norm),
+    PD_ABI_FIELD(DecodePlan, par_run), PD_ABI_FIELD(DecodePlan, par_chunks),
+    PD_ABI_FIELD(DecodePlan, norm),
     PD_ABI_FIELD(DecodePlan, head_norm), PD_ABI_FIELD(DecodePlan, act_mul),
     PD_ABI_FIELD(DecodePlan, rope), PD_ABI_FIELD(DecodePlan, kv_write),
     PD_ABI_FIELD(DecodePlan, quant_linear), PD_ABI_FIELD(DecodePlan, quant_rows),
-    PD_ABI_FIELD(DecodePlan, quant_x8),
+    PD_ABI_FIELD(DecodePlan, quant_x8), PD_ABI_FIELD(DecodePlan, quant_groups),
+    PD_ABI_FIELD(DecodePlan, moe_route), PD_ABI_FIELD(DecodePlan, moe_combine),
+    PD_ABI_FIELD(DecodePlan, moe_gated_add),
     PD_ABI_FIELD(DecodePlan, layers), PD_ABI_FIELD(DecodePlan, hidden),
     PD_ABI_FIELD(DecodePlan, heads), PD_ABI_FIELD(DecodePlan, kv_heads),
     PD_ABI_FIELD(DecodePlan, head_dim), PD_ABI_FIELD(DecodePlan, inter),
     PD_ABI_FIELD(DecodePlan, vocab), PD_ABI_FIELD(DecodePlan, num_slots),
-    PD_ABI_FIELD(DecodePlan, max_pos), PD_ABI_FIELD(DecodePlan, eps),
+    PD_ABI_FIELD(DecodePlan, max_pos), PD_ABI_FIELD(DecodePlan, moe_experts),
+    PD_ABI_FIELD(DecodePlan, moe_top_k), PD_ABI_FIELD(DecodePlan, moe_inter),
+    PD_ABI_FIELD(DecodePlan, moe_shared), PD_ABI_FIELD(DecodePlan, eps),
     PD_ABI_FIELD(DecodePlan, scale), PD_ABI_FIELD(DecodePlan, embed_scale),
     PD_ABI_FIELD(DecodePlan, embed),
     PD_ABI_FIELD(DecodePlan, embed_blocks), PD_ABI_FIELD(DecodePlan, embed_row_bytes),

@@ -26,6 +26,7 @@ STATUS = {
     2: "a position beyond the rotary tables (max_context)",
     3: "a KV slot outside the pool",
     4: "an attention shape the native kernel does not take",
+    5: "no memory for a tile buffer (linear_quant)",
 }
 
 
@@ -53,12 +54,17 @@ class DecodeForward:
             "linear": _address(libs["linear_f32"], "pd_linear_f32_range"),
             "attend": _address(libs["paged_decode"], "pd_paged_decode_range"),
             "par_run": 0 if par is None else _address(par, "pd_par_run"),
+            "par_chunks": 0 if par is None else _address(par, "pd_par_run_chunks"),
             "norm": _address(ops, "pd_add_rms_norm"),
             "head_norm": _address(ops, "pd_rms_norm_heads"),
             "rope": _address(ops, "pd_rope"),
             "kv_write": _address(ops, "pd_kv_write"),
             "quant_linear": 0 if quant is None else _address(quant, "pd_quant_linear_range"),
             "quant_rows": 0 if quant is None else _address(quant, "pd_quant_rows"),
+            "quant_groups": 0 if quant is None else _address(quant, "pd_quant_groups_range"),
+            "moe_route": _address(ops, "pd_moe_route"),
+            "moe_combine": _address(ops, "pd_moe_combine"),
+            "moe_gated_add": _address(ops, "pd_moe_gated_add"),
         }
         # the MLP activations a plan's act_mul may take (layers/activations.py NATIVE_ACTS)
         self.act_muls = {name: _address(ops, f"pd_{name}_mul") for name in ("silu", "gelu_tanh")}

@@ -17,6 +17,7 @@
  *                    half of sin negated, as model/rope.py keeps them)
  *   pd_kv_write      k_pool[slot[t]] = k[t], v_pool[slot[t]] = v[t]; 1 (nothing written)
  *                    when a slot is outside the pool
+ *   pd_moe_*         a mixture-of-experts layer's routing and sums (moe_ops.h)
  *   pd_argmax        the index of each row's first largest value; a NaN counts as the
  *                    largest (the first NaN wins), as torch.argmax does
  *
@@ -75,6 +76,8 @@ static inline float exp_poly(float x) {
     float e = pd_exp_in_range(x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x));
     return big != 0.0f ? big : e;
 }
+
+#include "moe_ops.h" /* the routing passes of a mixture-of-experts layer */
 
 void pd_silu_mul(const float *gu, float *out, int64_t m, int64_t inter) {
     for (int64_t r = 0; r < m; r++) {

@@ -19,7 +19,8 @@ from pdserve.kernels.native.abi import RowsArgs
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, Threads
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+MAX_EXPERTS = 1024  # moe_ops.h PD_MOE_MAX_EXPERTS: the experts a router may have
 CHUNK_ROWS = 64  # from this many rows (a prompt's) a pass is split over threads in chunks
 
 
@@ -54,6 +55,9 @@ class DecodeOps:
         kv_args = (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64)
         self._kv_write = fn("pd_kv_write", *kv_args, ret=ctypes.c_int)
         self._argmax = fn("pd_argmax", _ptr, _i64, _i64, _i64, _ptr)
+        self._route = fn("pd_moe_route", _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr)
+        self._combine = fn("pd_moe_combine", _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64)
+        self._gated_add = fn("pd_moe_gated_add", _ptr, _ptr, _ptr, _i64, _i64)
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float
@@ -172,6 +176,47 @@ class DecodeOps:
             raise ValueError("decode_ops: argmax of an empty row")
         self._argmax(x.data_ptr(), b, v, x.stride(0), out.data_ptr())
         return out
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int64): softmax,
+        top k, divided by their sum where `norm` (moe_ops.h pd_moe_route)."""
+        logits = logits.contiguous()
+        _rows(logits, "router logits")
+        t, e = logits.shape
+        if not 1 <= top_k <= e <= MAX_EXPERTS:
+            raise ValueError(f"decode_ops: top {top_k} of {e} experts")
+        w = torch.empty(t, top_k, dtype=torch.float32)
+        chosen = torch.empty(t, top_k, dtype=torch.int64)
+        self._route(logits.data_ptr(), t, e, top_k, int(norm), w.data_ptr(), chosen.data_ptr())
+        return w, chosen
+
+    def moe_combine(
+        self, y: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, t: int
+    ) -> torch.Tensor:
+        """[t, n]: each pair's row y[q] times w[q] added into row tokens[q], in the pairs'
+        order, from zero (moe_ops.h pd_moe_combine)."""
+        _rows(y, "expert outputs")
+        p, n = y.shape
+        ok = y.is_contiguous() and w.dtype == torch.float32 and w.shape == (p,)
+        ok = ok and tokens.dtype == torch.int64 and tokens.shape == (p,)
+        ok = ok and w.is_contiguous() and tokens.is_contiguous()
+        if not ok or (p and not 0 <= int(tokens.min()) <= int(tokens.max()) < t):
+            raise ValueError(f"decode_ops: combine of {tuple(y.shape)} into {t} tokens")
+        out = torch.empty(t, n, dtype=torch.float32)
+        self._combine(y.data_ptr(), w.data_ptr(), tokens.data_ptr(), p, n, out.data_ptr(), t)
+        return out
+
+    def moe_gated_add_(self, out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> None:
+        """out [T, n] += sigmoid(gate [T, 1]) * shared [T, n], in place."""
+        gate, shared = gate.contiguous(), shared.contiguous()
+        for x in (out, gate, shared):
+            _rows(x, "gated add")
+        t, n = out.shape
+        if not (out.is_contiguous() and gate.shape == (t, 1) and shared.shape == (t, n)):
+            raise ValueError(f"decode_ops: gated add of {tuple(shared.shape)} to {(t, n)}")
+        self._gated_add(out.data_ptr(), gate.data_ptr(), shared.data_ptr(), t, n)
 
 
 def decode_ops(cache_dir: Path, kernel_threads: Threads | None = None) -> DecodeOps | None:

@@ -27,7 +27,7 @@ from pdserve.model.arch.moe_config import MIXTRAL, OLMOE
 from pdserve.model.attention.backends import AttentionBackend
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers.linear import Linear
-from pdserve.model.layers.ops import rms_norm
+from pdserve.model.layers.ops import TorchOps, rms_norm
 from pdserve.model.layers.quant_experts import ExpertNames, QuantExperts
 from pdserve.model.state_reader import StateReader
 
@@ -63,7 +63,7 @@ class MoeModel(LlamaModel):
         return tensor_shapes(a)
 
     def _layer(self, w: StateReader, i: int) -> MoeLayer:
-        if not _spec(self.arch).sparse[i]:
+        if not spec_of(self.arch).sparse[i]:
             return MoeLayer(**vars(super()._layer(w, i)), experts=None)
         # the attention as the Llama layer reads it; the dense MLP it would take is absent
         layer = super()._layer(_NoDenseMlp(w, f"model.layers.{i}.mlp."), i)
@@ -112,25 +112,23 @@ class MoeModel(LlamaModel):
         out = self._routed(e, x)
         if e.shared_gate_up is not None and e.shared_down is not None and e.shared_gate:
             shared = e.shared_down(self.ops.act_mul(self.act, e.shared_gate_up(x)))
-            out = out + torch.sigmoid(e.shared_gate(x)) * shared
+            out = self.ops.moe_gated_add(out, e.shared_gate(x), shared)
         return out
 
     def _routed(self, e: Experts, x: torch.Tensor) -> torch.Tensor:
         """The top-k experts' outputs of each token, weighted and summed."""
-        weights, chosen = route(e.router(x), _spec(self.arch))
+        spec = spec_of(self.arch)
+        weights, chosen = self.ops.moe_route(e.router(x), spec.top_k, spec.norm_topk_prob)
         flat_w, k = weights.to(x.dtype).flatten(), chosen.shape[1]
         # (token, slot) pairs sorted by expert: each expert's tokens are one run
         order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=_spec(self.arch).num_experts)
+        counts = torch.bincount(chosen.flatten(), minlength=spec.num_experts)
         tokens = order // k
         if e.quant is not None:  # every routed expert in two kernel calls
             y = e.quant(x[tokens], counts.tolist(), lambda h: self.ops.act_mul(self.act, h))
-            y = y * flat_w[order, None]
-            # each token's k outputs added in expert order, as index_add_ adds them (a
-            # running sum over a token's rows: one small op where index_add_ costs more
-            # than a decode token's experts' glue together)
-            back = torch.argsort(tokens, stable=True)
-            return y[back].view(x.shape[0], k, -1).cumsum(1)[:, -1]
+            # each token's k outputs added in expert order (the one-call decode forward,
+            # kernels/native/decode_moe.h, groups and adds them alike)
+            return self.ops.moe_combine(y, flat_w[order], tokens, x.shape[0])
         out, start = torch.zeros_like(x), 0
         for expert, n in enumerate(counts.tolist()):
             if n == 0:
@@ -144,16 +142,13 @@ class MoeModel(LlamaModel):
 
 
 def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, experts [T, k]) of router logits [T, E]: softmax in float32,
-    the top k, renormalised to sum 1 where the spec says."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, chosen = torch.topk(probs, spec.top_k, dim=-1)
-    if spec.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, chosen
+    """(weights [T, k] float32, experts [T, k]) of router logits [T, E] as torch computes
+    them: softmax in float32, the top k, renormalised to sum 1 where the spec says."""
+    return TorchOps().moe_route(logits, spec.top_k, spec.norm_topk_prob)
 
 
-def _spec(a: ModelArch) -> MoeSpec:
+def spec_of(a: ModelArch) -> MoeSpec:
+    """A mixture-of-experts model's MoeSpec."""
     assert a.moe is not None
     return a.moe
 
@@ -187,7 +182,7 @@ def _names(a: ModelArch, i: int) -> tuple[str, str, tuple[str, str, str]]:
 
 
 def _experts(w: StateReader, a: ModelArch, i: int) -> Experts:
-    spec = _spec(a)
+    spec = spec_of(a)
     p, router, (gate, up, down) = _names(a, i)
     experts = range(spec.num_experts)
     gate_up = torch.stack(
@@ -205,7 +200,7 @@ def _experts(w: StateReader, a: ModelArch, i: int) -> Experts:
 
 def linear_groups(a: ModelArch) -> list[list[str]]:
     """The weight names of each Linear, in MoeModel.linears() order (less lm_head)."""
-    spec, groups = _spec(a), []
+    spec, groups = spec_of(a), []
     for i in range(a.num_layers):
         att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         groups += [[att + f"{x}_proj.weight" for x in "qkv"], [att + "o_proj.weight"]]
@@ -226,12 +221,12 @@ def linear_groups(a: ModelArch) -> list[list[str]]:
 
 def expert_names(a: ModelArch) -> list[ExpertNames | None]:
     """Per layer: (gate, up, down) names of expert {j}, or None for a dense layer."""
-    return [_names(a, i)[2] if _spec(a).sparse[i] else None for i in range(a.num_layers)]
+    return [_names(a, i)[2] if spec_of(a).sparse[i] else None for i in range(a.num_layers)]
 
 
 def tensor_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every tensor name the config implies -> its shape (lm_head only when untied)."""
-    spec, h = _spec(a), a.hidden_size
+    spec, h = spec_of(a), a.hidden_size
     shapes = dense_shapes(a)
     for i in range(a.num_layers):
         if a.architecture == OLMOE:  # q/k norms over the whole projection

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.kernels.native.decode_ops import DecodeOps
+from pdserve.kernels.native.decode_ops import MAX_EXPERTS, DecodeOps
 from pdserve.model.layers.activations import NATIVE_ACTS
 from pdserve.model.layers.rope import rotate
 
@@ -59,6 +59,34 @@ class TorchOps:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] float32, experts [T, k]): softmax in
+        float32, the top k, divided by their sum where `norm`."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def moe_combine(
+        self, y: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, t: int
+    ) -> torch.Tensor:
+        """[t, n]: the pairs' rows y [P, n] (grouped by expert, k per token) times w [P],
+        each token's k added in the pairs' order."""
+        y = y * w[:, None]
+        back = torch.argsort(tokens, stable=True)
+        # a running sum over a token's rows: one small op where index_add_ costs more
+        # than a decode token's experts' glue together
+        return y[back].view(t, y.shape[0] // t, -1).cumsum(1)[:, -1]
+
+    def moe_gated_add(
+        self, out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor
+    ) -> torch.Tensor:
+        """out + sigmoid(gate [T, 1]) * shared (Qwen2-MoE's shared expert)."""
+        return out + torch.sigmoid(gate) * shared
 
 
 class NativeOps(TorchOps):
@@ -99,3 +127,26 @@ class NativeOps(TorchOps):
         if logits.dtype != torch.float32 or logits.device.type != "cpu":
             return super().argmax(logits)
         return self.kernels.argmax(logits)
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, norm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if logits.dtype != torch.float32 or logits.shape[-1] > MAX_EXPERTS:
+            return super().moe_route(logits, top_k, norm)
+        return self.kernels.moe_route(logits, top_k, norm)
+
+    def moe_combine(
+        self, y: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, t: int
+    ) -> torch.Tensor:
+        if y.dtype != torch.float32:
+            return super().moe_combine(y, w, tokens, t)
+        return self.kernels.moe_combine(y.contiguous(), w.float().contiguous(), tokens, t)
+
+    def moe_gated_add(
+        self, out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor
+    ) -> torch.Tensor:
+        if out.dtype != torch.float32:
+            return super().moe_gated_add(out, gate, shared)
+        out = out.contiguous()
+        self.kernels.moe_gated_add_(out, gate, shared)  # in place: out is the layer's own
+        return out
