@@ -45,6 +45,7 @@
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
 #include "quant_dot.h"    /* one row of x: dot_of, dot_blocks */
 #include "quant_int8.h"   /* --quant-activations int8: pd_quant_x8, int8_dot_of */
+#include "quant_gemm8.h"  /* int8 at a batch of rows: the tiled GEMM's parts */
 
 /* 1 if `type` has a kernel here (the wrapper asks before it keeps a tensor's blocks) */
 int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
@@ -307,6 +308,84 @@ void pd_quant_groups_range(const void *args, int64_t lo, int64_t hi) {
     }
 }
 
+/* 1 if `type` has the tiled integer GEMM on this build (AVX-512 VNNI) */
+int pd_quant_gemm8_supported(int32_t type) { return gemm8_block(type) != 0; }
+
+/* bytes of m rows of k laid out for the GEMM (quant_gemm8.h) */
+int64_t pd_quant_xt_bytes(int64_t m, int64_t k) { return xt_bytes(m, k); }
+
+/* xq (m rows quantized by pd_quant_x8) laid out for the GEMM into out */
+void pd_quant_x8_tiles(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out) {
+    xt_fill(xq, m, k, out, 0, xt_groups(m));
+}
+
+#if defined(GEMM8)
+/* y[rows of groups g, g + xg) [tile's columns] = the sums f, plus the bias */
+static void gemm8_store(QuantArgs *a, int64_t n0, int64_t g, int xg, __m512 (*f)[TILE]) {
+    float lanes[TILE][G8];
+    for (int gi = 0; gi < xg; gi++) {
+        for (int t = 0; t < TILE; t++) _mm512_storeu_ps(lanes[t], f[gi][t]);
+        for (int r = 0; r < G8 && (g + gi) * G8 + r < a->m; r++) {
+            float *y = a->y + ((g + gi) * G8 + r) * a->ldy + n0;
+            for (int t = 0; t < TILE && n0 + t < a->n; t++)
+                y[t] = lanes[t][r] + (a->bias ? a->bias[n0 + t] : 0.0f);
+        }
+    }
+}
+
+/* Tiles [lo, hi) of TILE output rows: each tile's rows unpacked once, then every group
+ * pair of x's rows against them over all of k (quant_gemm8.h). */
+void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
+    const Gemm8Args *ga = (const Gemm8Args *)args;
+    QuantArgs *a = ga->q;
+    int block = gemm8_block(a->type);
+    if (!block || a->k_dim % block) {
+        a->status = 1;
+        return;
+    }
+    int64_t k = a->k_dim, nb = k / block, groups = xt_groups(a->m);
+    size_t ints = (size_t)TILE * (size_t)nb * 21; /* corr, sc [16], mn [4] */
+    size_t bytes = (size_t)(TILE * k) + 4 * ints + 8 * (size_t)(TILE * nb) + 64;
+    uint8_t *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!buf) {
+        a->status = 2;
+        return;
+    }
+    Tile8 tl = {.codes = (int8_t *)buf, .blocks = nb};
+    tl.corr = (int32_t *)(buf + TILE * k);
+    tl.sc = tl.corr + TILE * nb;
+    tl.mn = tl.sc + 16 * TILE * nb;
+    tl.d = (float *)(tl.mn + 4 * TILE * nb);
+    tl.m = tl.d + TILE * nb;
+    for (int64_t tile = lo; tile < hi; tile++) {
+        int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
+        for (int t = 0; t < TILE; t++) { /* a short last tile repeats its last row */
+            const uint8_t *w = a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes;
+            if (block == 32)
+                unpack32(w, k, a->type, &tl, t);
+            else
+                unpack256(w, k, a->type, &tl, t);
+        }
+        for (int64_t g = 0; g < groups; g += 2) {
+            int xg = groups - g >= 2 ? 2 : 1;
+            const uint8_t *grp[2] = {xt_group(ga->xt, a->m, k, block, g), 0};
+            if (xg == 2) grp[1] = xt_group(ga->xt, a->m, k, block, g + 1);
+            __m512 f[2][TILE];
+            for (int gi = 0; gi < 2; gi++)
+                for (int t = 0; t < TILE; t++) f[gi][t] = _mm512_setzero_ps();
+            gemm8_pass(&tl, grp, k, 0, nb, f, xg, a->type);
+            gemm8_store(a, n0, g, xg, f);
+        }
+    }
+    free(buf);
+}
+#else
+void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
+    (void)lo, (void)hi;
+    ((const Gemm8Args *)args)->q->status = 1;
+}
+#endif
+
 /* The layouts kernels/native/abi.py checks at load (abi.h). */
 static const PdAbiField abi[] = {
     PD_ABI_STRUCT(QuantArgs),        PD_ABI_FIELD(QuantArgs, x),
@@ -318,6 +397,8 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(QuantArgs, type),   PD_ABI_FIELD(QuantArgs, status),
     PD_ABI_STRUCT(QuantGroups),      PD_ABI_FIELD(QuantGroups, groups),
     PD_ABI_FIELD(QuantGroups, count), PD_ABI_FIELD(QuantGroups, tiles),
+    PD_ABI_STRUCT(Gemm8Args),        PD_ABI_FIELD(Gemm8Args, q),
+    PD_ABI_FIELD(Gemm8Args, xt),
     PD_ABI_END,
 };
 PD_ABI_EXPORT(abi)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.kernels.native.abi import QuantArgs, QuantGroups
+from pdserve.kernels.native.abi import Gemm8Args, QuantArgs, QuantGroups
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -110,12 +110,38 @@ class LinearQuant:
         self._xq_bytes.restype, self._xq_bytes.argtypes = _i64, [_i64]
         self._int8_ok = lib.pd_quant_int8_supported
         self._int8_ok.restype, self._int8_ok.argtypes = ctypes.c_int, [_i32]
+        self._gemm = range_fn(lib, "pd_quant_gemm8_range")
+        self._gemm_ok = lib.pd_quant_gemm8_supported
+        self._gemm_ok.restype, self._gemm_ok.argtypes = ctypes.c_int, [_i32]
+        self._xt_bytes = lib.pd_quant_xt_bytes
+        self._xt_bytes.restype, self._xt_bytes.argtypes = _i64, [_i64, _i64]
+        self._x8_tiles = lib.pd_quant_x8_tiles
+        self._x8_tiles.restype, self._x8_tiles.argtypes = None, [_ptr, _i64, _i64, _ptr]
         self._split = split
         self.int8 = int8
 
     def int8_supported(self, type_id: int) -> bool:
         """Whether `type_id` has an integer kernel on this build (AVX2 and up)."""
         return bool(self._int8_ok(type_id))
+
+    def gemm8_supported(self, type_id: int) -> bool:
+        """Whether `type_id` has the tiled integer GEMM on this build (AVX-512 VNNI)."""
+        return bool(self._gemm_ok(type_id))
+
+    GEMM_ROWS = 8  # from this many rows of x the int8 path takes the tiled GEMM
+
+    def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
+        """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h), for every part
+        of a projection at once; None where the per-row kernels serve (float mode, fewer
+        than GEMM_ROWS rows, no AVX-512 VNNI)."""
+        if xq is None or xq.shape[0] < self.GEMM_ROWS or not self._gemm_ok(8):
+            return None
+        m = xq.shape[0]
+        if tuple(xq.shape) != (m, self._xq_bytes(k)) or not xq.is_contiguous():
+            raise ValueError(f"linear_quant tiles: xq {tuple(xq.shape)} for k {k}")
+        out = torch.empty(int(self._xt_bytes(m, k)), dtype=torch.uint8)
+        self._x8_tiles(xq.data_ptr(), m, k, out.data_ptr())
+        return out
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] float32 quantized for the integer kernels (kernel_args.h's layout,
@@ -138,16 +164,24 @@ class LinearQuant:
         y: torch.Tensor,
         col: int = 0,
         xq: torch.Tensor | None = None,
+        xt: torch.Tensor | None = None,
     ) -> None:
         """y[:, col : col + N] = x [M, K] @ W.T (+ bias [N]), W = `w` uint8 [N, row bytes]
         of type `type_id`; y [M, ldy] float32, contiguous. `xq`: quantize(x), for the
-        integer kernels (a type without one reads x)."""
+        integer kernels (a type without one reads x); `xt`: tiles(xq), for the tiled
+        GEMM where the type has it."""
         m, n = x.shape[0], w.shape[0]
         args = _args(Group(x, w, type_id, y, col, xq), bias, self._xq_bytes)
         if m == 0 or n == 0:
             return
         tiles = -(-n // TILE)
-        self._split(self._fn, args, tiles, self.grain(m, tiles))
+        if xt is not None and xq is not None and self._gemm_ok(type_id):
+            if xt.dtype != torch.uint8 or xt.numel() != self._xt_bytes(m, x.shape[1]):
+                raise ValueError(f"linear_quant: xt {tuple(xt.shape)} for x {tuple(x.shape)}")
+            gemm = Gemm8Args(ctypes.addressof(args), xt.data_ptr())
+            self._split(self._gemm, gemm, tiles, self.grain(m, tiles))
+        else:
+            self._split(self._fn, args, tiles, self.grain(m, tiles))
         if args.status:
             raise MemoryError("linear_quant: no memory for a tile buffer")
 

@@ -93,11 +93,12 @@ class Linear:
         x = x.contiguous()  # NOTE: the kernel reads rows K floats apart
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         xq = kernel.quantize(x)  # once for every part (None: float activations)
+        xt = kernel.tiles(xq, x.shape[1])  # the tiled GEMM's layout, where it serves
         col = 0
         for p in parts:
             n = p.data.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            kernel(x, p.data, p.type_id, bias, y, col, xq)
+            kernel(x, p.data, p.type_id, bias, y, col, xq, xt)
             col += n
         return y
 
