@@ -101,7 +101,8 @@ def bench_type(
     def int8(m: int) -> None:
         w = copies[turn[0] % len(copies)]
         turn[0] += 1
-        kernel8(xs[m], w, type_id, None, ys[m], xq=kernel8.quantize(xs[m]))
+        xq = kernel8.quantize(xs[m])
+        kernel8(xs[m], w, type_id, None, ys[m], xq=xq, xt=kernel8.tiles(xq, k))
 
     def read_all(parts: list[np.ndarray]) -> None:  # on this thread where it is the only one
         list(

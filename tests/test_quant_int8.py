@@ -1,7 +1,7 @@
 """--quant-activations int8 (kernels/native/quant_int8.h) against its numpy reference
 (tests/int8_reference.py: the same arithmetic written from the GGUF formats): per type,
-batches 1 to 64, on the AVX-512 (VNNI) and AVX2 builds; the error bound is float32
-summation noise. The reference's codes and scales are checked against gguf's
+batches 1 to 64, on the AVX-512 (VNNI) and AVX2 builds, and the tiled GEMM of the VNNI
+build at its tiles' edges; the error bound is float32 summation noise. The reference's codes and scales are checked against gguf's
 de-quantize, and the portable build (no AVX2) falls back to the float kernels."""
 
 from __future__ import annotations
@@ -77,27 +77,66 @@ def test_quantize_equals_reference(kernel: LinearQuant, k: int) -> None:
         assert np.array_equal(raw[:, d_at : d_at + k // 64].copy().view(np.float32), d256)
 
 
+def _check(kernel: LinearQuant, type_id: int, m: int, k: int, tiled: bool) -> None:
+    """y = x @ W.T + b for n = 11 rows of W (a short last tile), written into columns
+    [2, 13) of y only, within float32 noise of the reference; `tiled`: by the GEMM."""
+    _, block, size = TYPES[type_id]
+    n = 11
+    w = random_blocks(type_id, n, k, seed=type_id * 100 + m)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    y = torch.full((m, n + 4), float("nan"))
+    xq = kernel.quantize(x)
+    xt = kernel.tiles(xq, k) if tiled else None
+    assert (xt is not None) == tiled
+    kernel(x, torch.from_numpy(w), type_id, bias, y, col=2, xq=xq, xt=xt)
+    want, scale = ref.matmul(x.numpy(), w, type_id, block, size)
+    want = want + bias.double().numpy()
+    got = y[:, 2 : 2 + n].double().numpy()
+    assert np.isnan(y[:, :2]).all() and np.isnan(y[:, 2 + n :]).all()
+    bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
+    err = np.abs(got - want)
+    assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+
+
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
 @pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
 def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
     assert kernel.int8_supported(type_id)
-    _, block, size = TYPES[type_id]
-    ks = [512] if block == 256 else [96, 512]  # 96: a row with no q256 part
-    for k in ks:
-        n = 11  # ends in a short tile
-        w = random_blocks(type_id, n, k, seed=type_id * 100 + m)
-        g = torch.Generator().manual_seed(m + k)
-        x = torch.randn(m, k, generator=g)
-        bias = torch.randn(n, generator=g)
-        y = torch.full((m, n + 4), float("nan"))
-        kernel(x, torch.from_numpy(w), type_id, bias, y, col=2, xq=kernel.quantize(x))
-        want, scale = ref.matmul(x.numpy(), w, type_id, block, size)
-        want = want + bias.double().numpy()
-        got = y[:, 2 : 2 + n].double().numpy()
-        assert np.isnan(y[:, :2]).all() and np.isnan(y[:, 2 + n :]).all()
-        bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
-        err = np.abs(got - want)
-        assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+    for k in [512] if TYPES[type_id][1] == 256 else [96, 512]:  # 96: a row with no q256 part
+        _check(kernel, type_id, m, k, tiled=False)
+
+
+@pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
+def test_gemm_equals_reference(
+    kernel: LinearQuant, type_id: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiled GEMM (quant_gemm8.h) at its tiles' edges: 1 row (one group of 16,
+    15 padded), 17 (a pair of groups, the second short), 50 (a pair, then one group
+    alone); 3 super-blocks (768), a row of 32-blocks with no q256 part (96)."""
+    if not kernel.gemm8_supported(type_id):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    monkeypatch.setattr(kernel, "GEMM_ROWS", {32: 1, 256: 1})
+    for m in (1, 17, 50):
+        for k in [768] if TYPES[type_id][1] == 256 else [96, 768]:
+            _check(kernel, type_id, m, k, tiled=True)
+
+
+def test_gemm_reads_its_tiles(kernel: LinearQuant) -> None:
+    """At a prompt's rows the int8 path is the GEMM: its output follows x's tiles."""
+    if not kernel.gemm8_supported(12):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    m, k = 32, 256
+    w = torch.from_numpy(random_blocks(12, 4, k, seed=1))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    xq = kernel.quantize(x)
+    xt = kernel.tiles(xq, k)
+    assert xt is not None and kernel.gemm8_supported(12, m)
+    y, y0 = torch.empty(m, 4), torch.empty(m, 4)
+    kernel(x, w, 12, None, y, xq=xq, xt=xt)
+    kernel(x, w, 12, None, y0, xq=xq, xt=torch.zeros_like(xt))
+    assert not torch.equal(y, y0) and torch.equal(y0, torch.zeros_like(y0))
 
 
 def test_portable_build_falls_back_to_float(tmp_path_factory: pytest.TempPathFactory) -> None:

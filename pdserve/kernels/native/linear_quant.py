@@ -124,17 +124,22 @@ class LinearQuant:
         """Whether `type_id` has an integer kernel on this build (AVX2 and up)."""
         return bool(self._int8_ok(type_id))
 
-    def gemm8_supported(self, type_id: int) -> bool:
-        """Whether `type_id` has the tiled integer GEMM on this build (AVX-512 VNNI)."""
-        return bool(self._gemm_ok(type_id))
+    def gemm8_supported(self, type_id: int, m: int | None = None) -> bool:
+        """Whether `type_id` has the tiled integer GEMM on this build (AVX-512 VNNI), and
+        (`m` given) takes it at m rows of x."""
+        block = TYPES[type_id][1] if type_id in TYPES else 0
+        return bool(self._gemm_ok(type_id)) and (m is None or m >= self.GEMM_ROWS[block])
 
-    GEMM_ROWS = 8  # from this many rows of x the int8 path takes the tiled GEMM
+    # from this many rows of x the int8 path takes the tiled GEMM, per block size (a
+    # group of 16 rows costs what 16 do; below, the per-row kernels are as fast:
+    # benchmarks/quant_kernels.py)
+    GEMM_ROWS = {32: 8, 256: 16}
 
     def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
         """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h), for every part
         of a projection at once; None where the per-row kernels serve (float mode, fewer
         than GEMM_ROWS rows, no AVX-512 VNNI)."""
-        if xq is None or xq.shape[0] < self.GEMM_ROWS or not self._gemm_ok(8):
+        if xq is None or xq.shape[0] < min(self.GEMM_ROWS.values()) or not self._gemm_ok(8):
             return None
         m = xq.shape[0]
         if tuple(xq.shape) != (m, self._xq_bytes(k)) or not xq.is_contiguous():
@@ -175,7 +180,7 @@ class LinearQuant:
         if m == 0 or n == 0:
             return
         tiles = -(-n // TILE)
-        if xt is not None and xq is not None and self._gemm_ok(type_id):
+        if xt is not None and xq is not None and self.gemm8_supported(type_id, m):
             if xt.dtype != torch.uint8 or xt.numel() != self._xt_bytes(m, x.shape[1]):
                 raise ValueError(f"linear_quant: xt {tuple(xt.shape)} for x {tuple(x.shape)}")
             gemm = Gemm8Args(ctypes.addressof(args), xt.data_ptr())
