@@ -11,7 +11,7 @@ layout Python guessed.
     library          structs
     paged_decode     PagedDecodeArgs (kernel_args.h)
     linear_f32       LinearArgs (kernel_args.h)
-    linear_quant     QuantArgs, QuantGroups, Gemm8Args
+    linear_quant     QuantArgs, QuantGroups, Gemm8Args, X8Args
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
     decode_forward   QuantProj, Proj, DecodeLayer, DecodePlan
@@ -52,6 +52,10 @@ class QuantGroups(ctypes.Structure):
 
 class Gemm8Args(ctypes.Structure):
     _fields_ = [("q", _ptr), ("xt", _ptr)]
+
+
+class X8Args(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("xq", _ptr), ("xt", _ptr), ("m", _i64), ("k", _i64)]
 
 
 class RowsArgs(ctypes.Structure):
@@ -118,7 +122,7 @@ Structs = Sequence[type[ctypes.Structure]]
 STRUCTS: dict[str, Structs] = {
     "paged_decode": (PagedDecodeArgs,),
     "linear_f32": (LinearArgs,),
-    "linear_quant": (QuantArgs, QuantGroups, Gemm8Args),
+    "linear_quant": (QuantArgs, QuantGroups, Gemm8Args, X8Args),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
     "decode_forward": (QuantProj, Proj, DecodeLayer, DecodePlan),

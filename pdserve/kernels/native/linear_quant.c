@@ -314,9 +314,14 @@ int pd_quant_gemm8_supported(int32_t type) { return gemm8_block(type) != 0; }
 /* bytes of m rows of k laid out for the GEMM (quant_gemm8.h) */
 int64_t pd_quant_xt_bytes(int64_t m, int64_t k) { return xt_bytes(m, k); }
 
-/* xq (m rows quantized by pd_quant_x8) laid out for the GEMM into out */
-void pd_quant_x8_tiles(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out) {
-    xt_fill(xq, m, k, out, 0, xt_groups(m));
+/* Groups [lo, hi) of 16 rows of x (X8Args): quantized (pd_quant_x8) where x is given,
+ * then laid out for the GEMM where xt is given; the threads split a prompt's rows. */
+void pd_quant_x8_range(const void *args, int64_t lo, int64_t hi) {
+    const X8Args *a = (const X8Args *)args;
+    int64_t first = lo * G8, end = hi * G8 < a->m ? hi * G8 : a->m;
+    if (a->x && end > first)
+        pd_quant_x8(a->x + first * a->k, end - first, a->k, a->xq + first * pd_xq_bytes(a->k));
+    if (a->xt) xt_fill(a->xq, a->m, a->k, a->xt, lo, hi);
 }
 
 #if defined(GEMM8)
@@ -399,6 +404,9 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(QuantGroups, count), PD_ABI_FIELD(QuantGroups, tiles),
     PD_ABI_STRUCT(Gemm8Args),        PD_ABI_FIELD(Gemm8Args, q),
     PD_ABI_FIELD(Gemm8Args, xt),
+    PD_ABI_STRUCT(X8Args),           PD_ABI_FIELD(X8Args, x),
+    PD_ABI_FIELD(X8Args, xq),        PD_ABI_FIELD(X8Args, xt),
+    PD_ABI_FIELD(X8Args, m),         PD_ABI_FIELD(X8Args, k),
     PD_ABI_END,
 };
 PD_ABI_EXPORT(abi)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.kernels.native.abi import Gemm8Args, QuantArgs, QuantGroups
+from pdserve.kernels.native.abi import Gemm8Args, QuantArgs, QuantGroups, X8Args
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -115,8 +115,7 @@ class LinearQuant:
         self._gemm_ok.restype, self._gemm_ok.argtypes = ctypes.c_int, [_i32]
         self._xt_bytes = lib.pd_quant_xt_bytes
         self._xt_bytes.restype, self._xt_bytes.argtypes = _i64, [_i64, _i64]
-        self._x8_tiles = lib.pd_quant_x8_tiles
-        self._x8_tiles.restype, self._x8_tiles.argtypes = None, [_ptr, _i64, _i64, _ptr]
+        self._x8_range = range_fn(lib, "pd_quant_x8_range")
         self._split = split
         self.int8 = int8
 
@@ -136,26 +135,49 @@ class LinearQuant:
     GEMM_ROWS = {32: 8, 256: 16}
 
     def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
-        """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h), for every part
-        of a projection at once; None where the per-row kernels serve (float mode, fewer
-        than GEMM_ROWS rows, no AVX-512 VNNI)."""
-        if xq is None or xq.shape[0] < min(self.GEMM_ROWS.values()) or not self._gemm_ok(8):
+        """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h); None where the
+        per-row kernels serve (float mode, fewer than GEMM_ROWS rows, no AVX-512 VNNI)."""
+        if xq is None or not self._tiled(xq.shape[0]):
             return None
         m = xq.shape[0]
         if tuple(xq.shape) != (m, self._xq_bytes(k)) or not xq.is_contiguous():
             raise ValueError(f"linear_quant tiles: xq {tuple(xq.shape)} for k {k}")
-        out = torch.empty(int(self._xt_bytes(m, k)), dtype=torch.uint8)
-        self._x8_tiles(xq.data_ptr(), m, k, out.data_ptr())
-        return out
+        return self._x8_run(None, xq, m, k)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(quantize(x), tiles of it) in one run split across the threads: a
+        projection's x, once for every part."""
+        if not self.int8 or not self._tiled(x.shape[0]):
+            return self.quantize(x), None
+        m, k = self._checked(x)
+        xq = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
+        return xq, self._x8_run(x, xq, m, k)
+
+    def _tiled(self, m: int) -> bool:
+        return m >= min(self.GEMM_ROWS.values()) and bool(self._gemm_ok(8))
+
+    def _checked(self, x: torch.Tensor) -> tuple[int, int]:
+        m, k = x.shape
+        if k % 32 or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"linear_quant quantize: x {x.dtype} {tuple(x.shape)}")
+        return m, k
+
+    def _x8_run(self, x: torch.Tensor | None, xq: torch.Tensor, m: int, k: int) -> torch.Tensor:
+        """xq = x quantized (x given), and the tiles of xq, returned; groups of 16 rows in
+        chunks across the threads"""
+        xt = torch.empty(int(self._xt_bytes(m, k)), dtype=torch.uint8)
+        x_ptr = 0 if x is None else x.data_ptr()
+        groups = -(-m // 16)
+        args = X8Args(x_ptr, xq.data_ptr(), xt.data_ptr(), m, k)
+        self._split(self._x8_range, args, groups, 1 if m >= self.CHUNK_ROWS else 0)
+        return xt
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] float32 quantized for the integer kernels (kernel_args.h's layout,
         uint8 [M, row bytes]); None in float mode."""
         if not self.int8:
             return None
-        m, k = x.shape
-        if k % 32 or x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"linear_quant quantize: x {x.dtype} {tuple(x.shape)}")
+        m, k = self._checked(x)
         out = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
         self._x8(x.data_ptr(), m, k, out.data_ptr())
         return out

@@ -92,8 +92,9 @@ class Linear:
         kernel, parts = self.quant
         x = x.contiguous()  # NOTE: the kernel reads rows K floats apart
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        xq = kernel.quantize(x)  # once for every part (None: float activations)
-        xt = kernel.tiles(xq, x.shape[1])  # the tiled GEMM's layout, where it serves
+        # once for every part: x quantized (None: float activations) and, at a batch of
+        # rows, laid out for the tiled GEMM
+        xq, xt = kernel.prepare(x)
         col = 0
         for p in parts:
             n = p.data.shape[0]
