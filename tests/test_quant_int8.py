@@ -101,7 +101,8 @@ def _check(kernel: LinearQuant, type_id: int, m: int, k: int, tiled: bool) -> No
 
 
 @pytest.mark.parametrize("type_id", sorted(TYPES), ids=IDS)
-@pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
+# each row count of a pass (XR8 = 4); 64: the GEMM, x laid out by the kernel (VNNI builds)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 64])
 def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
     assert kernel.int8_supported(type_id)
     for k in [512] if TYPES[type_id][1] == 256 else [96, 512]:  # 96: a row with no q256 part
@@ -117,26 +118,29 @@ def test_gemm_equals_reference(
     alone); 3 super-blocks (768), a row of 32-blocks with no q256 part (96)."""
     if not kernel.gemm8_supported(type_id):
         pytest.skip("the GEMM needs AVX-512 VNNI")
-    monkeypatch.setattr(kernel, "GEMM_ROWS", {32: 1, 256: 1})
+    monkeypatch.setattr(kernel, "gemm_rows", {32: 1, 256: 1})
     for m in (1, 17, 50):
         for k in [768] if TYPES[type_id][1] == 256 else [96, 768]:
             _check(kernel, type_id, m, k, tiled=True)
 
 
-def test_gemm_reads_its_tiles(kernel: LinearQuant) -> None:
-    """At a prompt's rows the int8 path is the GEMM: its output follows x's tiles."""
+def test_gemm_reads_its_tiles_and_lays_out_the_same(kernel: LinearQuant) -> None:
+    """At a prompt's rows the int8 path is the GEMM: its output follows the tiles it is
+    given; given only x's codes (the decode's one call) it lays them out itself, to the
+    same bits."""
     if not kernel.gemm8_supported(12):
         pytest.skip("the GEMM needs AVX-512 VNNI")
     m, k = 32, 256
     w = torch.from_numpy(random_blocks(12, 4, k, seed=1))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
-    xq = kernel.quantize(x)
-    xt = kernel.tiles(xq, k)
+    xq, xt = kernel.prepare(x)
     assert xt is not None and kernel.gemm8_supported(12, m)
-    y, y0 = torch.empty(m, 4), torch.empty(m, 4)
+    y, y0, own = torch.empty(m, 4), torch.empty(m, 4), torch.empty(m, 4)
     kernel(x, w, 12, None, y, xq=xq, xt=xt)
     kernel(x, w, 12, None, y0, xq=xq, xt=torch.zeros_like(xt))
+    kernel(x, w, 12, None, own, xq=xq)
     assert not torch.equal(y, y0) and torch.equal(y0, torch.zeros_like(y0))
+    assert torch.equal(own, y)
 
 
 def test_portable_build_falls_back_to_float(tmp_path_factory: pytest.TempPathFactory) -> None:

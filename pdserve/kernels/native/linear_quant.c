@@ -236,7 +236,26 @@ static void int8_rows(QuantArgs *a, int64_t lo, int64_t hi, idot_fn dot) {
     }
 }
 
-/* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
+void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi);
+
+/* The GEMM from x's rows quantized (a->xq), laid out here for this range alone: a
+ * caller that splits a batch's projection in one range per thread (the decode's one
+ * call) pays the layout once a thread; a prompt's caller lays it out once a call
+ * (pd_quant_x8_range) and calls pd_quant_gemm8_range. */
+static void gemm8_local(QuantArgs *a, int64_t lo, int64_t hi) {
+    uint8_t *xt = aligned_alloc(64, (size_t)(xt_bytes(a->m, a->k_dim) + 63) / 64 * 64);
+    if (!xt) {
+        a->status = 2;
+        return;
+    }
+    xt_fill(a->xq, a->m, a->k_dim, xt, 0, xt_groups(a->m));
+    Gemm8Args g = {a, xt};
+    pd_quant_gemm8_range(&g, lo, hi);
+    free(xt);
+}
+
+/* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. With x
+ * quantized, from gemm8_takes's rows on, the tiled GEMM; below, int8_rows. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
     row_fn f = fast_row_of(a->type);
@@ -246,6 +265,10 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
         return;
     }
     idot_fn idot = a->xq ? int8_dot_of(a->type) : 0;
+    if (idot && gemm8_takes(a->type, a->m)) {
+        gemm8_local(a, lo, hi);
+        return;
+    }
     if (idot) {
         int8_rows(a, lo, hi, idot);
         return;
@@ -310,6 +333,9 @@ void pd_quant_groups_range(const void *args, int64_t lo, int64_t hi) {
 
 /* 1 if `type` has the tiled integer GEMM on this build (AVX-512 VNNI) */
 int pd_quant_gemm8_supported(int32_t type) { return gemm8_block(type) != 0; }
+
+/* the rows of x from which the int8 path of `type` is the GEMM (0: never) */
+int64_t pd_quant_gemm8_rows(int32_t type) { return gemm8_rows(type); }
 
 /* bytes of m rows of k laid out for the GEMM (quant_gemm8.h) */
 int64_t pd_quant_xt_bytes(int64_t m, int64_t k) { return xt_bytes(m, k); }

@@ -116,6 +116,10 @@ class LinearQuant:
         self._xt_bytes = lib.pd_quant_xt_bytes
         self._xt_bytes.restype, self._xt_bytes.argtypes = _i64, [_i64, _i64]
         self._x8_range = range_fn(lib, "pd_quant_x8_range")
+        rows = lib.pd_quant_gemm8_rows
+        rows.restype, rows.argtypes = _i64, [_i32]
+        # from this many rows of x (per block size) the C's int8 path is the GEMM
+        self.gemm_rows = {32: int(rows(2)), 256: int(rows(12))}
         self._split = split
         self.int8 = int8
 
@@ -126,13 +130,9 @@ class LinearQuant:
     def gemm8_supported(self, type_id: int, m: int | None = None) -> bool:
         """Whether `type_id` has the tiled integer GEMM on this build (AVX-512 VNNI), and
         (`m` given) takes it at m rows of x."""
-        block = TYPES[type_id][1] if type_id in TYPES else 0
-        return bool(self._gemm_ok(type_id)) and (m is None or m >= self.GEMM_ROWS[block])
-
-    # from this many rows of x the int8 path takes the tiled GEMM, per block size (a
-    # group of 16 rows costs what 16 do; below, the per-row kernels are as fast:
-    # benchmarks/quant_kernels.py)
-    GEMM_ROWS = {32: 8, 256: 16}
+        if not self._gemm_ok(type_id):
+            return False
+        return m is None or m >= self.gemm_rows[TYPES[type_id][1]]
 
     def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
         """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h); None where the
@@ -154,7 +154,7 @@ class LinearQuant:
         return xq, self._x8_run(x, xq, m, k)
 
     def _tiled(self, m: int) -> bool:
-        return m >= min(self.GEMM_ROWS.values()) and bool(self._gemm_ok(8))
+        return bool(self._gemm_ok(8)) and m >= min(self.gemm_rows.values())
 
     def _checked(self, x: torch.Tensor) -> tuple[int, int]:
         m, k = x.shape

@@ -366,4 +366,16 @@ static int gemm8_block(int32_t type) {
 }
 #endif
 
+/* From this many rows of x the GEMM is the faster (a group of 16 rows costs what 16
+ * do; below, the per-row kernels are as fast: benchmarks/quant_kernels.py); 0: never.
+ * Depends on the type and m alone, so every caller computes the same bits. */
+static int64_t gemm8_rows(int32_t type) {
+    int block = gemm8_block(type);
+    return block == 32 ? 8 : block == 256 ? 16 : 0;
+}
+
+static int gemm8_takes(int32_t type, int64_t m) {
+    return gemm8_rows(type) && m >= gemm8_rows(type);
+}
+
 #endif
