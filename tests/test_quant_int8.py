@@ -143,6 +143,37 @@ def test_gemm_reads_its_tiles_and_lays_out_the_same(kernel: LinearQuant) -> None
     assert torch.equal(own, y)
 
 
+def test_a_gemm_range_writes_only_its_tiles(kernel: LinearQuant) -> None:
+    """A thread's range of tiles writes its own columns of y only, even where it ends
+    inside a group of tiles unpacked together (the other threads write the rest)."""
+    if not kernel.gemm8_supported(8):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    m, n, k = 20, 37, 64  # 10 tiles of 4 rows, the last short
+    w = torch.from_numpy(random_blocks(8, n, k, seed=2))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    xq, xt = kernel.prepare(x)
+    assert xt is not None
+    want = torch.empty(m, n)
+    kernel(x, w, 8, None, want, xq=xq, xt=xt)
+    for lo, hi in [(1, 2), (3, 6), (9, 10)]:
+        y = torch.full((m, n), float("nan"))
+        args = kernel_args(x, w, y, xq)
+        kernel._gemm(ctypes.byref(abi.Gemm8Args(ctypes.addressof(args), xt.data_ptr())), lo, hi)
+        cols = slice(4 * lo, min(4 * hi, n))
+        assert torch.equal(y[:, cols], want[:, cols])
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[cols] = False
+        assert torch.isnan(y[:, rest]).all()
+
+
+def kernel_args(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xq: torch.Tensor
+) -> abi.QuantArgs:
+    (m, k), n = x.shape, w.shape[0]
+    return abi.QuantArgs(x.data_ptr(), xq.data_ptr(), w.data_ptr(), 0, y.data_ptr(), m, n, k,
+                         y.shape[1], w.shape[1], 8, 0)  # fmt: skip
+
+
 def test_portable_build_falls_back_to_float(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Without AVX2 no type has an integer kernel: given x's codes, y is the float one."""
     flags = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx")

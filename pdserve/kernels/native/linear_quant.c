@@ -25,7 +25,10 @@
  *     AVX2      a lane set is two ymm; 2 x rows
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
  * Every path adds the same products in the same order per lane; a decode's single row
- * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h). */
+ * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h).
+ *
+ * --quant-activations int8 (x's rows quantized, QuantArgs.xq): integer dots per row of
+ * x (quant_int8.h), and from a batch of rows the tiled integer GEMM (quant_gemm8.h). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,24 +239,6 @@ static void int8_rows(QuantArgs *a, int64_t lo, int64_t hi, idot_fn dot) {
     }
 }
 
-void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi);
-
-/* The GEMM from x's rows quantized (a->xq), laid out here for this range alone: a
- * caller that splits a batch's projection in one range per thread (the decode's one
- * call) pays the layout once a thread; a prompt's caller lays it out once a call
- * (pd_quant_x8_range) and calls pd_quant_gemm8_range. */
-static void gemm8_local(QuantArgs *a, int64_t lo, int64_t hi) {
-    uint8_t *xt = aligned_alloc(64, (size_t)(xt_bytes(a->m, a->k_dim) + 63) / 64 * 64);
-    if (!xt) {
-        a->status = 2;
-        return;
-    }
-    xt_fill(a->xq, a->m, a->k_dim, xt, 0, xt_groups(a->m));
-    Gemm8Args g = {a, xt};
-    pd_quant_gemm8_range(&g, lo, hi);
-    free(xt);
-}
-
 /* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. With x
  * quantized, from gemm8_takes's rows on, the tiled GEMM; below, int8_rows. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
@@ -349,73 +334,6 @@ void pd_quant_x8_range(const void *args, int64_t lo, int64_t hi) {
         pd_quant_x8(a->x + first * a->k, end - first, a->k, a->xq + first * pd_xq_bytes(a->k));
     if (a->xt) xt_fill(a->xq, a->m, a->k, a->xt, lo, hi);
 }
-
-#if defined(GEMM8)
-/* y[rows of groups g, g + xg) [tile's columns] = the sums f, plus the bias */
-static void gemm8_store(QuantArgs *a, int64_t n0, int64_t g, int xg, __m512 (*f)[TILE]) {
-    float lanes[TILE][G8];
-    for (int gi = 0; gi < xg; gi++) {
-        for (int t = 0; t < TILE; t++) _mm512_storeu_ps(lanes[t], f[gi][t]);
-        for (int r = 0; r < G8 && (g + gi) * G8 + r < a->m; r++) {
-            float *y = a->y + ((g + gi) * G8 + r) * a->ldy + n0;
-            for (int t = 0; t < TILE && n0 + t < a->n; t++)
-                y[t] = lanes[t][r] + (a->bias ? a->bias[n0 + t] : 0.0f);
-        }
-    }
-}
-
-/* Tiles [lo, hi) of TILE output rows: each tile's rows unpacked once, then every group
- * pair of x's rows against them over all of k (quant_gemm8.h). */
-void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
-    const Gemm8Args *ga = (const Gemm8Args *)args;
-    QuantArgs *a = ga->q;
-    int block = gemm8_block(a->type);
-    if (!block || a->k_dim % block) {
-        a->status = 1;
-        return;
-    }
-    int64_t k = a->k_dim, nb = k / block, groups = xt_groups(a->m);
-    size_t ints = (size_t)TILE * (size_t)nb * 21; /* corr, sc [16], mn [4] */
-    size_t bytes = (size_t)(TILE * k) + 4 * ints + 8 * (size_t)(TILE * nb) + 64;
-    uint8_t *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!buf) {
-        a->status = 2;
-        return;
-    }
-    Tile8 tl = {.codes = (int8_t *)buf, .blocks = nb};
-    tl.corr = (int32_t *)(buf + TILE * k);
-    tl.sc = tl.corr + TILE * nb;
-    tl.mn = tl.sc + 16 * TILE * nb;
-    tl.d = (float *)(tl.mn + 4 * TILE * nb);
-    tl.m = tl.d + TILE * nb;
-    for (int64_t tile = lo; tile < hi; tile++) {
-        int64_t n0 = tile * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
-        for (int t = 0; t < TILE; t++) { /* a short last tile repeats its last row */
-            const uint8_t *w = a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes;
-            if (block == 32)
-                unpack32(w, k, a->type, &tl, t);
-            else
-                unpack256(w, k, a->type, &tl, t);
-        }
-        for (int64_t g = 0; g < groups; g += 2) {
-            int xg = groups - g >= 2 ? 2 : 1;
-            const uint8_t *grp[2] = {xt_group(ga->xt, a->m, k, block, g), 0};
-            if (xg == 2) grp[1] = xt_group(ga->xt, a->m, k, block, g + 1);
-            __m512 f[2][TILE];
-            for (int gi = 0; gi < 2; gi++)
-                for (int t = 0; t < TILE; t++) f[gi][t] = _mm512_setzero_ps();
-            gemm8_pass(&tl, grp, k, 0, nb, f, xg, a->type);
-            gemm8_store(a, n0, g, xg, f);
-        }
-    }
-    free(buf);
-}
-#else
-void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
-    (void)lo, (void)hi;
-    ((const Gemm8Args *)args)->q->status = 1;
-}
-#endif
 
 /* The layouts kernels/native/abi.py checks at load (abi.h). */
 static const PdAbiField abi[] = {

@@ -22,119 +22,17 @@
  *
  * Every integer sum is the exact one of the per-row kernels (tests/int8_reference.py);
  * the float steps differ only in where float32 rounds. AVX-512 VNNI only: elsewhere
- * pd_quant_gemm8_supported says no and the per-row kernels run. */
+ * pd_quant_gemm8_supported says no and the per-row kernels run.
+ *
+ * Threads: a range of tiles, SUPER (4) unpacked at a time; each pair of groups meets
+ * the SUPER tiles in turn (the pair stays in cache), and its 32 rows x 16 columns of y
+ * are written a 64-byte row at a time (a wide y's lines fetched once). */
 #ifndef PD_QUANT_GEMM8_H
 #define PD_QUANT_GEMM8_H
 
 #include "quant_int8.h"
 
-#define G8 16 /* rows of x in a group: one int32 lane each */
-
-/* The bytes of one group of 16 rows in kind `block` (32: q32, 256: q256):
- *   codes  uint32 [k / 4][16]     lane r: codes 4t .. 4t + 3 of row r, each + 128
- *   dx     float [k / block][16]  d32 or d256
- *   extra  block 32: float [k / 32][16] s32; block 256: int32 [k / 64][16], the pair of
- *          sums of q256 over sub-blocks of 32 (2p low 16 bits, 2p + 1 high)
- * The kind-32 part of every group comes first, then (k % 256 == 0) the kind-256 part. */
-static inline int64_t xt_group_bytes(int64_t k, int block) {
-    return 16 * k + 64 * (k / block) + 64 * (block == 32 ? k / 32 : k / 64);
-}
-
-static inline int64_t xt_groups(int64_t m) { return (m + G8 - 1) / G8; }
-
-static inline int64_t xt_bytes(int64_t m, int64_t k) {
-    return xt_groups(m) * (xt_group_bytes(k, 32) + (k % 256 ? 0 : xt_group_bytes(k, 256)));
-}
-
-/* group g's part of kind `block` */
-static inline const uint8_t *xt_group(const uint8_t *xt, int64_t m, int64_t k, int block,
-                                      int64_t g) {
-    int64_t base = block == 32 ? 0 : xt_groups(m) * xt_group_bytes(k, 32);
-    return xt + base + g * xt_group_bytes(k, block);
-}
-
-#if defined(__AVX512F__)
-/* out[c] = lane c of every r[i] (16 x 16 int32): three rounds of unpacks and two of
- * 128-bit shuffles */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int a = 0; a < 16; a += 4) { /* u[a + j]: column 4L + j of rows a .. a + 3, lane L */
-        u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-        u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-        u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-        u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-        __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-        __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-        r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
-        r[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-    }
-}
-#endif
-
-/* one kind's group from its rows of x quantized (rows[r]: kernel_args.h's layout, or
- * NULL: zeros, a row past m) */
-static void xt_rows(const uint8_t *const *rows, int64_t k, int block, uint8_t *grp) {
-    uint32_t *codes = (uint32_t *)grp;
-    float *dx = (float *)(grp + 16 * k);
-    int32_t *extra = (int32_t *)(dx + 16 * (k / block));
-    const int64_t off = block == 32 ? 0 : k + k / 4; /* q32 or q256 */
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    for (; t + 16 <= k / 4; t += 16) { /* 16 steps of 16 rows: one transpose */
-        __m512i r[16];
-        for (int i = 0; i < 16; i++)
-            r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + off + 4 * t) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int c = 0; c < 16; c++)
-            _mm512_storeu_si512(codes + 16 * (t + c), _mm512_xor_si512(r[c], _mm512_set1_epi8((char)0x80)));
-    }
-#endif
-    for (; t < k / 4; t++)
-        for (int r = 0; r < G8; r++) {
-            uint32_t v = 0;
-            if (rows[r]) memcpy(&v, rows[r] + off + 4 * t, 4);
-            codes[16 * t + r] = v ^ 0x80808080u;
-        }
-    for (int r = 0; r < G8; r++) {
-        const float *d = rows[r] ? (const float *)(rows[r] + off + k) : 0;
-        for (int64_t b = 0; b < k / block; b++) dx[16 * b + r] = d ? d[b] : 0.0f;
-        if (block == 32) {
-            for (int64_t b = 0; b < k / 32; b++) {
-                float s = d ? d[k / 32 + b] : 0.0f;
-                memcpy(extra + 16 * b + r, &s, 4);
-            }
-            continue;
-        }
-        const int16_t *bsum = d ? (const int16_t *)(d + k / 256) : 0;
-        for (int64_t p = 0; p < k / 64; p++) {
-            int32_t lo = bsum ? bsum[4 * p] + bsum[4 * p + 1] : 0;
-            int32_t hi = bsum ? bsum[4 * p + 2] + bsum[4 * p + 3] : 0;
-            extra[16 * p + r] = (int32_t)((uint32_t)(lo & 0xffff) | ((uint32_t)hi << 16));
-        }
-    }
-}
-
-/* groups [lo, hi) of x's rows (xq: m rows pd_xq_bytes(k) apart) into xt, both kinds */
-static void xt_fill(const uint8_t *xq, int64_t m, int64_t k, uint8_t *xt, int64_t lo,
-                    int64_t hi) {
-    int64_t xb = pd_xq_bytes(k);
-    for (int64_t g = lo; g < hi; g++) {
-        const uint8_t *rows[G8];
-        for (int r = 0; r < G8; r++) rows[r] = g * G8 + r < m ? xq + (g * G8 + r) * xb : 0;
-        xt_rows(rows, k, 32, (uint8_t *)xt_group(xt, m, k, 32, g));
-        if (k % 256 == 0) xt_rows(rows, k, 256, (uint8_t *)xt_group(xt, m, k, 256, g));
-    }
-}
+#include "quant_x8_tiles.h" /* x laid out in groups of 16 rows: xt_* */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM8 1
@@ -377,5 +275,134 @@ static int64_t gemm8_rows(int32_t type) {
 static int gemm8_takes(int32_t type, int64_t m) {
     return gemm8_rows(type) && m >= gemm8_rows(type);
 }
+
+#if defined(GEMM8)
+#define SUPER 4 /* tiles unpacked together: x's group pair is read once for all SUPER */
+
+/* stage[r][4s .. 4s + 4) = tile s's sums f for row r of groups (xg of them), plus the
+ * bias: a group's 4 x 16 sums transposed in registers (a 4 x 4 per 128-bit lane) */
+_Static_assert(TILE == 4, "gemm8_stage transposes 4 weight rows");
+static void gemm8_stage(const QuantArgs *a, int64_t n0, int s, int xg, __m512 (*f)[TILE],
+                        float (*stage)[SUPER * TILE]) {
+    float b4[TILE] = {0};
+    for (int t = 0; t < TILE && n0 + t < a->n && a->bias; t++) b4[t] = a->bias[n0 + t];
+    __m128 bias = _mm_loadu_ps(b4);
+    for (int gi = 0; gi < xg; gi++) {
+        __m512 t0 = _mm512_unpacklo_ps(f[gi][0], f[gi][1]), t1 = _mm512_unpackhi_ps(f[gi][0], f[gi][1]);
+        __m512 t2 = _mm512_unpacklo_ps(f[gi][2], f[gi][3]), t3 = _mm512_unpackhi_ps(f[gi][2], f[gi][3]);
+        __m512 o[4]; /* o[j], lane L: row 4L + j's 4 columns */
+        o[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        o[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        o[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        o[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 4; l++) {
+                __m128 v = _mm512_extractf32x4_ps(o[j], 0);
+                if (l == 1) v = _mm512_extractf32x4_ps(o[j], 1);
+                if (l == 2) v = _mm512_extractf32x4_ps(o[j], 2);
+                if (l == 3) v = _mm512_extractf32x4_ps(o[j], 3);
+                _mm_storeu_ps(stage[G8 * gi + 4 * l + j] + TILE * s, _mm_add_ps(v, bias));
+            }
+    }
+}
+
+/* y rows of groups g, g + xg, columns [n0, n0 + cols) = the staged rows: one 64-byte
+ * store a row (each tile's own 16 bytes, stored apart, would each fetch the line again
+ * once a wide y has pushed it out of cache) */
+static void gemm8_store(QuantArgs *a, int64_t n0, int64_t cols, int64_t g, int xg,
+                        float (*stage)[SUPER * TILE]) {
+    __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < G8 * xg && g * G8 + r < a->m; r++)
+        _mm512_mask_storeu_ps(a->y + (g * G8 + r) * a->ldy + n0, keep, _mm512_loadu_ps(stage[r]));
+}
+
+/* Tiles [lo, hi) of TILE output rows, SUPER at a time: their rows unpacked once, then
+ * every group pair of x's rows against each of them over all of k; the group pair
+ * stays in cache across the SUPER tiles, the tiles' codes across the pairs. */
+void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
+    const Gemm8Args *ga = (const Gemm8Args *)args;
+    QuantArgs *a = ga->q;
+    int block = gemm8_block(a->type);
+    if (!block || a->k_dim % block) {
+        a->status = 1;
+        return;
+    }
+    int64_t k = a->k_dim, nb = k / block, groups = xt_groups(a->m);
+    size_t ints = (size_t)TILE * (size_t)nb * 21; /* corr, sc [16], mn [4] */
+    size_t one = ((size_t)(TILE * k) + 4 * ints + 8 * (size_t)(TILE * nb) + 63) / 64 * 64;
+    uint8_t *buf = aligned_alloc(64, SUPER * one);
+    if (!buf) {
+        a->status = 2;
+        return;
+    }
+    Tile8 tl[SUPER];
+    for (int s = 0; s < SUPER; s++) {
+        uint8_t *at = buf + s * one;
+        tl[s] = (Tile8){.codes = (int8_t *)at, .blocks = nb};
+        tl[s].corr = (int32_t *)(at + TILE * k);
+        tl[s].sc = tl[s].corr + TILE * nb;
+        tl[s].mn = tl[s].sc + 16 * TILE * nb;
+        tl[s].d = (float *)(tl[s].mn + 4 * TILE * nb);
+        tl[s].m = tl[s].d + TILE * nb;
+    }
+    for (int64_t first = lo; first < hi; first += SUPER) {
+        int count = hi - first < SUPER ? (int)(hi - first) : SUPER;
+        for (int s = 0; s < count; s++) {
+            int64_t n0 = (first + s) * TILE, cols = a->n - n0 < TILE ? a->n - n0 : TILE;
+            for (int t = 0; t < TILE; t++) { /* a short last tile repeats its last row */
+                const uint8_t *w = a->w + (n0 + (t < cols ? t : cols - 1)) * a->row_bytes;
+                if (block == 32)
+                    unpack32(w, k, a->type, &tl[s], t);
+                else
+                    unpack256(w, k, a->type, &tl[s], t);
+            }
+        }
+        for (int64_t g = 0; g < groups; g += 2) {
+            int xg = groups - g >= 2 ? 2 : 1;
+            const uint8_t *grp[2] = {xt_group(ga->xt, a->m, k, block, g), 0};
+            if (xg == 2) grp[1] = xt_group(ga->xt, a->m, k, block, g + 1);
+            float stage[2 * G8][SUPER * TILE];
+            for (int s = 0; s < count; s++) {
+                __m512 f[2][TILE];
+                for (int gi = 0; gi < 2; gi++)
+                    for (int t = 0; t < TILE; t++) f[gi][t] = _mm512_setzero_ps();
+                gemm8_pass(&tl[s], grp, k, 0, nb, f, xg, a->type);
+                gemm8_stage(a, (first + s) * TILE, s, xg, f, stage);
+            }
+            int64_t n0 = first * TILE, cols = a->n - n0 < count * TILE ? a->n - n0 : count * TILE;
+            gemm8_store(a, n0, cols, g, xg, stage);
+        }
+    }
+    free(buf);
+}
+#else
+void pd_quant_gemm8_range(const void *args, int64_t lo, int64_t hi) {
+    (void)lo, (void)hi;
+    ((const Gemm8Args *)args)->q->status = 1;
+}
+#endif
+
+/* The GEMM from x's rows quantized (a->xq), laid out here for this range alone: a
+ * caller that splits a batch's projection in one range per thread (the decode's one
+ * call) pays the layout once a thread; a prompt's caller lays it out once a call
+ * (pd_quant_x8_range) and calls pd_quant_gemm8_range. */
+#if defined(GEMM8)
+static void gemm8_local(QuantArgs *a, int64_t lo, int64_t hi) {
+    uint8_t *xt = aligned_alloc(64, (size_t)(xt_bytes(a->m, a->k_dim) + 63) / 64 * 64);
+    if (!xt) {
+        a->status = 2;
+        return;
+    }
+    xt_fill(a->xq, a->m, a->k_dim, xt, 0, xt_groups(a->m));
+    Gemm8Args g = {a, xt};
+    pd_quant_gemm8_range(&g, lo, hi);
+    free(xt);
+}
+#else
+static void gemm8_local(QuantArgs *a, int64_t lo, int64_t hi) { /* never called: no GEMM */
+    (void)lo, (void)hi;
+    a->status = 1;
+}
+#endif
 
 #endif
