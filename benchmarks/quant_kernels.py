@@ -12,8 +12,10 @@ step of a model larger than the cache does). Reported, per type:
     bM ms / f32  time of a batch-M call (M = each --batch), and the float32 matmul's time
                  for the same shapes over that (>1: quantized is faster)
     i8 ...       the same for --quant-activations int8 (x quantized to 8 bits, integer
-                 dots: quant_int8.h), the quantizing of x included; bM q/i8 the float-
-                 activation call's time over the int8 one's (>1: int8 is faster)
+                 dots: quant_int8.h per row, quant_gemm8.h's tiled GEMM from 8 or 16
+                 rows), the quantizing (and laying out) of x included; bM q/i8 the float-
+                 activation call's time over the int8 one's (>1: int8 is faster); bM
+                 f32/i8 the float32 matmul's time over the int8 one's
 
 Taking turns: each repetition times the read, every quantized batch (float and int8
 activations) and every float32 batch once, so a busy machine's noisy stretches fall on all; the medians are reported.
@@ -101,7 +103,8 @@ def bench_type(
     def int8(m: int) -> None:
         w = copies[turn[0] % len(copies)]
         turn[0] += 1
-        kernel8(xs[m], w, type_id, None, ys[m], xq=kernel8.quantize(xs[m]))
+        xq, xt = kernel8.prepare(xs[m])  # as model/layers/linear.py: x's codes, its tiles
+        kernel8(xs[m], w, type_id, None, ys[m], xq=xq, xt=xt)
 
     def read_all(parts: list[np.ndarray]) -> None:  # on this thread where it is the only one
         list(
@@ -139,6 +142,7 @@ def bench_type(
         row[f"b{m} f32/q"] = round(f / q, 2)
         row[f"b{m} i8 ms"] = round(i * 1e3, 2)
         row[f"b{m} q/i8"] = round(q / i, 2)
+        row[f"b{m} f32/i8"] = round(f / i, 2)
     return row
 
 

@@ -41,9 +41,11 @@ def _batch(pool: KVPool, r2t: torch.Tensor, reqs: list[tuple[int, int, int]]) ->
     )
 
 
-def _backends(tmp_path, windows: tuple[int, ...], reqs) -> list[tuple[CpuAttention, ForwardBatch]]:
+def _backends(
+    tmp_path, windows: tuple[int, ...], reqs, d: int = D
+) -> list[tuple[CpuAttention, ForwardBatch]]:
     """The same pool contents, table and batch twice: native and fused (portable)."""
-    layout = KVLayout(num_layers=2, num_kv_heads=KH, head_dim=D, dtype="float32", page_size=PAGE)
+    layout = KVLayout(num_layers=2, num_kv_heads=KH, head_dim=d, dtype="float32", page_size=PAGE)
     out = []
     for native in (str(tmp_path), None):
         pool = KVPool(layout, 200, "cpu")
@@ -51,7 +53,7 @@ def _backends(tmp_path, windows: tuple[int, ...], reqs) -> list[tuple[CpuAttenti
         pool.k.copy_(torch.randn(pool.k.shape, generator=g))  # stale prefixes
         pool.v.copy_(torch.randn(pool.v.shape, generator=g))
         r2t = torch.zeros(6, 512, dtype=torch.int32)
-        be = TorchAttention(pool, r2t, D**-0.5, windows)
+        be = TorchAttention(pool, r2t, d**-0.5, windows)
         if native:
             be = _kernels(native).attention(be, H)
         batch = _batch(pool, r2t, reqs)
@@ -90,6 +92,23 @@ def test_native_extend_matches_fused_attention(tmp_path, windows, case, threads)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(native.pool.k, fused.pool.k) and torch.equal(native.pool.v, fused.pool.v)
+
+
+def test_a_head_size_without_a_fixed_copy_extends_by_the_fused_kernel(tmp_path) -> None:
+    """Head size 256 (Gemma 3): the extends are torch's fused attention, bit for bit;
+    the decode tokens stay on the native kernel."""
+    if library.compiler() is None:
+        pytest.skip("no C compiler")
+    d = 256
+    reqs = CASES["prompts and decode tokens"]
+    (native, nb), (fused, fb) = _backends(tmp_path, (16, 0), reqs, d)
+    t = sum(n for _, _, n in reqs)
+    q = torch.randn(t, H, d, generator=torch.Generator().manual_seed(5))
+    k, v = torch.randn(2, t, KH, d, generator=torch.Generator().manual_seed(6))
+    got, want = native.forward(0, q, k, v, nb), fused.forward(0, q, k, v, fb)
+    ext = torch.tensor([n > 1 for _, _, n in reqs for _ in range(n)])
+    assert torch.equal(got[ext], want[ext])
+    torch.testing.assert_close(got[~ext], want[~ext], rtol=2e-5, atol=2e-5)
 
 
 def test_a_window_changes_the_native_extend(tmp_path) -> None:

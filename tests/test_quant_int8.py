@@ -1,7 +1,7 @@
 """--quant-activations int8 (kernels/native/quant_int8.h) against its numpy reference
 (tests/int8_reference.py: the same arithmetic written from the GGUF formats): per type,
-batches 1 to 64, on the AVX-512 (VNNI) and AVX2 builds; the error bound is float32
-summation noise. The reference's codes and scales are checked against gguf's
+batches 1 to 64, on the AVX-512 (VNNI) and AVX2 builds, and the tiled GEMM of the VNNI
+build at its tiles' edges; the error bound is float32 summation noise. The reference's codes and scales are checked against gguf's
 de-quantize, and the portable build (no AVX2) falls back to the float kernels."""
 
 from __future__ import annotations
@@ -79,27 +79,101 @@ def test_quantize_equals_reference(kernel: LinearQuant, k: int) -> None:
         assert np.array_equal(raw[:, d_at : d_at + k // 64].copy().view(np.float32), d256)
 
 
+def _check(kernel: LinearQuant, type_id: int, m: int, k: int, tiled: bool) -> None:
+    """y = x @ W.T + b for n = 11 rows of W (a short last tile), written into columns
+    [2, 13) of y only, within float32 noise of the reference; `tiled`: by the GEMM."""
+    _, block, size = TYPES[type_id]
+    n = 11
+    w = random_blocks(type_id, n, k, seed=type_id * 100 + m)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    y = torch.full((m, n + 4), float("nan"))
+    xq = kernel.quantize(x)
+    xt = kernel.tiles(xq, k) if tiled else None
+    assert (xt is not None) == tiled
+    kernel(x, torch.from_numpy(w), type_id, bias, y, col=2, xq=xq, xt=xt)
+    want, scale = ref.matmul(x.numpy(), w, type_id, block, size)
+    want = want + bias.double().numpy()
+    got = y[:, 2 : 2 + n].double().numpy()
+    assert np.isnan(y[:, :2]).all() and np.isnan(y[:, 2 + n :]).all()
+    bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
+    err = np.abs(got - want)
+    assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+
+
 @pytest.mark.parametrize("type_id", INT8_TYPES, ids=IDS)
-@pytest.mark.parametrize("m", [1, 2, 3, 64])  # each row count of a pass (XR8 = 4)
+# each row count of a pass (XR8 = 4); 64: the GEMM, x laid out by the kernel (VNNI builds)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 64])
 def test_matmul_equals_reference(kernel: LinearQuant, type_id: int, m: int) -> None:
     assert kernel.int8_supported(type_id)
-    _, block, size = TYPES[type_id]
-    ks = [512] if block == 256 else [96, 512]  # 96: a row with no q256 part
-    for k in ks:
-        n = 11  # ends in a short tile
-        w = random_blocks(type_id, n, k, seed=type_id * 100 + m)
-        g = torch.Generator().manual_seed(m + k)
-        x = torch.randn(m, k, generator=g)
-        bias = torch.randn(n, generator=g)
-        y = torch.full((m, n + 4), float("nan"))
-        kernel(x, torch.from_numpy(w), type_id, bias, y, col=2, xq=kernel.quantize(x))
-        want, scale = ref.matmul(x.numpy(), w, type_id, block, size)
-        want = want + bias.double().numpy()
-        got = y[:, 2 : 2 + n].double().numpy()
-        assert np.isnan(y[:, :2]).all() and np.isnan(y[:, 2 + n :]).all()
-        bound = 8 * k**0.5 * 2.0**-24 * (scale + np.abs(bias.double().numpy())) + 1e-30
-        err = np.abs(got - want)
-        assert (err <= bound).all(), f"k {k}: worst {(err / bound).max():.2f}x the noise bound"
+    for k in [512] if TYPES[type_id][1] == 256 else [96, 512]:  # 96: a row with no q256 part
+        _check(kernel, type_id, m, k, tiled=False)
+
+
+@pytest.mark.parametrize("type_id", INT8_TYPES, ids=IDS)
+def test_gemm_equals_reference(
+    kernel: LinearQuant, type_id: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiled GEMM (quant_gemm8.h) at its tiles' edges: 1 row (one group of 16,
+    15 padded), 17 (a pair of groups, the second short), 50 (a pair, then one group
+    alone); 3 super-blocks (768), a row of 32-blocks with no q256 part (96)."""
+    if not kernel.gemm8_supported(type_id):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    monkeypatch.setattr(kernel, "gemm_rows", {32: 1, 256: 1})
+    for m in (1, 17, 50):
+        for k in [768] if TYPES[type_id][1] == 256 else [96, 768]:
+            _check(kernel, type_id, m, k, tiled=True)
+
+
+def test_gemm_reads_its_tiles_and_lays_out_the_same(kernel: LinearQuant) -> None:
+    """At a prompt's rows the int8 path is the GEMM: its output follows the tiles it is
+    given; given only x's codes (the decode's one call) it lays them out itself, to the
+    same bits."""
+    if not kernel.gemm8_supported(12):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    m, k = 32, 256
+    w = torch.from_numpy(random_blocks(12, 4, k, seed=1))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    xq, xt = kernel.prepare(x)
+    assert xt is not None and kernel.gemm8_supported(12, m)
+    y, y0, own = torch.empty(m, 4), torch.empty(m, 4), torch.empty(m, 4)
+    kernel(x, w, 12, None, y, xq=xq, xt=xt)
+    kernel(x, w, 12, None, y0, xq=xq, xt=torch.zeros_like(xt))
+    kernel(x, w, 12, None, own, xq=xq)
+    assert not torch.equal(y, y0) and torch.equal(y0, torch.zeros_like(y0))
+    assert torch.equal(own, y)
+
+
+def test_a_gemm_range_writes_only_its_tiles(kernel: LinearQuant) -> None:
+    """A thread's range of tiles writes its own columns of y only, even where it ends
+    inside a group of tiles unpacked together (the other threads write the rest)."""
+    if not kernel.gemm8_supported(8):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    m, n, k = 20, 37, 64  # 10 tiles of 4 rows, the last short
+    w = torch.from_numpy(random_blocks(8, n, k, seed=2))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    xq, xt = kernel.prepare(x)
+    assert xt is not None
+    want = torch.empty(m, n)
+    kernel(x, w, 8, None, want, xq=xq, xt=xt)
+    for lo, hi in [(1, 2), (3, 6), (9, 10)]:
+        y = torch.full((m, n), float("nan"))
+        args = kernel_args(x, w, y, xq)
+        kernel._gemm(ctypes.byref(abi.Gemm8Args(ctypes.addressof(args), xt.data_ptr())), lo, hi)
+        cols = slice(4 * lo, min(4 * hi, n))
+        assert torch.equal(y[:, cols], want[:, cols])
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[cols] = False
+        assert torch.isnan(y[:, rest]).all()
+
+
+def kernel_args(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xq: torch.Tensor
+) -> abi.QuantArgs:
+    (m, k), n = x.shape, w.shape[0]
+    return abi.QuantArgs(x.data_ptr(), xq.data_ptr(), w.data_ptr(), 0, y.data_ptr(), m, n, k,
+                         y.shape[1], w.shape[1], 8, 0)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FLOAT_X)

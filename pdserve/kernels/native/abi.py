@@ -11,7 +11,7 @@ layout Python guessed.
     library          structs
     paged_decode     PagedDecodeArgs (kernel_args.h)
     linear_f32       LinearArgs (kernel_args.h)
-    linear_quant     QuantArgs, QuantGroups
+    linear_quant     QuantArgs, QuantGroups, Gemm8Args, X8Args
     decode_ops       RowsArgs
     page_copy        PageRuns, HashArgs
     decode_forward   QuantProj, Proj, ExpertProj, MoeLayer, DecodeLayer, DecodePlan
@@ -48,6 +48,14 @@ class QuantArgs(ctypes.Structure):
 
 class QuantGroups(ctypes.Structure):
     _fields_ = [("groups", _ptr), ("count", _i64), ("tiles", _i64)]
+
+
+class Gemm8Args(ctypes.Structure):
+    _fields_ = [("q", _ptr), ("xt", _ptr)]
+
+
+class X8Args(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("xq", _ptr), ("xt", _ptr), ("m", _i64), ("k", _i64)]
 
 
 class RowsArgs(ctypes.Structure):
@@ -129,7 +137,7 @@ Structs = Sequence[type[ctypes.Structure]]
 STRUCTS: dict[str, Structs] = {
     "paged_decode": (PagedDecodeArgs,),
     "linear_f32": (LinearArgs,),
-    "linear_quant": (QuantArgs, QuantGroups),
+    "linear_quant": (QuantArgs, QuantGroups, Gemm8Args, X8Args),
     "decode_ops": (RowsArgs,),
     "page_copy": (PageRuns, HashArgs),
     "decode_forward": (QuantProj, Proj, ExpertProj, MoeLayer, DecodeLayer, DecodePlan),

@@ -50,6 +50,21 @@ typedef struct {
     int64_t count, tiles;
 } QuantGroups;
 
+/* pd_quant_gemm8_range: q's projection over tiles [lo, hi) by the tiled integer GEMM,
+ * x given as pd_quant_x8_tiles laid it out (quant_gemm8.h); q->xq is not read */
+typedef struct {
+    QuantArgs *q;
+    const uint8_t *xt;
+} Gemm8Args;
+
+/* pd_quant_x8_range: groups [lo, hi) of 16 rows of x [m][k]: quantized into xq where x
+ * is given (pd_quant_x8), then laid out into xt for the GEMM where xt is given */
+typedef struct {
+    const float *x;
+    uint8_t *xq, *xt;
+    int64_t m, k;
+} X8Args;
+
 /* pd_quant_rows: out [count][k] = the de-quantized rows ids of W (embedding look-ups) */
 typedef int (*pd_rows_fn)(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                           int64_t count, int64_t k, float *out);

@@ -25,7 +25,10 @@
  *     AVX2      a lane set is two ymm; 2 x rows
  *     portable  plain C with the same lanes (the compiler vectorizes what it can)
  * Every path adds the same products in the same order per lane; a decode's single row
- * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h). */
+ * of x (m = 1) takes a fused path that never stores the weights (quant_dot.h).
+ *
+ * --quant-activations int8 (x's rows quantized, QuantArgs.xq): integer dots per row of
+ * x (quant_int8.h), and from a batch of rows the tiled integer GEMM (quant_gemm8.h). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +48,7 @@
 #include "quant_blocks.h" /* the GGUF types, half(), row_of */
 #include "quant_dot.h"    /* one row of x: dot_of, dot_blocks */
 #include "quant_int8.h"   /* --quant-activations int8: pd_quant_x8, int8_dot_of */
+#include "quant_gemm8.h"  /* int8 at a batch of rows: the tiled GEMM's parts */
 
 /* 1 if `type` has a kernel here (the wrapper asks before it keeps a tensor's blocks) */
 int pd_quant_supported(int32_t type) { return row_of(type) != 0; }
@@ -235,7 +239,8 @@ static void int8_rows(QuantArgs *a, int64_t lo, int64_t hi, idot_fn dot) {
     }
 }
 
-/* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. */
+/* Tiles [lo, hi) of TILE output rows: y[:, tile rows] = x @ W[tile rows]^T + b. With x
+ * quantized, from gemm8_takes's rows on, the tiled GEMM; below, int8_rows. */
 void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
     QuantArgs *a = (QuantArgs *)args;
     row_fn f = fast_row_of(a->type);
@@ -245,6 +250,10 @@ void pd_quant_linear_range(const void *args, int64_t lo, int64_t hi) {
         return;
     }
     idot_fn idot = a->xq ? int8_dot_of(a->type) : 0;
+    if (idot && gemm8_takes(a->type, a->m)) {
+        gemm8_local(a, lo, hi);
+        return;
+    }
     if (idot) {
         int8_rows(a, lo, hi, idot);
         return;
@@ -307,6 +316,25 @@ void pd_quant_groups_range(const void *args, int64_t lo, int64_t hi) {
     }
 }
 
+/* 1 if `type` has the tiled integer GEMM on this build (AVX-512 VNNI) */
+int pd_quant_gemm8_supported(int32_t type) { return gemm8_block(type) != 0; }
+
+/* the rows of x from which the int8 path of `type` is the GEMM (0: never) */
+int64_t pd_quant_gemm8_rows(int32_t type) { return gemm8_rows(type); }
+
+/* bytes of m rows of k laid out for the GEMM (quant_gemm8.h) */
+int64_t pd_quant_xt_bytes(int64_t m, int64_t k) { return xt_bytes(m, k); }
+
+/* Groups [lo, hi) of 16 rows of x (X8Args): quantized (pd_quant_x8) where x is given,
+ * then laid out for the GEMM where xt is given; the threads split a prompt's rows. */
+void pd_quant_x8_range(const void *args, int64_t lo, int64_t hi) {
+    const X8Args *a = (const X8Args *)args;
+    int64_t first = lo * G8, end = hi * G8 < a->m ? hi * G8 : a->m;
+    if (a->x && end > first)
+        pd_quant_x8(a->x + first * a->k, end - first, a->k, a->xq + first * pd_xq_bytes(a->k));
+    if (a->xt) xt_fill(a->xq, a->m, a->k, a->xt, lo, hi);
+}
+
 /* The layouts kernels/native/abi.py checks at load (abi.h). */
 static const PdAbiField abi[] = {
     PD_ABI_STRUCT(QuantArgs),        PD_ABI_FIELD(QuantArgs, x),
@@ -318,6 +346,11 @@ static const PdAbiField abi[] = {
     PD_ABI_FIELD(QuantArgs, type),   PD_ABI_FIELD(QuantArgs, status),
     PD_ABI_STRUCT(QuantGroups),      PD_ABI_FIELD(QuantGroups, groups),
     PD_ABI_FIELD(QuantGroups, count), PD_ABI_FIELD(QuantGroups, tiles),
+    PD_ABI_STRUCT(Gemm8Args),        PD_ABI_FIELD(Gemm8Args, q),
+    PD_ABI_FIELD(Gemm8Args, xt),
+    PD_ABI_STRUCT(X8Args),           PD_ABI_FIELD(X8Args, x),
+    PD_ABI_FIELD(X8Args, xq),        PD_ABI_FIELD(X8Args, xt),
+    PD_ABI_FIELD(X8Args, m),         PD_ABI_FIELD(X8Args, k),
     PD_ABI_END,
 };
 PD_ABI_EXPORT(abi)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.kernels.native.abi import QuantArgs, QuantGroups
+from pdserve.kernels.native.abi import Gemm8Args, QuantArgs, QuantGroups, X8Args
 from pdserve.kernels.native.library import load
 from pdserve.kernels.native.par import Split, range_fn
 
@@ -112,6 +112,16 @@ class LinearQuant:
         self._xq_bytes.restype, self._xq_bytes.argtypes = _i64, [_i64]
         self._int8_ok = lib.pd_quant_int8_supported
         self._int8_ok.restype, self._int8_ok.argtypes = ctypes.c_int, [_i32]
+        self._gemm = range_fn(lib, "pd_quant_gemm8_range")
+        self._gemm_ok = lib.pd_quant_gemm8_supported
+        self._gemm_ok.restype, self._gemm_ok.argtypes = ctypes.c_int, [_i32]
+        self._xt_bytes = lib.pd_quant_xt_bytes
+        self._xt_bytes.restype, self._xt_bytes.argtypes = _i64, [_i64, _i64]
+        self._x8_range = range_fn(lib, "pd_quant_x8_range")
+        rows = lib.pd_quant_gemm8_rows
+        rows.restype, rows.argtypes = _i64, [_i32]
+        # from this many rows of x (per block size) the C's int8 path is the GEMM
+        self.gemm_rows = {32: int(rows(2)), 256: int(rows(12))}
         self._split = split
         self.int8 = int8
 
@@ -119,14 +129,57 @@ class LinearQuant:
         """Whether `type_id` has an integer kernel on this build (AVX2 and up)."""
         return bool(self._int8_ok(type_id))
 
+    def gemm8_supported(self, type_id: int, m: int | None = None) -> bool:
+        """Whether `type_id` has the tiled integer GEMM on this build (AVX-512 VNNI), and
+        (`m` given) takes it at m rows of x."""
+        if not self._gemm_ok(type_id):
+            return False
+        return m is None or m >= self.gemm_rows[TYPES[type_id][1]]
+
+    def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
+        """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h); None where the
+        per-row kernels serve (float mode, fewer than GEMM_ROWS rows, no AVX-512 VNNI)."""
+        if xq is None or not self._tiled(xq.shape[0]):
+            return None
+        m = xq.shape[0]
+        if tuple(xq.shape) != (m, self._xq_bytes(k)) or not xq.is_contiguous():
+            raise ValueError(f"linear_quant tiles: xq {tuple(xq.shape)} for k {k}")
+        return self._x8_run(None, xq, m, k)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(quantize(x), tiles of it) in one run split across the threads: a
+        projection's x, once for every part."""
+        if not self.int8 or not self._tiled(x.shape[0]):
+            return self.quantize(x), None
+        m, k = self._checked(x)
+        xq = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
+        return xq, self._x8_run(x, xq, m, k)
+
+    def _tiled(self, m: int) -> bool:
+        return bool(self._gemm_ok(8)) and m >= min(self.gemm_rows.values())
+
+    def _checked(self, x: torch.Tensor) -> tuple[int, int]:
+        m, k = x.shape
+        if k % 32 or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"linear_quant quantize: x {x.dtype} {tuple(x.shape)}")
+        return m, k
+
+    def _x8_run(self, x: torch.Tensor | None, xq: torch.Tensor, m: int, k: int) -> torch.Tensor:
+        """xq = x quantized (x given), and the tiles of xq, returned; groups of 16 rows in
+        chunks across the threads"""
+        xt = torch.empty(int(self._xt_bytes(m, k)), dtype=torch.uint8)
+        x_ptr = 0 if x is None else x.data_ptr()
+        groups = -(-m // 16)
+        args = X8Args(x_ptr, xq.data_ptr(), xt.data_ptr(), m, k)
+        self._split(self._x8_range, args, groups, 1 if m >= self.CHUNK_ROWS else 0)
+        return xt
+
     def quantize(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, K] float32 quantized for the integer kernels (kernel_args.h's layout,
         uint8 [M, row bytes]); None in float mode."""
         if not self.int8:
             return None
-        m, k = x.shape
-        if k % 32 or x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"linear_quant quantize: x {x.dtype} {tuple(x.shape)}")
+        m, k = self._checked(x)
         out = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
         self._x8(x.data_ptr(), m, k, out.data_ptr())
         return out
@@ -140,16 +193,24 @@ class LinearQuant:
         y: torch.Tensor,
         col: int = 0,
         xq: torch.Tensor | None = None,
+        xt: torch.Tensor | None = None,
     ) -> None:
         """y[:, col : col + N] = x [M, K] @ W.T (+ bias [N]), W = `w` uint8 [N, row bytes]
         of type `type_id`; y [M, ldy] float32, contiguous. `xq`: quantize(x), for the
-        integer kernels (a type without one reads x)."""
+        integer kernels (a type without one reads x); `xt`: tiles(xq), for the tiled
+        GEMM where the type has it."""
         m, n = x.shape[0], w.shape[0]
         args = _args(Group(x, w, type_id, y, col, xq), bias, self._xq_bytes)
         if m == 0 or n == 0:
             return
         tiles = -(-n // TILE)
-        self._split(self._fn, args, tiles, self.grain(m, tiles))
+        if xt is not None and xq is not None and self.gemm8_supported(type_id, m):
+            if xt.dtype != torch.uint8 or xt.numel() != self._xt_bytes(m, x.shape[1]):
+                raise ValueError(f"linear_quant: xt {tuple(xt.shape)} for x {tuple(x.shape)}")
+            gemm = Gemm8Args(ctypes.addressof(args), xt.data_ptr())
+            self._split(self._gemm, gemm, tiles, self.grain(m, tiles))
+        else:
+            self._split(self._fn, args, tiles, self.grain(m, tiles))
         if args.status:
             raise MemoryError("linear_quant: no memory for a tile buffer")
 

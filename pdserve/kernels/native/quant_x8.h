@@ -16,9 +16,10 @@ static float quant_block(const float *x, int n, int8_t *q) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 mx = _mm256_setzero_ps();
     for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, mx);
-    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+    /* the 8 lanes' max in a tree (max is exact: any order gives the same value) */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     float amax = 0.0f;
     for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -39,6 +40,25 @@ static float quant_block(const float *x, int n, int8_t *q) {
     return d;
 }
 
+/* the sums of n int8 (n a multiple of 16) in sums of 16: out[i] = q[16i] + .. + q[16i + 15] */
+static inline void sums_of16(const int8_t *q, int n, int32_t *out) {
+#if defined(__AVX2__)
+    for (int i = 0; i < n; i += 32) {
+        __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + i)), _mm256_set1_epi8((char)0x80));
+        int64_t l[4]; /* sad against 0: the sums of 8 bytes, each + 128 */
+        _mm256_storeu_si256((__m256i *)l, _mm256_sad_epu8(v, _mm256_setzero_si256()));
+        out[i / 16] = (int32_t)(l[0] + l[1]) - 2048;
+        if (i + 16 < n) out[i / 16 + 1] = (int32_t)(l[2] + l[3]) - 2048;
+    }
+#else
+    for (int i = 0; i < n / 16; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += q[16 * i + j];
+        out[i] = s;
+    }
+#endif
+}
+
 /* rows [m][k] of x -> m rows of pd_xq_bytes(k) (kernel_args.h's layout) */
 void pd_quant_x8(const float *x, int64_t m, int64_t k, uint8_t *out) {
     for (int64_t r = 0; r < m; r++, x += k, out += pd_xq_bytes(k)) {
@@ -46,19 +66,19 @@ void pd_quant_x8(const float *x, int64_t m, int64_t k, uint8_t *out) {
         float *d = (float *)(out + k), *s = d + k / 32;
         for (int64_t b = 0; b < k / 32; b++) {
             d[b] = quant_block(x + 32 * b, 32, q + 32 * b);
-            int sum = 0;
-            for (int i = 0; i < 32; i++) sum += q[32 * b + i];
-            s[b] = d[b] * (float)sum;
+            int32_t half[2];
+            sums_of16(q + 32 * b, 32, half);
+            s[b] = d[b] * (float)(half[0] + half[1]);
         }
         if (k % 256) continue;
         int8_t *q2 = (int8_t *)(s + k / 32);
         float *d2 = (float *)(q2 + k);
         int16_t *bsum = (int16_t *)(d2 + k / 256);
-        for (int64_t b = 0; b < k / 256; b++) d2[b] = quant_block(x + 256 * b, 256, q2 + 256 * b);
-        for (int64_t g = 0; g < k / 16; g++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += q2[16 * g + i];
-            bsum[g] = (int16_t)sum;
+        for (int64_t b = 0; b < k / 256; b++) {
+            int32_t sums[16];
+            d2[b] = quant_block(x + 256 * b, 256, q2 + 256 * b);
+            sums_of16(q2 + 256 * b, 256, sums);
+            for (int g = 0; g < 16; g++) bsum[16 * b + g] = (int16_t)sums[g];
         }
     }
 }

@@ -13,7 +13,8 @@ padding, extend requests one by one) and differ in how they compute it:
     TorchAttention   portable: decode tokens through an eager gather
                      (model/attention/gather.py), extends through torch's fused attention
     NativeAttention  kernels/native/paged_decode.c reads the pool in place, every query
-                     token (an extend's too) one query of it; the KV write in one call
+                     token (an extend's too, head sizes 64 and 128; others take torch's
+                     fused attention) one query of it; the KV write in one call
 
 A runner starts on TorchAttention; a CPU engine's warm-up swaps in NativeAttention
 where the kernel builds and takes the model's shape (model/native_kernels.py).
@@ -120,6 +121,36 @@ class CpuAttention:
         raise NotImplementedError
 
 
+def fused_extend(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, window: int, scale: float
+) -> torch.Tensor:
+    """One extend's queries q [n, H, D] over its keys and values [total, KH, D] (the
+    last n the queries' own) by torch's fused attention."""
+    n, total = q.shape[0], keys.shape[0]
+    # query i sits at position total - n + i and sees keys 0 .. total - n + i,
+    # with a window only keys total - n + i - window + 1 .. total - n + i
+    # a whole prompt that no window narrows is plain causal: is_causal skips the blocks
+    # above the diagonal (same bits as the mask, 7-9% faster at 128-384 tokens here)
+    mask = None
+    if total != n or (window and window < n):
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        if window:
+            mask = mask.triu(total - n - window + 1)
+    # 4-D [1, H, n, D]: on CPU that takes torch's fused (flash) kernel, which
+    # handles the mask and the grouped heads itself; 3-D inputs take the unfused
+    # path (bmm, softmax, mask checks), 1.5-2.5x slower at prompt lengths of 256
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        vals.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
 class TorchAttention(CpuAttention):
     """The portable CPU backend (any dtype, no compiler): decode tokens through an eager
     gather, extends through torch's fused attention."""
@@ -142,34 +173,11 @@ class TorchAttention(CpuAttention):
         out: torch.Tensor,
     ) -> None:
         for tok, slots in p.extends:
-            out[tok] = self._extend(q[tok], kc[slots], vc[slots], window)
+            out[tok] = fused_extend(q[tok], kc[slots], vc[slots], window, self.scale)
 
-    def _extend(
-        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, window: int
-    ) -> torch.Tensor:
-        n, total = q.shape[0], keys.shape[0]
-        # query i sits at position total - n + i and sees keys 0 .. total - n + i,
-        # with a window only keys total - n + i - window + 1 .. total - n + i
-        # a whole prompt that no window narrows is plain causal: is_causal skips the blocks
-        # above the diagonal (same bits as the mask, 7-9% faster at 128-384 tokens here)
-        mask = None
-        if total != n or (window and window < n):
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
-            if window:
-                mask = mask.triu(total - n - window + 1)
-        # 4-D [1, H, n, D]: on CPU that takes torch's fused (flash) kernel, which
-        # handles the mask and the grouped heads itself; 3-D inputs take the unfused
-        # path (bmm, softmax, mask checks), 1.5-2.5x slower at prompt lengths of 256
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            vals.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+
+# head sizes paged_decode.c has a fixed-size copy of (its extends are faster there)
+NATIVE_EXTEND_D = (64, 128)
 
 
 class NativeAttention(CpuAttention):
@@ -236,7 +244,13 @@ class NativeAttention(CpuAttention):
         (no gather of the request's K/V per layer), and its token ranges go to par.c's
         threads in chunks (the causal work grows along the prompt, and a thread another
         process preempts holds up only its chunk); one thread, 8 heads of 64 over 2 kv
-        heads, 128-512 tokens: 0.63-0.66x the fused kernel's time."""
+        heads, 128-512 tokens: 0.63-0.66x the fused kernel's time. A head size without
+        the kernel's fixed-size copies (NATIVE_EXTEND_D) takes the fused kernel: Gemma 3's
+        256, one thread's generic loop, ran 4x its time at 512 tokens."""
+        if q.shape[-1] not in NATIVE_EXTEND_D:
+            for tok, slots in p.extends:
+                out[tok] = fused_extend(q[tok], kc[slots], vc[slots], window, self.scale)
+            return
         for (tok, slots), bounds in zip(p.extends, p.extend_bounds(window)):
             n = tok.stop - tok.start
             rows = slots[None].expand(n, slots.shape[0])

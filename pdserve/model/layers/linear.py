@@ -92,12 +92,14 @@ class Linear:
         kernel, parts = self.quant
         x = x.contiguous()  # NOTE: the kernel reads rows K floats apart
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        xq = kernel.quantize(x)  # once for every part (None: float activations)
+        # once for every part: x quantized (None: float activations) and, at a batch of
+        # rows, laid out for the tiled GEMM
+        xq, xt = kernel.prepare(x)
         col = 0
         for p in parts:
             n = p.data.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            kernel(x, p.data, p.type_id, bias, y, col, xq)
+            kernel(x, p.data, p.type_id, bias, y, col, xq, xt)
             col += n
         return y
 
