@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "a+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -34,7 +34,7 @@ def build_once(target: Path, build: Callable[[Path], object]) -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.is_dir():  # another process made it while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -12,13 +12,11 @@ removes the listing, once, under a lock.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.checkpoints.build_once import file_lock
 from pdserve.checkpoints.gguf.error import GGUFError
 from pdserve.checkpoints.gguf.tensors import LISTING
 
@@ -32,7 +30,7 @@ def ensure(folder: str | Path) -> None:
     folder = Path(folder)
     if not (folder / LISTING).exists():
         return
-    with _lock(folder / f".{LISTING}.lock"):
+    with file_lock(folder / f".{LISTING}.lock"):
         if not (folder / LISTING).exists():  # another process wrote them while we waited
             return
         if not (folder / SOURCE).exists():
@@ -54,13 +52,3 @@ def _write(folder: Path) -> None:
     write_safetensors(tmp, reader, name, arch, heads)
     os.replace(tmp, folder / WEIGHTS)  # NOTE: atomic: a reader has the old file or the new
     (folder / LISTING).unlink()
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
