@@ -92,9 +92,24 @@ class CacheConfig:
 PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 4096}
 
 
-def prefill_budget(max_prefill_tokens: int, device: str) -> int:
-    """The prefill step's token budget: the configured one, else the device's default."""
-    return max_prefill_tokens or PREFILL_TOKENS_BY_DEVICE[device.split(":")[0]]
+# A mixture-of-experts prompt step reads every expert's weights and meets each with
+# budget * top_k / experts of its tokens. At 256 tokens a 64-expert top-8 model's experts
+# see 32 rows on average, and many fewer than the int8 GEMM's 16 (they then take the
+# per-row kernels); with 64 on average a step costs 10-20% less per token, at 2x its
+# length (benchmarks/compare.py, docs/benchmarks.md). Capped where a step would be long.
+MOE_ROWS_PER_EXPERT = 64
+MOE_MAX_PREFILL_TOKENS = 2048
+
+
+def prefill_budget(max_prefill_tokens: int, device: str, experts: int = 0, top_k: int = 1) -> int:
+    """The prefill step's token budget: the configured one, else the device's default,
+    raised for a mixture of `experts` routing each token to `top_k` so that a step meets
+    each expert with MOE_ROWS_PER_EXPERT tokens on average."""
+    if max_prefill_tokens:
+        return max_prefill_tokens
+    base = PREFILL_TOKENS_BY_DEVICE[device.split(":")[0]]
+    moe = MOE_ROWS_PER_EXPERT * experts // max(top_k, 1)
+    return max(base, min(moe, MOE_MAX_PREFILL_TOKENS))
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,30 @@ def test_chunks_cover_the_prompt_once_and_first_token_is_greedy(tiny_model) -> N
     assert s["free_kv_pages"] == s["total_kv_pages"] and s["free_rows"] == s["total_rows"]
 
 
+def test_a_mixture_of_experts_prompt_step_meets_each_expert_with_64_tokens() -> None:
+    """The default budget grows with experts / top-k (64 tokens an expert on average),
+    capped at 2048, never below the device's; a budget set by the user stays a cap."""
+    from types import SimpleNamespace
+
+    from pdserve.model.arch.config import MoeSpec
+
+    assert prefill_budget(0, "cpu", 64, 8) == 512  # OLMoE, the benchmark's preset
+    assert prefill_budget(0, "cpu", 128, 8) == 1024  # Qwen3-30B-A3B
+    assert prefill_budget(0, "cpu", 512, 4) == 2048  # the cap
+    assert prefill_budget(0, "cpu", 8, 2) == 256  # Mixtral: the CPU default already
+    assert prefill_budget(0, "cuda", 64, 8) == 4096
+    assert prefill_budget(300, "cpu", 64, 8) == 300
+
+    def budget(moe: MoeSpec | None) -> int:
+        cfg = EngineConfig(model_path="m")
+        eng = SimpleNamespace(cfg=cfg, runner=SimpleNamespace(arch=SimpleNamespace(moe=moe)),
+                              prefilling=[], waiting=[1])  # fmt: skip
+        return PrefillEngine._budget(eng)  # type: ignore[arg-type]
+
+    assert budget(None) == 256
+    assert budget(MoeSpec(64, 8, True, 512, 0, (True,))) == 512
+
+
 def test_default_budget_follows_the_device(tiny_model) -> None:
     assert prefill_budget(0, "cpu") == 256 and prefill_budget(0, "cuda:1") == 4096
     assert prefill_budget(100, "cpu") == 100

@@ -193,7 +193,9 @@ class PrefillEngine:
         and a GPU's default budget is already large), nor under a budget set by the
         user (max_prefill_tokens): that is a hard cap, it may bound a step's memory."""
         sched = self.cfg.scheduler
-        budget = prefill_budget(sched.max_prefill_tokens, self.cfg.device)
+        moe = self.runner.arch.moe
+        experts, top_k = (moe.num_experts, moe.top_k) if moe else (0, 1)
+        budget = prefill_budget(sched.max_prefill_tokens, self.cfg.device, experts, top_k)
         stretch = self.cfg.device == "cpu" and not sched.max_prefill_tokens
         if not stretch or len(self.prefilling) != 1 or self.waiting:
             return budget

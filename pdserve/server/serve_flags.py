@@ -118,7 +118,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         SchedulerConfig,
         "max_prefill_tokens",
         "prompt tokens per prefill step (0: 256 on CPU, where a prompt alone is not split "
-        "up to 512, and 4096 on CUDA; a value set here is a hard cap)",
+        "up to twice that, and 4096 on CUDA; a mixture of experts at least 64 tokens per "
+        "expert on average (64 x experts / top-k, at most 2048); a value set here is a "
+        "hard cap)",
     )
     _flag(
         g,
