@@ -246,3 +246,42 @@ def test_penalties_and_grammar_resume_after_preemption(tiny_model) -> None:
     tight, decode = run(tiny_model, work, decode_tokens=96)
     assert decode.stats()["preemptions"] >= 5
     assert tight == roomy
+
+
+# ---- the batched draw (pick.inverse_cdf) -----------------------------------------------
+def _reference_draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index whose float64 running sum passes u * total, one row at a time."""
+    out = []
+    for row, x in zip(w.to(torch.float64), u.tolist()):
+        cum = row.cumsum(0)
+        out.append(int(torch.searchsorted(cum, x * cum[-1], right=True)))
+    return torch.tensor(out)
+
+
+def test_the_batched_draw_is_the_inverse_cdf_of_each_row() -> None:
+    """Two levels (blocks of 1024, then inside the block) give the index a float64 running
+    sum over the whole row gives, for vocabularies not a multiple of the block."""
+    from pdserve.model.sampling.pick import inverse_cdf
+
+    g = torch.Generator().manual_seed(3)
+    for v in (7, 1024, 3000, 151936):
+        w = torch.softmax(torch.randn(12, v, generator=g) * 3, dim=-1)
+        w[:, ::7] = 0.0  # zero-weight tokens, as a top-p filter leaves them
+        u = torch.rand(12, generator=g, dtype=torch.float64)
+        assert inverse_cdf(w, u).tolist() == _reference_draw(w, u).tolist()
+
+
+def test_the_batched_draw_never_picks_a_zero_weight_token() -> None:
+    """u just below 1: the last token of positive weight, also where the float32 block
+    sums and the float64 sum inside a block disagree in the last bits (weights of 0.1,
+    not exact in binary), and where whole blocks past it weigh nothing."""
+    from pdserve.model.sampling.pick import inverse_cdf
+
+    w = torch.zeros(3, 4096)
+    w[0, :1034] = 0.1  # the last positive: 1033, inside the second block
+    w[1, :2048] = 0.1  # 2047, a block's last token
+    w[2, 5] = 1.0  # one token
+    u = torch.full((3,), 1.0 - 2.0**-53, dtype=torch.float64)
+    picked = inverse_cdf(w, u)
+    assert picked.tolist() == [1033, 2047, 5]
+    assert inverse_cdf(w, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 0, 5]

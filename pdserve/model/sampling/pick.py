@@ -1,9 +1,11 @@
 """Token selection for a batch of requests with their own sampling parameters.
 
-Random sampling is a pure function of (seed, output index, logits): the noise
-for output token j of a request comes from a generator seeded with
-(seed, j). So a seeded request gives the same tokens whatever it is batched
-with, with overlap on or off, and across the prefill/decode split.
+Random sampling is a pure function of (seed, output index, logits): the uniform
+draw for output token j of a request comes from a generator seeded with
+(seed, j), and picks the token where the running sum of the probabilities
+passes it (inverse_cdf; the batch's rows at once). So a seeded request gives
+the same tokens whatever it is batched with, with overlap on or off, and
+across the prefill/decode split.
 """
 
 from __future__ import annotations
@@ -74,10 +76,15 @@ def pick(
             m = masks[i] if masks else None
             if m is not None:
                 apply_mask(picked[i], m.get())
-    tokens = picked.argmax(dim=-1) if argmax is None else argmax(picked)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_one(picked[i], p, seeds[i], out_index[i])
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) == len(params):  # every row drawn: no argmax, no copy of the rows
+        tokens = _sample_rows(picked, params, seeds, out_index)
+    else:
+        tokens = picked.argmax(dim=-1) if argmax is None else argmax(picked)
+        if rows:
+            tokens[rows] = _sample_rows(picked[rows], [params[i] for i in rows],
+                                        [seeds[i] for i in rows],
+                                        [out_index[i] for i in rows])  # fmt: skip
     for i, st in enumerate(states or ()):
         if st is not None:
             st.record(tokens[i])
@@ -110,14 +117,61 @@ def logprobs_of(
     return Logprobs(chosen, values - lse, ids)
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
-    gen = torch.Generator(device=logits.device)
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], out_index: list[int]
+) -> torch.Tensor:
+    """One draw per row of logits [S, V] (row i: params[i], its seed and output index):
+    the first token whose cumulative probability passes u * (the row's total), u ~ U[0, 1)
+    from the row's own (seed, index) generator. Batched: a step's cost does not grow by a
+    vocabulary-wide random draw per row, as an exponential race's would."""
+    temps = torch.empty(len(params), 1, device=logits.device)
+    for i, p in enumerate(params):  # fills, not torch.tensor: no host-to-device copy
+        temps[i].fill_(p.temperature)
+    probs = torch.softmax(logits / temps, dim=-1)
+    for i, p in enumerate(params):
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            probs[i] = filter_probs(probs[i], p.top_k, p.top_p, p.min_p)
+    u = torch.stack([_uniform(s, j, logits.device) for s, j in zip(seeds, out_index)])
+    return inverse_cdf(probs, u)
+
+
+_BLOCK = 1024  # tokens a block of the two-level cumulative sum
+
+
+def inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """w [S, V] >= 0, each row's sum positive; u [S] float64 in [0, 1) -> [S] the first
+    index whose cumulative weight passes u * (the row's sum): a draw from w / sum(w).
+
+    In two levels (a float32 running sum over 150k tokens would move the tail tokens'
+    share): the sums of blocks of _BLOCK tokens, their running sum, the block the target
+    falls in, then the running sum inside that block alone. Never an index of zero
+    weight: rounding between the two levels is clamped to the block's last positive one."""
+    s, v = w.shape
+    full = v // _BLOCK
+    parts = [w[:, : full * _BLOCK].unflatten(-1, (full, _BLOCK)).sum(-1)]
+    if v % _BLOCK:
+        parts.append(w[:, full * _BLOCK :].sum(-1, keepdim=True))
+    # a block's own sum in float32 (vectorized, its error ~1e-7 of the block's share),
+    # the running sum over blocks and inside a block in float64
+    block = torch.cat(parts, dim=1).to(torch.float64)  # [S, blocks]
+    cb = block.cumsum(-1)
+    total = cb[:, -1:]
+    # u < 1, so u * total < total but for rounding, which the clamp undoes
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    j = torch.searchsorted(cb, target, right=True).clamp_(max=block.shape[1] - 1)  # [S, 1]
+    cols = j * _BLOCK + torch.arange(_BLOCK, device=w.device)
+    vals = w.gather(1, cols.clamp(max=v - 1)) * (cols < v)
+    inner = vals.to(torch.float64).cumsum(-1) + (cb.gather(1, j) - block.gather(1, j))
+    k = torch.searchsorted(inner, target, right=True)
+    last = _BLOCK - 1 - (vals > 0).flip(-1).to(torch.float32).argmax(-1, keepdim=True)
+    return (j * _BLOCK + torch.minimum(k, last)).squeeze(1)  # on the device: no host sync
+
+
+def _uniform(seed: int, index: int, device: torch.device) -> torch.Tensor:
+    """U[0, 1) in float64, a pure function of (seed, index)."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 63))
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race trick)
-    return (probs / noise).argmax()  # stays on the device: no host sync in the forward
+    return torch.rand((), generator=gen, dtype=torch.float64, device=device)
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
