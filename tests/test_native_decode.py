@@ -86,6 +86,25 @@ def test_native_splits_requests_over_threads(kernel) -> None:
     assert kernel(q[:0], kc, vc, slots[:0], bounds[:0], 0.3).shape == (0, 8, 64)
 
 
+@pytest.mark.parametrize("b, kh, h", [(1, 4, 16), (1, 8, 8), (2, 4, 8), (3, 2, 8)])
+def test_a_request_splits_over_threads_by_kv_heads_bit_for_bit(kernel, b, kh, h) -> None:
+    """Units are (request, kv head) pairs: a batch of one request splits over threads by
+    its heads (the quad walk at 4 query heads a group, the 8-lane walk at 1 and 2), and
+    every split, whole requests or not, gives the bits one thread gives."""
+    q, kc, vc, slots, hidden, bounds = _case(b, 300, kh, h, 64, 0, seed=b + kh)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(q, kc, vc, slots, bounds, 0.3)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            assert torch.equal(kernel(q, kc, vc, slots, bounds, 0.3), alone)
+    finally:
+        torch.set_num_threads(before)
+    want = da.gathered(q, kc, vc, slots, hidden, 0.3)
+    torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
+
+
 def test_native_refuses_shapes_beyond_its_limits(kernel) -> None:
     q, kc, vc, slots, _, bounds = _case(2, 4, 1, 32, 16, 0, seed=1)  # 32 query heads per group
     with pytest.raises(ValueError, match="unsupported shape"):

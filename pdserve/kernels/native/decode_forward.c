@@ -263,7 +263,7 @@ static int32_t attention(const DecodePlan *p, const DecodeLayer *w, const float 
         return 3;
     PagedDecodeArgs a = {qkv, ld, w->k_pool, w->v_pool, p->slots, p->slot_stride,
                          p->bounds[w->window], p->heads, p->kv_heads, d, p->scale, attn, 0};
-    split(p, p->attend, &a, p->b);
+    split(p, p->attend, &a, p->b * p->kv_heads); /* (request, kv head): one request splits */
     if (a.status) return 4;
     project(p, &w->o, attn, delta);
     return 0;

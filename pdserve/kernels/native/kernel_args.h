@@ -69,8 +69,8 @@ typedef struct {
 typedef int (*pd_rows_fn)(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                           int64_t count, int64_t k, float *out);
 
-/* pd_paged_decode_range: requests [lo, hi). Every part checks the same shape limits,
- * so `status` ends the same whichever part writes it. */
+/* pd_paged_decode_range: (request, kv head) pairs [lo, hi), request-major. Every part
+ * checks the same shape limits, so `status` ends the same whichever part writes it. */
 typedef struct {
     const float *q;
     int64_t q_stride;

@@ -315,28 +315,33 @@ static fixed_walk pick_walk(int64_t d, int64_t g, int64_t *span) {
     return d == 64 ? attend_rows_64 : attend_rows_128;
 }
 
-/* Requests [b0, b1) of the batch. q rows are q + b * q_stride (H * D contiguous);
-   slots is [B, slot_stride] row-major; bounds is [B, 2] = (start, len) per request.
-   Returns 0, or -1 if a shape exceeds the kernel's fixed limits (nothing written). */
+/* Units [u0, u1) of the batch's (request, kv head) pairs, request-major: unit u is
+   request u / KH's kv head u % KH (with its G query heads). Each head's walk is its own
+   (a walk of several heads computes each as alone), so a batch of one request splits
+   over threads by heads, and a batch of many by requests as before. q rows are
+   q + b * q_stride (H * D contiguous); slots is [B, slot_stride] row-major; bounds is
+   [B, 2] = (start, len) per request. Returns 0, or -1 if a shape exceeds the kernel's
+   fixed limits (nothing written). */
 int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
                         const float *v_pool, const int64_t *slots, int64_t slot_stride,
-                        const int64_t *bounds, int64_t b0, int64_t b1, int64_t h, int64_t kh,
+                        const int64_t *bounds, int64_t u0, int64_t u1, int64_t h, int64_t kh,
                         int64_t d, float scale, float *out) {
     if (kh <= 0 || h % kh != 0 || h / kh > MAX_G || d > MAX_D) return -1;
     int64_t g = h / kh, span = MAX_H / g;  // kv heads per walk
     fixed_walk walk = d == 64 || d == 128 ? pick_walk(d, g, &span) : NULL;
-    for (int64_t b = b0; b < b1; b++) {
-        if (b + 1 < b1 && (d == 64 || d == 128)) {  // the next request's first rows
-            int64_t lo1 = bounds[2 * b + 2], n1 = bounds[2 * b + 3] - lo1;
-            n1 = n1 < PF_DIST ? n1 : PF_DIST;
+    for (int64_t u = u0; u < u1;) {
+        int64_t b = u / kh, k_lo = u % kh, k_hi = k_lo + (u1 - u) < kh ? k_lo + (u1 - u) : kh;
+        if (k_hi == kh && u + (kh - k_lo) < u1 && (d == 64 || d == 128)) {
+            int64_t lo1 = bounds[2 * b + 2], n1 = bounds[2 * b + 3] - lo1;  // the next
+            n1 = n1 < PF_DIST ? n1 : PF_DIST;  // request's first rows, while this one computes
             prefetch_rows(k_pool, v_pool, slots + (b + 1) * slot_stride + lo1, n1, kh * d);
         }
         const float *qb = q + b * q_stride;
         const int64_t *sb = slots + b * slot_stride;
         int64_t lo = bounds[2 * b], hi = bounds[2 * b + 1];
         float *ob = out + b * h * d;
-        for (int64_t k0 = 0; k0 < kh; k0 += span) {
-            int64_t k1 = k0 + span < kh ? k0 + span : kh;
+        for (int64_t k0 = k_lo; k0 < k_hi; k0 += span) {
+            int64_t k1 = k0 + span < k_hi ? k0 + span : k_hi;
             const float *qk = qb + k0 * g * d;
             float *ok = ob + k0 * g * d;
             if (walk)
@@ -346,10 +351,12 @@ int pd_paged_decode_f32(const float *q, int64_t q_stride, const float *k_pool,
                     attend_group(qb + k * g * d, k_pool, v_pool, sb, lo, hi, k, kh, g, d,
                                  scale, ob + k * g * d);
         }
+        u += k_hi - k_lo;
     }
     return 0;
 }
 
+/* Units [lo, hi) of (request, kv head) pairs (pd_paged_decode_f32). */
 void pd_paged_decode_range(const void *args, int64_t lo, int64_t hi) {
     const PagedDecodeArgs *a = args;
     int rc = pd_paged_decode_f32(a->q, a->q_stride, a->k_pool, a->v_pool, a->slots,

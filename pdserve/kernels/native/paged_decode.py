@@ -65,7 +65,8 @@ class PagedDecode:
         args = PagedDecodeArgs(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
                                 slots.data_ptr(), slots.stride(0), bounds.data_ptr(), h,
                                 kc.shape[1], d, scale, out.data_ptr(), 0)  # fmt: skip
-        self._split(self._fn, args, b, grain)  # requests
+        kh = kc.shape[1]  # units: (request, kv head) pairs, so one request splits too
+        self._split(self._fn, args, b * kh, grain * kh)
         if args.status:
             raise ValueError(f"paged_decode: unsupported shape H={h} KH={kc.shape[1]} D={d}")
         return out
