@@ -247,36 +247,3 @@ def test_int8_experts_are_one_int8_call_per_expert(cache: Path, kernel: LinearQu
         assert torch.equal(got[start : start + n], want), e
         start += n
     assert not torch.equal(got, QuantExperts(gate, up, down, kernel)(x, counts, _act_mul))
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q3_K"])  # an integer kernel, and none
-def test_a_tokens_rows_are_quantized_once_for_its_pairs(cache: Path, qtype: str) -> None:
-    """Given the tokens' rows and each pair's token, the experts quantize every token once
-    (not once per pair) and give the bits the pairs' own rows give, with int8 and float
-    activations, where gate and up read the quantized rows only and where they need x."""
-    k8 = linear_quant(cache / "native", int8=True)
-    kf = linear_quant(cache / "native")
-    assert k8 is not None and kf is not None
-    from tests.test_quant_kernels import random_blocks
-
-    rng = np.random.default_rng(4)
-    t = int(GGMLQuantizationType[qtype])  # gguf quantizes no Q3_K: random blocks
-    gate, up = (QuantTensor(qtype, torch.from_numpy(random_blocks(t, E * INTER, HIDDEN, s))
-                            .reshape(E, INTER, -1), t, HIDDEN) for s in (1, 2))  # fmt: skip
-    down = _quantized((E, HIDDEN, INTER), "Q8_0", rng)
-    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))
-    tokens = torch.tensor([0, 3, 4, 1, 2, 3, 0, 4, 1, 2])  # 2 pairs a token, sorted by expert
-    counts = [3, 2, 0, 5]
-    for kernel in (k8, kf):
-        experts = QuantExperts(gate, up, down, kernel)
-        seen: list[int] = []
-
-        def counted(t: torch.Tensor, seen=seen, quantize=kernel.quantize) -> torch.Tensor | None:
-            seen.append(t.shape[0])
-            return quantize(t)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernel, "quantize", counted)
-            got = experts(x, counts, _act_mul, tokens)
-        assert seen == [5, 10]  # the tokens' 5 rows, then the 10 pairs' activations
-        assert torch.equal(got, experts(x[tokens], counts, _act_mul))

@@ -125,7 +125,7 @@ class MoeModel(LlamaModel):
         counts = torch.bincount(chosen.flatten(), minlength=spec.num_experts)
         tokens = order // k
         if e.quant is not None:  # every routed expert in two kernel calls
-            y = e.quant(x, counts.tolist(), lambda h: self.ops.act_mul(self.act, h), tokens)
+            y = e.quant(x[tokens], counts.tolist(), lambda h: self.ops.act_mul(self.act, h))
             # each token's k outputs added in expert order (the one-call decode forward,
             # kernels/native/decode_moe.h, groups and adds them alike)
             return self.ops.moe_combine(y, flat_w[order], tokens, x.shape[0])

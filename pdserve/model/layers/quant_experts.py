@@ -40,18 +40,16 @@ class QuantExperts:
         x: torch.Tensor,
         counts: list[int],
         act_mul: Callable[[torch.Tensor], torch.Tensor],
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [P, H] float32, its rows grouped by expert (counts[e] rows of expert e, in
-        expert order) -> each row through its expert, [P, H]; with `rows` [P], x is the
-        tokens' rows [T, H] and row i of the pairs is x[rows[i]]. Two kernel calls: every
+        expert order) -> each row through its expert, [P, H]. Two kernel calls: every
         routed expert's gate and up, then every one's down."""
         x = x.contiguous()  # NOTE: the kernel reads rows H floats apart
-        g, u, d = self.gate, self.up, self.down
-        x, xq = self._pairs(x, rows)
         inter, hidden = self.gate.data.shape[1], self.down.data.shape[1]
         h = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32)
         spans = _spans(counts)
+        g, u, d = self.gate, self.up, self.down
+        xq = self.kernel.quantize(x)  # --quant-activations int8: each row once, not per expert
         self.kernel.groups(
             [Group(x[a:b], t.data[e], t.type_id, h[a:b], col, _rows(xq, a, b))
              for e, a, b in spans for t, col in ((g, 0), (u, inter))]
@@ -63,24 +61,6 @@ class QuantExperts:
             [Group(act[a:b], d.data[e], d.type_id, y[a:b], 0, _rows(aq, a, b)) for e, a, b in spans]
         )
         return y
-
-    def _pairs(
-        self, x: torch.Tensor, rows: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pairs' float rows and (--quant-activations int8) quantized rows. x is
-        quantized a token at a time, each row alone, so a token's k pairs take copies of
-        its one quantized row (k times fewer rows quantized, bytes gathered a quarter of
-        the floats'), the same bits as quantizing the pairs' rows. Where gate and up both
-        have integer kernels they never read the floats: the pairs' float rows are then
-        left unwritten (an allocation of the right shape, no gather)."""
-        if rows is None:
-            return x, self.kernel.quantize(x)
-        xq = self.kernel.quantize(x)
-        if xq is None:
-            return x[rows], None
-        ints = all(self.kernel.int8_supported(t.type_id) for t in (self.gate, self.up))
-        floats = torch.empty(rows.shape[0], x.shape[1]) if ints else x[rows]
-        return floats, xq[rows]
 
     def held(self) -> list[torch.Tensor]:
         return [self.gate.data, self.up.data, self.down.data]
