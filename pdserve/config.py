@@ -93,10 +93,9 @@ PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 4096}
 
 
 # A mixture-of-experts prompt step reads every expert's weights and meets each with
-# budget * top_k / experts of its tokens. At 256 tokens a 64-expert top-8 model's experts
-# see 32 rows on average, and many fewer than the int8 GEMM's 16 (they then take the
-# per-row kernels); with 64 on average a step costs 10-20% less per token, at 2x its
-# length (benchmarks/compare.py, docs/benchmarks.md). Capped where a step would be long.
+# budget * top_k / experts of its tokens. Below a few of the int8 GEMM's groups of 16
+# rows an expert takes the per-row kernels, which cost more per token; 64 on average
+# keeps almost every expert on the GEMM. Capped so that one step stays short.
 MOE_ROWS_PER_EXPERT = 64
 MOE_MAX_PREFILL_TOKENS = 2048
 

@@ -100,7 +100,12 @@ def test_logits_equal_the_per_call_path(monkeypatch, grid_runners, preset, threa
     _env(monkeypatch)
     if preset not in grid_runners:
         grid_runners[preset] = _runner(preset, monkeypatch)
-    runner = grid_runners[preset]
+    assert_native_is_per_call(grid_runners[preset], lens, threads)
+
+
+def assert_native_is_per_call(runner: ModelRunner, lens: list[int], threads: int) -> None:
+    """A step of requests with `lens` contexts on `threads` threads: the one native call's
+    logits are the per-call path's, bit for bit."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

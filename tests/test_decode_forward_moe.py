@@ -20,7 +20,7 @@ from pdserve.kernels.native import library
 from pdserve.model.arch.moe import MoeModel
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.runner import ModelRunner
-from tests.test_decode_forward import _both, _step
+from tests.test_decode_forward import _both, _step, assert_native_is_per_call
 from tests.test_moe_gguf import write_moe_gguf
 from tests.test_moe_quant import write_llamacpp_moe
 
@@ -79,14 +79,7 @@ def test_logits_equal_the_per_call_path(runners, gguf_dir, monkeypatch, name, le
     runner = _runner(runners, name, gguf_dir, monkeypatch)
     assert runner.native_forward is not None
     assert bool(runner.native_forward.plan.quant_x8) == (FILES[name][2] == "int8")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        per_call, native = _both(runner, _step(runner, lens, seed=len(lens)))
-    finally:
-        torch.set_num_threads(before)
-    assert native.shape == (len(lens), runner.arch.vocab_size)
-    assert torch.equal(native, per_call)
+    assert_native_is_per_call(runner, lens, threads=2)
 
 
 def _same_token_step(runner: ModelRunner, b: int) -> ForwardBatch:

@@ -146,7 +146,7 @@ def inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     share): the sums of blocks of _BLOCK tokens, their running sum, the block the target
     falls in, then the running sum inside that block alone. Never an index of zero
     weight: rounding between the two levels is clamped to the block's last positive one."""
-    s, v = w.shape
+    v = w.shape[1]
     full = v // _BLOCK
     parts = [w[:, : full * _BLOCK].unflatten(-1, (full, _BLOCK)).sum(-1)]
     if v % _BLOCK:
