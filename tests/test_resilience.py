@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 ROUTER = ["--health-interval", "0.5", "--stall-timeout", "5"]
 WORKERS = ["--max-total-tokens", "8192", "--max-running-requests", "8", "--drain-timeout", "30"]
-NEW = 160  # tokens per stream: long enough that a fault lands mid-stream
+NEW = 480  # tokens per stream: a fault lands mid-stream even when the client polls late
+# (a quiet run saw streams at 50-90 tokens when the last one had its 3rd)
 STREAMS = 6  # /generate streams (token ids compared); plus CHATS chat streams (text, usage)
 CHATS = 2
 BOUND_S = 90.0  # a client gives up after this: any hang fails the test
@@ -145,6 +146,7 @@ def _under_fault(st: dict[str, Any], fault: Callable[[], None]) -> list[Any]:
     while len(progress) < STREAMS + CHATS or min(progress.values()) < 3:
         assert t.is_alive() and time.monotonic() < deadline, f"no load to fault: {progress}"
         time.sleep(0.005)
+    assert max(progress.values()) < NEW, f"a stream ended before the fault: {progress}"
     fault()
     t.join(BOUND_S + 10)
     assert not t.is_alive()
