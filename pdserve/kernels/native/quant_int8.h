@@ -110,21 +110,22 @@ AI void dot32(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float 
 }
 
 /* Q4_K and Q5_K (`five`): codes 0-15 / 0-31, unsigned, against q256; two chains of dpw
- * per row (sub-blocks 2j and 2j + 1) */
+ * per row (sub-blocks 2j and 2j + 1). A block's scale sum S (8 lanes) and min sum M meet
+ * their floats together: hadd(S, M) = [S S M M | S S M M] times [d d -dmin -dmin] dx. */
 AI void dot_qk(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
                const int rows, const int five) {
     const int size = five ? 176 : 144;
-    __m256 acc[XR8], mins[XR8];
-    for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    __m256 acc[XR8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    const __m128i pairs = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t i = 0; i < k / 256; i++, b += size) {
-        uint8_t sc[8], mn[8];
-        k_scales8(b + 4, sc, mn);
-        __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m128i sm = k_scales16(b + 4);
+        __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m256i mn2 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pairs)); /* m0 m0 m1 m1 .. */
         const uint8_t *qs = b + 16 + (five ? 32 : 0);
         __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         __m256i sums[XR8][2];
-        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) { /* 32 bytes: sub-block 2j low nibbles, 2j + 1 high */
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             __m256i c0 = _mm256_and_si256(v, mask), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -139,37 +140,49 @@ AI void dot_qk(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float
                 const int8_t *x = q + 256 * i + 64 * j;
                 __m256i p0 = _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
                 __m256i p1 = _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 32)));
-                sums[r][0] = dpw(sums[r][0], p0, s0);
-                sums[r][1] = dpw(sums[r][1], p1, s1);
+                if (j == 0) { /* a chain starts with a product, not an add to zero */
+                    sums[r][0] = _mm256_madd_epi16(p0, s0);
+                    sums[r][1] = _mm256_madd_epi16(p1, s1);
+                } else {
+                    sums[r][0] = dpw(sums[r][0], p0, s0);
+                    sums[r][1] = dpw(sums[r][1], p1, s1);
+                }
             }
         }
-        float d = half(b), dmin = half(b + 2);
+        uint32_t halves; /* d, dmin */
+        memcpy(&halves, b, 4);
+        __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+        h = _mm_permute_ps(_mm_xor_ps(h, _mm_setr_ps(0.0f, -0.0f, 0.0f, 0.0f)), _MM_SHUFFLE(1, 1, 0, 0));
+        __m256 dm = _mm256_set_m128(h, h);
         for (int r = 0; r < rows; r++) {
             XQ256(r);
-            ADD(acc[r], _mm256_add_epi32(sums[r][0], sums[r][1]), dx[i] * d);
-            ADD(mins[r], k_mins(mn, bsum + 16 * i), dx[i] * dmin);
+            __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + 16 * i)), mn2);
+            __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(sums[r][0], sums[r][1]), mins);
+            __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(dx + i), dm);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) - hsum8(mins[r]);
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
 }
 
-/* Q6_K: codes 0-63 (the -32 taken off through bsum), 16 signed scales of 16 */
+/* Q6_K: codes 0-63, 16 signed scales of 16; the codes' -32 taken off through bsum, as the
+ * chain's first product: bsum_s times -32 sc_s (|32 sc| <= 4096, an int16) */
 AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
                 const int rows) {
     __m256 acc[XR8];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k / 256; i++, b += 210) {
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        __m256i neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5));
         __m256i sums[XR8][2];
-        for (int r = 0; r < rows; r++) { /* - 32 * sum_s sc_s * bsum_s, then the codes' dots */
+        for (int r = 0; r < rows; r++) {
             XQ256(r);
-            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + 16 * i)), sc16);
-            sums[r][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
-            sums[r][1] = _mm256_setzero_si256();
+            sums[r][0] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + 16 * i)), neg32);
         }
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
             /* scales 8h .. 8h + 7 in both halves, so a vpshufb picks s low and s + 1 high */
-            __m256i sch = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
+            __m256i sch = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)  /* an immediate */
+                            : _mm256_permute2x128_si256(sc16, sc16, 0x00); /* (not unrolled) */
             __m256i c[4];
             q6k_codes(b, h, c);
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
@@ -178,14 +191,20 @@ AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, floa
                 for (int r = 0; r < rows; r++) {
                     XQ256(r);
                     __m256i x = _mm256_loadu_si256((const __m256i *)(q + 256 * i + 128 * h + 32 * g));
-                    sums[r][g & 1] = dpw(sums[r][g & 1], _mm256_maddubs_epi16(c[g], x), scs);
+                    __m256i p = _mm256_maddubs_epi16(c[g], x);
+                    if (h == 0 && g == 0)
+                        sums[r][1] = _mm256_madd_epi16(p, scs);
+                    else
+                        sums[r][g & 1] = dpw(sums[r][g & 1], p, scs);
                 }
             }
         }
-        float d = half(b + 208);
+        __m256 d = _mm256_set1_ps(half(b + 208));
         for (int r = 0; r < rows; r++) {
             XQ256(r);
-            ADD(acc[r], _mm256_add_epi32(sums[r][0], sums[r][1]), dx[i] * d);
+            __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(dx + i), d);
+            __m256i s = _mm256_add_epi32(sums[r][0], sums[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);

@@ -88,11 +88,19 @@ static inline __m256i lane16(__m256i v, int l) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * l)));
 }
 
-/* 8 lanes: mn_j * (the two bsums of sub-block j of 32) */
-static inline __m256i k_mins(const uint8_t mn[8], const int16_t *bs) {
-    __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-    __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
-    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), pairs);
+/* Q4_K / Q5_K's scales and mins as 16 bytes [sc0 .. sc7 | mn0 .. mn7] from the 12 packed
+ * bytes at s, in vector registers (k_scales8's scalar steps cost a 2-row dot a sixth of its
+ * instructions). Reads 16 bytes: a block's codes follow its scales. */
+static inline __m128i k_scales16(const uint8_t *s) {
+    __m128i r = _mm_loadu_si128((const __m128i *)s);             /* w0 w1 w2 - */
+    __m128i p = _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 1, 2, 0));   /* w0 w2 w1 w2 */
+    __m128i q = _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 1, 0, 0));   /* w0 w0 w1 w1 */
+    /* low bits: w0 & 63, w2 & 15, w1 & 63, (w2 >> 4) & 15; high bits of the last 4 of
+     * each: the top two bits of w0 (scales) and w1 (mins), as bits 4-5 */
+    __m128i lo = _mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)),
+                               _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    __m128i hi = _mm_and_si128(_mm_srli_epi32(q, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
 }
 
 #endif
