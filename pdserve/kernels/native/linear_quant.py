@@ -120,8 +120,8 @@ class LinearQuant:
         self._x8_range = range_fn(lib, "pd_quant_x8_range")
         rows = lib.pd_quant_gemm8_rows
         rows.restype, rows.argtypes = _i64, [_i32]
-        # from this many rows of x (per block size) the C's int8 path is the GEMM
-        self.gemm_rows = {32: int(rows(2)), 256: int(rows(12))}
+        # from this many rows of x (per type) the C's int8 path is the GEMM
+        self.gemm_rows = {t: int(rows(t)) for t in TYPES if rows(t)}
         self._split = split
         self.int8 = int8
 
@@ -134,11 +134,12 @@ class LinearQuant:
         (`m` given) takes it at m rows of x."""
         if not self._gemm_ok(type_id):
             return False
-        return m is None or m >= self.gemm_rows[TYPES[type_id][1]]
+        return m is None or m >= self.gemm_rows[type_id]
 
     def tiles(self, xq: torch.Tensor | None, k: int) -> torch.Tensor | None:
         """quantize(x)'s rows laid out for the tiled GEMM (quant_gemm8.h); None where the
-        per-row kernels serve (float mode, fewer than GEMM_ROWS rows, no AVX-512 VNNI)."""
+        per-row kernels serve (float mode, fewer rows than any type's gemm_rows, no AVX-512
+        VNNI)."""
         if xq is None or not self._tiled(xq.shape[0]):
             return None
         m = xq.shape[0]
@@ -156,7 +157,7 @@ class LinearQuant:
         return xq, self._x8_run(x, xq, m, k)
 
     def _tiled(self, m: int) -> bool:
-        return bool(self._gemm_ok(8)) and m >= min(self.gemm_rows.values())
+        return bool(self.gemm_rows) and m >= min(self.gemm_rows.values())
 
     def _checked(self, x: torch.Tensor) -> tuple[int, int]:
         m, k = x.shape

@@ -264,12 +264,21 @@ static int gemm8_block(int32_t type) {
 }
 #endif
 
-/* From this many rows of x the GEMM is the faster (a group of 16 rows costs what 16
- * do; below, the per-row kernels are as fast: benchmarks/quant_kernels.py); 0: never.
- * Depends on the type and m alone, so every caller computes the same bits. */
+/* From this many rows of x the GEMM is the faster; 0: never. A group of 16 rows costs
+ * the GEMM what 16 do, while the per-row kernels' time grows with every row at a rate
+ * of their type's (IQ4_XS's table look-ups cost the most per row, Q4_K's nibbles the
+ * least), so each type crosses over at its own count (benchmarks/quant_kernels.py
+ * --batch 4 .. 16). Depends on the type and m alone, so every caller computes the same
+ * bits. */
 static int64_t gemm8_rows(int32_t type) {
-    int block = gemm8_block(type);
-    return block == 32 ? 8 : block == 256 ? 16 : 0;
+    if (!gemm8_block(type)) return 0;
+    switch (type) {
+    case Q4_K: return 12;
+    case Q5_K: return 11;
+    case Q6_K: return 10;
+    case IQ4_XS: return 7;
+    default: return 8; /* the blocks of 32 */
+    }
 }
 
 static int gemm8_takes(int32_t type, int64_t m) {
