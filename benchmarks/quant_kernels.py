@@ -103,7 +103,7 @@ def bench_type(
     def int8(m: int) -> None:
         w = copies[turn[0] % len(copies)]
         turn[0] += 1
-        xq, xt = kernel8.prepare(xs[m])  # as model/layers/linear.py: x's codes, its tiles
+        xq, xt = kernel8.prepare(xs[m], [type_id])  # as model/layers/linear.py: codes, tiles
         kernel8(xs[m], w, type_id, None, ys[m], xq=xq, xt=xt)
 
     def read_all(parts: list[np.ndarray]) -> None:  # on this thread where it is the only one

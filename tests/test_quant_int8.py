@@ -145,6 +145,20 @@ def test_gemm_reads_its_tiles_and_lays_out_the_same(kernel: LinearQuant) -> None
     assert torch.equal(own, y)
 
 
+def test_x_is_laid_out_for_the_gemm_only_where_a_part_takes_it(kernel: LinearQuant) -> None:
+    """A projection's x is tiled when one of its parts' types takes the GEMM at x's rows,
+    not at the lowest count of any type: Q4_K (12) below its own count gets codes only,
+    the same rows beside a block-of-32 part (8) get tiles too."""
+    if not kernel.gemm8_supported(12):
+        pytest.skip("the GEMM needs AVX-512 VNNI")
+    below = kernel.gemm_rows[12] - 1
+    assert below >= kernel.gemm_rows[2]  # the rows where the two types differ
+    x = torch.randn(below, 256, generator=torch.Generator().manual_seed(3))
+    assert kernel.prepare(x, [12])[1] is None
+    assert kernel.prepare(x, [12, 2])[1] is not None
+    assert kernel.prepare(torch.cat([x, x[:1]]), [12])[1] is not None
+
+
 def test_a_gemm_range_writes_only_its_tiles(kernel: LinearQuant) -> None:
     """A thread's range of tiles writes its own columns of y only, even where it ends
     inside a group of tiles unpacked together (the other threads write the rest)."""

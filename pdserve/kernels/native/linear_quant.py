@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -147,17 +147,20 @@ class LinearQuant:
             raise ValueError(f"linear_quant tiles: xq {tuple(xq.shape)} for k {k}")
         return self._x8_run(None, xq, m, k)
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def prepare(
+        self, x: torch.Tensor, types: Collection[int] | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(quantize(x), tiles of it) in one run split across the threads: a
-        projection's x, once for every part."""
-        if not self.int8 or not self._tiled(x.shape[0]):
+        projection's x, once for every part. `types`: the parts' GGUF types, tiled only
+        where one of them takes the GEMM at x's rows (None: any type this build has)."""
+        if not self.int8 or not self._tiled(x.shape[0], types):
             return self.quantize(x), None
         m, k = self._checked(x)
         xq = torch.empty(m, int(self._xq_bytes(k)), dtype=torch.uint8)
         return xq, self._x8_run(x, xq, m, k)
 
-    def _tiled(self, m: int) -> bool:
-        return bool(self.gemm_rows) and m >= min(self.gemm_rows.values())
+    def _tiled(self, m: int, types: Collection[int] | None = None) -> bool:
+        return any(m >= self.gemm_rows[t] for t in self.gemm_rows if types is None or t in types)
 
     def _checked(self, x: torch.Tensor) -> tuple[int, int]:
         m, k = x.shape

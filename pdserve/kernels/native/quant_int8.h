@@ -165,8 +165,8 @@ AI void dot_qk(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float
     for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
 }
 
-/* Q6_K: codes 0-63, 16 signed scales of 16; the codes' -32 taken off through bsum, as the
- * chain's first product: bsum_s times -32 sc_s (|32 sc| <= 4096, an int16) */
+/* Q6_K: codes 0-63, 16 signed scales of 16; the codes' -32 taken off through bsum: the
+ * first chain starts at bsum_s times -32 sc_s (|32 sc| <= 4096, an int16) */
 AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, float *out,
                 const int rows) {
     __m256 acc[XR8];
@@ -178,11 +178,13 @@ AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, floa
         for (int r = 0; r < rows; r++) {
             XQ256(r);
             sums[r][0] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsum + 16 * i)), neg32);
+            sums[r][1] = _mm256_setzero_si256();
         }
         for (int h = 0; h < 2; h++) { /* 128 values: ql [64 bytes], qh [32 bytes] */
             /* scales 8h .. 8h + 7 in both halves, so a vpshufb picks s low and s + 1 high */
-            __m256i sch = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)  /* an immediate */
-                            : _mm256_permute2x128_si256(sc16, sc16, 0x00); /* (not unrolled) */
+            /* two calls, each with its immediate: gcc need not unroll this loop */
+            __m256i sch = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                            : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             __m256i c[4];
             q6k_codes(b, h, c);
             for (int g = 0; g < 4; g++) { /* 32 values, sub-blocks s and s + 1 of 16 */
@@ -191,11 +193,7 @@ AI void dot_q6k(const uint8_t *b, const uint8_t *xq, int64_t xb, int64_t k, floa
                 for (int r = 0; r < rows; r++) {
                     XQ256(r);
                     __m256i x = _mm256_loadu_si256((const __m256i *)(q + 256 * i + 128 * h + 32 * g));
-                    __m256i p = _mm256_maddubs_epi16(c[g], x);
-                    if (h == 0 && g == 0)
-                        sums[r][1] = _mm256_madd_epi16(p, scs);
-                    else
-                        sums[r][g & 1] = dpw(sums[r][g & 1], p, scs);
+                    sums[r][g & 1] = dpw(sums[r][g & 1], _mm256_maddubs_epi16(c[g], x), scs);
                 }
             }
         }

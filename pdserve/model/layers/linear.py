@@ -94,7 +94,7 @@ class Linear:
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         # once for every part: x quantized (None: float activations) and, at a batch of
         # rows, laid out for the tiled GEMM
-        xq, xt = kernel.prepare(x)
+        xq, xt = kernel.prepare(x, [p.type_id for p in parts])
         col = 0
         for p in parts:
             n = p.data.shape[0]
