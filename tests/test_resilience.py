@@ -246,6 +246,9 @@ def test_sigterm_on_a_decode_and_the_prefill_drains_them_without_a_failed_reques
     prefill its legs, and each exits 0 (and is restarted)."""
     st, decode, prefill = stack, stack["decodes"][1], stack["workers"][0]
     pids = {decode: _pid_on(decode), prefill: _pid_on(prefill)}
+    # the last test's streams all moved to decode1: a health check it missed meanwhile
+    # would send this load to decode0 alone, leaving decode1 nothing to drain
+    assert _wait(lambda: _healthy(st["url"], decode), 30.0), "decode1 serves"
 
     def sigterm() -> None:
         for pid in pids.values():
